@@ -1,0 +1,66 @@
+//! The engine's error type. Every fallible engine call returns [`Result`]; nothing a caller passes in (tokens,
+//! positions, masks, files) can make the engine panic.
+
+use std::path::PathBuf;
+
+/// Errors raised by the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("io error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid model file {path}: {reason}")]
+    InvalidModel { path: PathBuf, reason: String },
+    #[error("unsupported architecture `{0}` (supported: qwen2, llama, mistral)")]
+    UnsupportedArchitecture(String),
+    #[error("unsupported tensor type {dtype} for `{tensor}`")]
+    UnsupportedDType { tensor: String, dtype: String },
+    #[error("shape mismatch for `{tensor}`: expected {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    #[error("unknown session `{0}`")]
+    UnknownSession(String),
+    #[error("session `{0}` already exists")]
+    SessionExists(String),
+    #[error(
+        "KV capacity exceeded: session `{session}` needs {needed} more bytes, {available} of {capacity} available"
+    )]
+    CapacityExceeded {
+        session: String,
+        needed: usize,
+        available: usize,
+        capacity: usize,
+    },
+    #[error("context length exceeded: {needed} tokens, the model allows {limit}")]
+    ContextExceeded { needed: usize, limit: usize },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The engine's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidInput(msg.into())
+    }
+
+    pub(crate) fn model(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::InvalidModel {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}

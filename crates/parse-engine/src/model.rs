@@ -1,0 +1,591 @@
+//! The decoder-only transformer of the qwen2 and llama families, with a packed-block forward.
+//!
+//! `forward` takes a block of new tokens with explicit positions and a compact mask over
+//! `[cached keys | block keys]`, appends the block's keys and values to the session's [`KvCache`] and returns
+//! logits only at the requested readout rows (the output head is the largest matrix: rows nobody reads are never
+//! multiplied by it). Layout follows the checkpoints: Config / KvCache / Layer / Model.
+
+use crate::error::{Error, Result};
+use crate::mask::BlockMask;
+use crate::ops::{self, AttnShape, Rope, RopeStyle};
+use crate::quant::QMatrix;
+
+/// Model family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Qwen2 / Qwen2.5: q/k/v biases, NEOX rotary.
+    Qwen2,
+    /// Llama, SmolLM2, Mistral-style: no biases.
+    Llama,
+}
+
+impl Arch {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "qwen2" => Ok(Arch::Qwen2),
+            "llama" | "mistral" => Ok(Arch::Llama),
+            other => Err(Error::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+}
+
+/// Hyper-parameters of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    pub rope_style: RopeStyle,
+    pub max_context: usize,
+}
+
+impl ModelConfig {
+    /// Checks the relations between dimensions that the forward relies on.
+    pub fn validate(&self) -> Result<(), String> {
+        let nonzero = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_context", self.max_context),
+        ];
+        if let Some((name, _)) = nonzero.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} is zero"));
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(format!(
+                "{} attention heads do not divide into {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim {} is odd", self.head_dim));
+        }
+        Ok(())
+    }
+
+    /// K and V bytes one token takes in the cache, over all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+}
+
+/// One transformer block's weights.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub wq: QMatrix,
+    pub wk: QMatrix,
+    pub wv: QMatrix,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub wo: QMatrix,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: QMatrix,
+    pub w_up: QMatrix,
+    pub w_down: QMatrix,
+}
+
+/// A model's weights.
+#[derive(Debug, Clone)]
+pub struct Weights {
+    pub embed: QMatrix,
+    pub layers: Vec<Layer>,
+    pub norm: Vec<f32>,
+    /// `None`: tied to the embedding.
+    pub lm_head: Option<QMatrix>,
+}
+
+/// The per-request KV cache: keys and values of every layer for the tokens processed so far.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        KvCache {
+            k: vec![Vec::new(); cfg.n_layers],
+            v: vec![Vec::new(); cfg.n_layers],
+            len: 0,
+            kv_dim: cfg.n_kv_heads * cfg.head_dim,
+        }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of K and V held.
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.len * self.kv_dim * std::mem::size_of::<f32>()
+    }
+
+    fn truncate_layers(&mut self, n: usize) {
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.truncate(n * self.kv_dim);
+        }
+    }
+
+    /// Keeps the first `n` tokens (no-op when `n >= len`). Later blocks overwrite what was dropped.
+    pub fn truncate(&mut self, n: usize) {
+        if n >= self.len {
+            return;
+        }
+        self.len = n;
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.truncate(n * self.kv_dim);
+            if buf.capacity() > 2 * buf.len() + (1 << 16) {
+                buf.shrink_to(buf.len() * 5 / 4);
+            }
+        }
+    }
+}
+
+/// Logits at the readout rows of a forward block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    vocab: usize,
+    data: Vec<f32>,
+}
+
+impl Logits {
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.data.len() / self.vocab
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Logits of readout row `i` (in the order the readout positions were given).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+}
+
+/// A loaded model.
+#[derive(Debug, Clone)]
+pub struct Model {
+    cfg: ModelConfig,
+    w: Weights,
+    rope: Rope,
+}
+
+fn check_matrix(name: &str, m: &QMatrix, rows: usize, cols: usize) -> Result<()> {
+    if m.rows() != rows || m.cols() != cols {
+        return Err(Error::ShapeMismatch {
+            tensor: name.to_string(),
+            expected: vec![rows, cols],
+            found: vec![m.rows(), m.cols()],
+        });
+    }
+    Ok(())
+}
+
+fn check_vec(name: &str, v: &[f32], len: usize) -> Result<()> {
+    if v.len() != len {
+        return Err(Error::ShapeMismatch {
+            tensor: name.to_string(),
+            expected: vec![len],
+            found: vec![v.len()],
+        });
+    }
+    Ok(())
+}
+
+fn add_bias(x: &mut [f32], b: Option<&Vec<f32>>) {
+    if let Some(b) = b {
+        for row in x.chunks_mut(b.len()) {
+            for (v, bb) in row.iter_mut().zip(b) {
+                *v += bb;
+            }
+        }
+    }
+}
+
+impl Model {
+    /// Assembles a model, checking every weight's shape against the configuration.
+    pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
+        cfg.validate().map_err(Error::invalid)?;
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        if w.layers.len() != cfg.n_layers {
+            return Err(Error::invalid(format!(
+                "{} layers given, the configuration has {}",
+                w.layers.len(),
+                cfg.n_layers
+            )));
+        }
+        check_matrix("embed", &w.embed, cfg.vocab_size, d)?;
+        check_vec("norm", &w.norm, d)?;
+        if let Some(h) = &w.lm_head {
+            check_matrix("lm_head", h, cfg.vocab_size, d)?;
+        }
+        for (i, l) in w.layers.iter().enumerate() {
+            let n = |s: &str| format!("layer {i} {s}");
+            check_vec(&n("attn_norm"), &l.attn_norm, d)?;
+            check_vec(&n("ffn_norm"), &l.ffn_norm, d)?;
+            check_matrix(&n("q"), &l.wq, qd, d)?;
+            check_matrix(&n("k"), &l.wk, kvd, d)?;
+            check_matrix(&n("v"), &l.wv, kvd, d)?;
+            check_matrix(&n("o"), &l.wo, d, qd)?;
+            check_matrix(&n("gate"), &l.w_gate, f, d)?;
+            check_matrix(&n("up"), &l.w_up, f, d)?;
+            check_matrix(&n("down"), &l.w_down, d, f)?;
+            for (name, b, len) in [("q bias", &l.bq, qd), ("k bias", &l.bk, kvd), ("v bias", &l.bv, kvd)] {
+                if let Some(b) = b {
+                    check_vec(&n(name), b, len)?;
+                }
+            }
+        }
+        let rope = Rope::new(hd, cfg.rope_theta, cfg.rope_style);
+        Ok(Model { cfg, w, rope })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn weights(&self) -> &Weights {
+        &self.w
+    }
+
+    /// Bytes of weight storage.
+    pub fn weight_bytes(&self) -> usize {
+        let mats = |l: &Layer| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|m| m.storage_bytes())
+                .sum::<usize>()
+        };
+        self.w.embed.storage_bytes()
+            + self.w.lm_head.as_ref().map_or(0, |m| m.storage_bytes())
+            + self.w.layers.iter().map(mats).sum::<usize>()
+    }
+
+    /// Runs one packed block.
+    ///
+    /// `tokens[i]` is placed at rotary position `positions[i]` and attends to what `mask.rows()[i]` allows. The
+    /// block's keys and values are appended to `cache` (the caller truncates what it does not keep). Returns
+    /// logits at the block rows listed in `readout`, in that order. On error the cache is unchanged.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<Logits> {
+        let cfg = &self.cfg;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::invalid("empty block: no tokens to process"));
+        }
+        if positions.len() != n {
+            return Err(Error::invalid(format!("{n} tokens but {} positions", positions.len())));
+        }
+        if let Some(t) = tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
+            return Err(Error::invalid(format!("token id {t} is outside the vocabulary of {}", cfg.vocab_size)));
+        }
+        if let Some(r) = readout.iter().find(|r| **r >= n) {
+            return Err(Error::invalid(format!("readout row {r} is outside the block of {n}")));
+        }
+        let base = cache.len();
+        if base + n > cfg.max_context {
+            return Err(Error::ContextExceeded {
+                needed: base + n,
+                limit: cfg.max_context,
+            });
+        }
+        if let Some(p) = positions.iter().find(|p| **p as usize >= cfg.max_context) {
+            return Err(Error::invalid(format!(
+                "position {p} is beyond the model's context of {}",
+                cfg.max_context
+            )));
+        }
+        mask.validate(base, n)?;
+        if cache.k.len() != cfg.n_layers || cache.kv_dim != cfg.n_kv_heads * cfg.head_dim {
+            return Err(Error::invalid("KV cache was made for another model"));
+        }
+
+        let d = cfg.hidden_size;
+        let mut x = vec![0f32; n * d];
+        for (row, &t) in x.chunks_mut(d).zip(tokens) {
+            self.w.embed.row_to_f32(t as usize, row);
+        }
+        let shape = AttnShape {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            block_start: base,
+        };
+        let result = self.layers(cache, &mut x, positions, mask, &shape);
+        if let Err(e) = result {
+            cache.truncate_layers(base);
+            return Err(e);
+        }
+        cache.len = base + n;
+        self.readout(&x, readout)
+    }
+
+    fn layers(
+        &self,
+        cache: &mut KvCache,
+        x: &mut [f32],
+        positions: &[u32],
+        mask: &BlockMask,
+        shape: &AttnShape,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let n = positions.len();
+        let base = shape.block_start;
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut h = vec![0f32; n * d];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut o = vec![0f32; n * d];
+        let mut gate = vec![0f32; n * f];
+        let mut up = vec![0f32; n * f];
+        for (li, l) in self.w.layers.iter().enumerate() {
+            let _span = tracing::trace_span!("layer", li).entered();
+            ops::rms_norm(x, &l.attn_norm, cfg.rms_eps, &mut h);
+            l.wq.matmul(&h, n, &mut q)?;
+            l.wk.matmul(&h, n, &mut k)?;
+            l.wv.matmul(&h, n, &mut v)?;
+            add_bias(&mut q, l.bq.as_ref());
+            add_bias(&mut k, l.bk.as_ref());
+            add_bias(&mut v, l.bv.as_ref());
+            self.rope.apply(&mut q, positions, cfg.n_heads);
+            self.rope.apply(&mut k, positions, cfg.n_kv_heads);
+            let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
+            kc.truncate(base * kvd);
+            vc.truncate(base * kvd);
+            kc.extend_from_slice(&k);
+            vc.extend_from_slice(&v);
+            ops::attention(&q, kc, vc, mask.rows(), shape, &mut attn);
+            l.wo.matmul(&attn, n, &mut o)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            ops::rms_norm(x, &l.ffn_norm, cfg.rms_eps, &mut h);
+            l.w_gate.matmul(&h, n, &mut gate)?;
+            l.w_up.matmul(&h, n, &mut up)?;
+            ops::swiglu(&mut gate, &up);
+            l.w_down.matmul(&gate, n, &mut o)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+        }
+        Ok(())
+    }
+
+    fn readout(&self, x: &[f32], readout: &[usize]) -> Result<Logits> {
+        let cfg = &self.cfg;
+        let d = cfg.hidden_size;
+        let r = readout.len();
+        let mut sel = Vec::with_capacity(r * d);
+        for &i in readout {
+            sel.extend_from_slice(&x[i * d..(i + 1) * d]);
+        }
+        let mut normed = vec![0f32; r * d];
+        ops::rms_norm(&sel, &self.w.norm, cfg.rms_eps, &mut normed);
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let mut logits = vec![0f32; r * cfg.vocab_size];
+        head.matmul(&normed, r, &mut logits)?;
+        Ok(Logits {
+            vocab: cfg.vocab_size,
+            data: logits,
+        })
+    }
+
+    /// Causal forward of `tokens` appended after the cache at consecutive positions; logits at every row in
+    /// `readout`.
+    pub fn forward_causal(&self, cache: &mut KvCache, tokens: &[u32], readout: &[usize]) -> Result<Logits> {
+        let base = cache.len();
+        let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
+        let mask = BlockMask::causal(base, tokens.len());
+        self.forward(cache, tokens, &positions, &mask, readout)
+    }
+
+    /// A model with random weights (f32), for tests and benchmarks of model logic.
+    pub fn random(cfg: ModelConfig, seed: u64) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut mat = |rows: usize, cols: usize| {
+            let scale = 1.0 / (cols as f32).sqrt();
+            let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-scale..scale)).collect();
+            QMatrix::from_f32(candle_core::quantized::GgmlDType::F32, rows, cols, &data).map_err(Error::invalid)
+        };
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut layers = Vec::new();
+        for _ in 0..cfg.n_layers {
+            layers.push(Layer {
+                attn_norm: vec![1.0; d],
+                wq: mat(qd, d)?,
+                wk: mat(kvd, d)?,
+                wv: mat(kvd, d)?,
+                bq: None,
+                bk: None,
+                bv: None,
+                wo: mat(d, qd)?,
+                ffn_norm: vec![1.0; d],
+                w_gate: mat(f, d)?,
+                w_up: mat(f, d)?,
+                w_down: mat(d, f)?,
+            });
+        }
+        let embed = mat(cfg.vocab_size, d)?;
+        let mut rng2 = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+        if cfg.arch == Arch::Qwen2 {
+            for l in layers.iter_mut() {
+                l.bq = Some((0..qd).map(|_| rng2.random_range(-0.1..0.1)).collect());
+                l.bk = Some((0..kvd).map(|_| rng2.random_range(-0.1..0.1)).collect());
+                l.bv = Some((0..kvd).map(|_| rng2.random_range(-0.1..0.1)).collect());
+            }
+        }
+        Model::new(
+            cfg,
+            Weights {
+                embed,
+                layers,
+                norm: vec![1.0; d],
+                lm_head: None,
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mask::MaskRow;
+
+    pub(crate) fn tiny(arch: Arch) -> ModelConfig {
+        ModelConfig {
+            arch,
+            vocab_size: 97,
+            hidden_size: 64,
+            intermediate_size: 96,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            rms_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_style: RopeStyle::Neox,
+            max_context: 256,
+        }
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn branches_in_one_block_equal_separate_causal_passes() {
+        let model = Model::random(tiny(Arch::Qwen2), 7).unwrap();
+        let trunk = [5u32, 9, 3, 44];
+        let mut cache = KvCache::new(model.config());
+        model.forward_causal(&mut cache, &trunk, &[3]).unwrap();
+        // Block: shared stem [10, 11] then branch A [12, 13] off the stem's end and branch B [20] off its start.
+        let tokens = [10u32, 11, 12, 13, 20];
+        let c = trunk.len();
+        let positions = [c, c + 1, c + 2, c + 3, c + 1].map(|p| p as u32);
+        let rows = vec![
+            MaskRow { cached: c, spans: vec![0..1] },
+            MaskRow { cached: c, spans: vec![0..2] },
+            MaskRow { cached: c, spans: vec![0..3] },
+            MaskRow { cached: c, spans: vec![0..4] },
+            MaskRow { cached: c, spans: vec![0..1, 4..5] },
+        ];
+        let packed = model
+            .forward(&mut cache.clone(), &tokens, &positions, &BlockMask::from_rows(rows), &[0, 1, 2, 3, 4])
+            .unwrap();
+        let seqs: [(&[u32], usize); 5] = [
+            (&[10], 0),
+            (&[10, 11], 1),
+            (&[10, 11, 12], 2),
+            (&[10, 11, 12, 13], 3),
+            (&[10, 20], 4),
+        ];
+        for (seq, row) in seqs {
+            let mut c2 = cache.clone();
+            let want = model.forward_causal(&mut c2, seq, &[seq.len() - 1]).unwrap();
+            let diff = max_diff(want.row(0), packed.row(row));
+            assert!(diff < 1e-4, "row {row}: {diff}");
+        }
+    }
+
+    #[test]
+    fn truncate_then_reappend_equals_never_appending() {
+        let model = Model::random(tiny(Arch::Llama), 3).unwrap();
+        let mut a = KvCache::new(model.config());
+        model.forward_causal(&mut a, &[1, 2, 3], &[2]).unwrap();
+        let mut b = a.clone();
+        model.forward_causal(&mut b, &[50, 51, 52], &[2]).unwrap();
+        b.truncate(3);
+        assert_eq!(b.len(), 3);
+        let x = model.forward_causal(&mut a, &[7, 8], &[0, 1]).unwrap();
+        let y = model.forward_causal(&mut b, &[7, 8], &[0, 1]).unwrap();
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error_and_leaves_the_cache_alone() {
+        let model = Model::random(tiny(Arch::Qwen2), 1).unwrap();
+        let mut cache = KvCache::new(model.config());
+        model.forward_causal(&mut cache, &[1, 2], &[1]).unwrap();
+        let causal = BlockMask::causal(2, 2);
+        let cases: Vec<(Vec<u32>, Vec<u32>, BlockMask, Vec<usize>)> = vec![
+            (vec![], vec![], BlockMask::causal(2, 0), vec![]),
+            (vec![1, 2], vec![2], causal.clone(), vec![0]),
+            (vec![1, 200], vec![2, 3], causal.clone(), vec![0]),
+            (vec![1, 2], vec![2, 3], causal.clone(), vec![2]),
+            (vec![1, 2], vec![2, 3], BlockMask::causal(3, 2), vec![0]),
+            (vec![1, 2], vec![2, 3], BlockMask::causal(2, 3), vec![0]),
+            (vec![1, 2], vec![2, 999], causal.clone(), vec![0]),
+        ];
+        for (tokens, positions, mask, readout) in cases {
+            let err = model.forward(&mut cache, &tokens, &positions, &mask, &readout);
+            assert!(matches!(err, Err(Error::InvalidInput(_))), "{tokens:?} {positions:?}: {err:?}");
+            assert_eq!(cache.len(), 2);
+        }
+        let long: Vec<u32> = vec![1; 300];
+        assert!(matches!(
+            model.forward_causal(&mut cache, &long, &[0]),
+            Err(Error::ContextExceeded { .. })
+        ));
+        let mut bad = tiny(Arch::Qwen2);
+        bad.n_kv_heads = 3;
+        assert!(Model::random(bad, 1).is_err());
+    }
+}

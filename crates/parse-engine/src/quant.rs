@@ -1,0 +1,469 @@
+//! Weight matrices in ggml block formats and the CPU matmul that uses them.
+//!
+//! Invariant (batch invariance): every output element `y[r][c] = dot(W[c], x[r])` is computed by the same kernel
+//! call with the same arguments whatever the number of rows `m`, the row's place in the block and the thread split:
+//! activations are quantized row by row, column `c` always goes through the same path (a 4-column kernel when
+//! `c` lies in a full aligned quad, a one-column kernel otherwise), and no reduction crosses rows. A token's
+//! logits are therefore bitwise the same in a one-token step and inside any block.
+//!
+//! Speed comes from reuse, not from changing the arithmetic: a worker owns a chunk of output columns and walks the
+//! rows in tiles, so each 4-row slice of weights is read from memory once per tile and stays in L1 while it is
+//! dotted with every activation row of the tile.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::k_quants::{
+    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0,
+    GgmlType,
+};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// Rows of activations processed against one weight quad before moving on.
+const ROW_TILE: usize = 8;
+
+/// A weight matrix of `rows` output features by `cols` input features, stored row-major in one block format.
+#[derive(Clone)]
+pub struct Mat<T> {
+    rows: usize,
+    cols: usize,
+    blocks: Vec<T>,
+}
+
+/// A weight matrix in any supported storage format.
+#[derive(Clone)]
+pub enum QMatrix {
+    F32(Mat<f32>),
+    F16(Mat<f16>),
+    Q4_0(Mat<BlockQ4_0>),
+    Q4_1(Mat<BlockQ4_1>),
+    Q5_0(Mat<BlockQ5_0>),
+    Q5_1(Mat<BlockQ5_1>),
+    Q8_0(Mat<BlockQ8_0>),
+    Q2K(Mat<BlockQ2K>),
+    Q3K(Mat<BlockQ3K>),
+    Q4K(Mat<BlockQ4K>),
+    Q5K(Mat<BlockQ5K>),
+    Q6K(Mat<BlockQ6K>),
+}
+
+macro_rules! dispatch {
+    ($self:expr, $m:ident => $body:expr) => {
+        match $self {
+            QMatrix::F32($m) => $body,
+            QMatrix::F16($m) => $body,
+            QMatrix::Q4_0($m) => $body,
+            QMatrix::Q4_1($m) => $body,
+            QMatrix::Q5_0($m) => $body,
+            QMatrix::Q5_1($m) => $body,
+            QMatrix::Q8_0($m) => $body,
+            QMatrix::Q2K($m) => $body,
+            QMatrix::Q3K($m) => $body,
+            QMatrix::Q4K($m) => $body,
+            QMatrix::Q5K($m) => $body,
+            QMatrix::Q6K($m) => $body,
+        }
+    };
+}
+
+/// Copies raw little-endian ggml blocks into typed storage.
+#[allow(unsafe_code)]
+fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
+    debug_assert_eq!(bytes.len(), n_blocks * std::mem::size_of::<T>());
+    let mut v = vec![T::zeros(); n_blocks];
+    // SAFETY: the ggml block types are #[repr(C)] plain-old-data (integers and f16, every bit pattern valid); the
+    // caller checked that `size_of::<T>()` equals the format's block size in bytes, so `v` spans exactly
+    // `bytes.len()` bytes, and the two buffers are distinct allocations.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr().cast::<u8>(), bytes.len());
+    }
+    v
+}
+
+impl<T: GgmlType> Mat<T> {
+    fn blocks_per_row(&self) -> usize {
+        self.cols / T::BLCK_SIZE
+    }
+
+    fn from_bytes(rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        let n_blocks = rows * cols / T::BLCK_SIZE;
+        Mat {
+            rows,
+            cols,
+            blocks: blocks_from_bytes(bytes, n_blocks),
+        }
+    }
+
+    fn from_f32(rows: usize, cols: usize, data: &[f32]) -> Self {
+        let kb = cols / T::BLCK_SIZE;
+        let mut blocks = vec![T::zeros(); rows * kb];
+        for (dst, src) in blocks.chunks_mut(kb).zip(data.chunks(cols)) {
+            T::from_float(src, dst);
+        }
+        Mat { rows, cols, blocks }
+    }
+
+    fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let kb = self.blocks_per_row();
+        T::to_float(&self.blocks[r * kb..(r + 1) * kb], out);
+    }
+
+    fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, chunk) in out.chunks_mut(self.cols).enumerate() {
+            self.row_to_f32(r, chunk);
+        }
+        out
+    }
+
+    fn select_rows(&self, range: std::ops::Range<usize>) -> Self {
+        let kb = self.blocks_per_row();
+        Mat {
+            rows: range.len(),
+            cols: self.cols,
+            blocks: self.blocks[range.start * kb..range.end * kb].to_vec(),
+        }
+    }
+
+    /// `out[r * rows + c] = dot(W[c], x[r])` for `m` rows of `x`.
+    fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let (n, k) = (self.rows, self.cols);
+        let kb = self.blocks_per_row();
+        let mut xq = vec![T::VecDotType::zeros(); m * kb];
+        for (dst, src) in xq.chunks_mut(kb).zip(x.chunks(k)) {
+            T::VecDotType::from_float(src, dst);
+        }
+        let n_quad = n & !3;
+        let threads = rayon::current_num_threads().max(1);
+        // Column chunks: a multiple of 4 so that no quad straddles two workers; small enough for load balance.
+        let chunk = ((n / (threads * 8)).max(4) / 4 * 4).min(256);
+        let w = &self.blocks;
+        let xq = &xq;
+        let work = |c0: usize, dst: &mut [f32]| {
+            // dst is column-major for this chunk: dst[(c - c0) * m + r].
+            let c1 = (c0 + dst.len() / m).min(n);
+            for r0 in (0..m).step_by(ROW_TILE) {
+                let r1 = (r0 + ROW_TILE).min(m);
+                let mut c = c0;
+                while c < c1 {
+                    if c + 4 <= n_quad {
+                        let w0 = &w[c * kb..(c + 1) * kb];
+                        let w1 = &w[(c + 1) * kb..(c + 2) * kb];
+                        let w2 = &w[(c + 2) * kb..(c + 3) * kb];
+                        let w3 = &w[(c + 3) * kb..(c + 4) * kb];
+                        for r in r0..r1 {
+                            let (d0, d1, d2, d3) = T::vec_dot_4(k, w0, w1, w2, w3, &xq[r * kb..(r + 1) * kb]);
+                            let base = (c - c0) * m + r;
+                            dst[base] = d0;
+                            dst[base + m] = d1;
+                            dst[base + 2 * m] = d2;
+                            dst[base + 3 * m] = d3;
+                        }
+                        c += 4;
+                    } else {
+                        let wc = &w[c * kb..(c + 1) * kb];
+                        for r in r0..r1 {
+                            dst[(c - c0) * m + r] = T::vec_dot(k, wc, &xq[r * kb..(r + 1) * kb]);
+                        }
+                        c += 1;
+                    }
+                }
+            }
+        };
+        if m == 1 {
+            out[..n]
+                .par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, dst)| work(i * chunk, dst));
+        } else {
+            let mut t = vec![0f32; n * m];
+            t.par_chunks_mut(chunk * m)
+                .enumerate()
+                .for_each(|(i, dst)| work(i * chunk, dst));
+            for (c, col) in t.chunks(m).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    out[r * n + c] = *v;
+                }
+            }
+        }
+    }
+}
+
+fn check_layout<T: GgmlType>(dtype: GgmlDType, rows: usize, cols: usize) -> Result<(), String> {
+    if std::mem::size_of::<T>() * dtype.block_size() != dtype.type_size() * T::BLCK_SIZE {
+        return Err(format!("block layout of {dtype:?} does not match this build"));
+    }
+    if T::BLCK_SIZE != <T::VecDotType as GgmlType>::BLCK_SIZE {
+        return Err(format!("{dtype:?} has mismatched activation blocks"));
+    }
+    if cols % T::BLCK_SIZE != 0 {
+        return Err(format!(
+            "row length {cols} is not a multiple of the {dtype:?} block size {}",
+            T::BLCK_SIZE
+        ));
+    }
+    if rows == 0 || cols == 0 {
+        return Err("empty matrix".into());
+    }
+    Ok(())
+}
+
+/// Bytes a `rows x cols` matrix takes in `dtype`, or None when the shape does not fit the format.
+pub fn storage_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> Option<usize> {
+    if dtype.block_size() == 0 || cols % dtype.block_size() != 0 {
+        return None;
+    }
+    rows.checked_mul(cols / dtype.block_size())?.checked_mul(dtype.type_size())
+}
+
+impl QMatrix {
+    /// Builds a matrix from raw ggml bytes (as stored in a GGUF file).
+    pub fn from_bytes(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self, String> {
+        let expected = storage_bytes(dtype, rows, cols).ok_or_else(|| format!("{rows}x{cols} does not fit {dtype:?}"))?;
+        if bytes.len() != expected {
+            return Err(format!("expected {expected} bytes of {dtype:?}, got {}", bytes.len()));
+        }
+        macro_rules! mk {
+            ($variant:ident, $t:ty) => {{
+                check_layout::<$t>(dtype, rows, cols)?;
+                QMatrix::$variant(Mat::<$t>::from_bytes(rows, cols, bytes))
+            }};
+        }
+        Ok(match dtype {
+            GgmlDType::F32 => mk!(F32, f32),
+            GgmlDType::F16 => mk!(F16, f16),
+            GgmlDType::BF16 => {
+                let data: Vec<f32> = bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect();
+                QMatrix::F32(Mat { rows, cols, blocks: data })
+            }
+            GgmlDType::Q4_0 => mk!(Q4_0, BlockQ4_0),
+            GgmlDType::Q4_1 => mk!(Q4_1, BlockQ4_1),
+            GgmlDType::Q5_0 => mk!(Q5_0, BlockQ5_0),
+            GgmlDType::Q5_1 => mk!(Q5_1, BlockQ5_1),
+            GgmlDType::Q8_0 => mk!(Q8_0, BlockQ8_0),
+            GgmlDType::Q2K => mk!(Q2K, BlockQ2K),
+            GgmlDType::Q3K => mk!(Q3K, BlockQ3K),
+            GgmlDType::Q4K => mk!(Q4K, BlockQ4K),
+            GgmlDType::Q5K => mk!(Q5K, BlockQ5K),
+            GgmlDType::Q6K => mk!(Q6K, BlockQ6K),
+            other => return Err(format!("{other:?} weights are not supported")),
+        })
+    }
+
+    /// Quantizes a row-major f32 matrix into `dtype`.
+    pub fn from_f32(dtype: GgmlDType, rows: usize, cols: usize, data: &[f32]) -> Result<Self, String> {
+        if data.len() != rows * cols {
+            return Err(format!("expected {} values, got {}", rows * cols, data.len()));
+        }
+        macro_rules! mk {
+            ($variant:ident, $t:ty) => {{
+                check_layout::<$t>(dtype, rows, cols)?;
+                QMatrix::$variant(Mat::<$t>::from_f32(rows, cols, data))
+            }};
+        }
+        Ok(match dtype {
+            GgmlDType::F32 => mk!(F32, f32),
+            GgmlDType::F16 => mk!(F16, f16),
+            GgmlDType::Q4_0 => mk!(Q4_0, BlockQ4_0),
+            GgmlDType::Q4_1 => mk!(Q4_1, BlockQ4_1),
+            GgmlDType::Q5_0 => mk!(Q5_0, BlockQ5_0),
+            GgmlDType::Q5_1 => mk!(Q5_1, BlockQ5_1),
+            GgmlDType::Q8_0 => mk!(Q8_0, BlockQ8_0),
+            GgmlDType::Q2K => mk!(Q2K, BlockQ2K),
+            GgmlDType::Q3K => mk!(Q3K, BlockQ3K),
+            GgmlDType::Q4K => mk!(Q4K, BlockQ4K),
+            GgmlDType::Q5K => mk!(Q5K, BlockQ5K),
+            GgmlDType::Q6K => mk!(Q6K, BlockQ6K),
+            other => return Err(format!("cannot quantize to {other:?}")),
+        })
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        match self {
+            QMatrix::F32(_) => GgmlDType::F32,
+            QMatrix::F16(_) => GgmlDType::F16,
+            QMatrix::Q4_0(_) => GgmlDType::Q4_0,
+            QMatrix::Q4_1(_) => GgmlDType::Q4_1,
+            QMatrix::Q5_0(_) => GgmlDType::Q5_0,
+            QMatrix::Q5_1(_) => GgmlDType::Q5_1,
+            QMatrix::Q8_0(_) => GgmlDType::Q8_0,
+            QMatrix::Q2K(_) => GgmlDType::Q2K,
+            QMatrix::Q3K(_) => GgmlDType::Q3K,
+            QMatrix::Q4K(_) => GgmlDType::Q4K,
+            QMatrix::Q5K(_) => GgmlDType::Q5K,
+            QMatrix::Q6K(_) => GgmlDType::Q6K,
+        }
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        dispatch!(self, m => m.rows)
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        dispatch!(self, m => m.cols)
+    }
+
+    /// Bytes of weight storage.
+    pub fn storage_bytes(&self) -> usize {
+        dispatch!(self, m => m.blocks.len() * std::mem::size_of_val(&m.blocks[0]))
+    }
+
+    /// Dequantizes row `r` (used for embedding look-ups).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        dispatch!(self, m => m.row_to_f32(r, out))
+    }
+
+    /// Dequantizes the whole matrix, row-major.
+    pub fn to_f32(&self) -> Vec<f32> {
+        dispatch!(self, m => m.to_f32())
+    }
+
+    /// A copy of output rows `range` (a shard along the output dimension).
+    pub fn select_rows(&self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            QMatrix::F32(m) => QMatrix::F32(m.select_rows(range)),
+            QMatrix::F16(m) => QMatrix::F16(m.select_rows(range)),
+            QMatrix::Q4_0(m) => QMatrix::Q4_0(m.select_rows(range)),
+            QMatrix::Q4_1(m) => QMatrix::Q4_1(m.select_rows(range)),
+            QMatrix::Q5_0(m) => QMatrix::Q5_0(m.select_rows(range)),
+            QMatrix::Q5_1(m) => QMatrix::Q5_1(m.select_rows(range)),
+            QMatrix::Q8_0(m) => QMatrix::Q8_0(m.select_rows(range)),
+            QMatrix::Q2K(m) => QMatrix::Q2K(m.select_rows(range)),
+            QMatrix::Q3K(m) => QMatrix::Q3K(m.select_rows(range)),
+            QMatrix::Q4K(m) => QMatrix::Q4K(m.select_rows(range)),
+            QMatrix::Q5K(m) => QMatrix::Q5K(m.select_rows(range)),
+            QMatrix::Q6K(m) => QMatrix::Q6K(m.select_rows(range)),
+        }
+    }
+
+    /// Formats whose CPU dot kernels are slow (no SIMD path) are re-quantized to Q8_0, which has one. Q8_0 keeps
+    /// 8 bits per weight, more than the 5 or 4 of the source, so the change in outputs is far below the source
+    /// format's own quantization error. Returns the matrix unchanged for every other format.
+    pub fn into_fast_cpu_format(self) -> Self {
+        match self {
+            QMatrix::Q4_1(_) | QMatrix::Q5_0(_) | QMatrix::Q5_1(_) => {
+                let (rows, cols) = (self.rows(), self.cols());
+                let data = self.to_f32();
+                QMatrix::Q8_0(Mat::<BlockQ8_0>::from_f32(rows, cols, &data))
+            }
+            other => other,
+        }
+    }
+
+    /// `out[r][c] = sum_j W[c][j] * x[r][j]` for `m` rows of `x` (`x`: m x cols, `out`: m x rows).
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
+        let (n, k) = (self.rows(), self.cols());
+        if x.len() != m * k || out.len() != m * n {
+            return Err(Error::invalid(format!(
+                "matmul shape: x has {} values for {m}x{k}, out has {} for {m}x{n}",
+                x.len(),
+                out.len()
+            )));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        dispatch!(self, mat => mat.matmul(x, m, out));
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for QMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QMatrix({:?}, {}x{})", self.dtype(), self.rows(), self.cols())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn reference(w: &[f32], x: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                out[r * n + c] = (0..k).map(|j| w[c * k + j] * x[r * k + j]).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_format_matches_its_dequantized_reference() {
+        let (n, k, m) = (37, 512, 5);
+        let w = random(n * k, 1);
+        let x = random(m * k, 2);
+        // Tolerances are relative to the RMS of the exact product: the activations are quantized too (to Q8_0 or
+        // Q8_K), so even Q8_0 weights give ~1% error.
+        // A wrong block layout gives errors above 1.
+        for (dtype, tol) in [
+            (GgmlDType::F32, 1e-5),
+            (GgmlDType::F16, 0.01),
+            (GgmlDType::Q4_0, 0.3),
+            (GgmlDType::Q4_1, 0.3),
+            (GgmlDType::Q5_0, 0.15),
+            (GgmlDType::Q5_1, 0.15),
+            (GgmlDType::Q8_0, 0.03),
+            (GgmlDType::Q2K, 1.0),
+            (GgmlDType::Q3K, 0.5),
+            (GgmlDType::Q4K, 0.3),
+            (GgmlDType::Q5K, 0.15),
+            (GgmlDType::Q6K, 0.08),
+        ] {
+            let q = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            assert_eq!(q.dtype(), dtype);
+            let exact = reference(&w, &x, n, k, m);
+            let rms = (exact.iter().map(|v| v * v).sum::<f32>() / exact.len() as f32).sqrt();
+            let mut got = vec![0f32; m * n];
+            q.matmul(&x, m, &mut got).unwrap();
+            let max_err = exact.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / rms;
+            assert!(max_err < tol, "{dtype:?}: relative error {max_err}");
+            // The kernel must also agree with the dequantized weights (only activation rounding differs).
+            let deq = reference(&q.to_f32(), &x, n, k, m);
+            let deq_err = deq.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / rms;
+            assert!(deq_err < 0.03, "{dtype:?}: kernel vs dequantized {deq_err}");
+        }
+    }
+
+    #[test]
+    fn rows_are_bitwise_independent_of_the_block() {
+        let (n, k) = (70, 256);
+        let w = random(n * k, 3);
+        let x = random(19 * k, 4);
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::F32] {
+            let q = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            let mut all = vec![0f32; 19 * n];
+            q.matmul(&x, 19, &mut all).unwrap();
+            for r in 0..19 {
+                let mut one = vec![0f32; n];
+                q.matmul(&x[r * k..(r + 1) * k], 1, &mut one).unwrap();
+                assert_eq!(
+                    one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    all[r * n..(r + 1) * n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{dtype:?} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        assert!(QMatrix::from_f32(GgmlDType::Q4K, 2, 100, &[0.0; 200]).is_err());
+        assert!(QMatrix::from_bytes(GgmlDType::Q8_0, 2, 32, &[0u8; 10]).is_err());
+        let q = QMatrix::from_f32(GgmlDType::F32, 2, 4, &[0.0; 8]).unwrap();
+        let mut out = vec![0f32; 2];
+        assert!(q.matmul(&[0.0; 3], 1, &mut out).is_err());
+    }
+}

@@ -1,0 +1,108 @@
+//! KV sessions: one cache per request id, with byte accounting against a per-worker capacity.
+//!
+//! Accounting counts the K/V bytes of the tokens a session holds (`tokens x kv_bytes_per_token`); a forward that
+//! would take the store over its capacity fails with [`Error::CapacityExceeded`] before touching any cache.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+use crate::mask::BlockMask;
+use crate::model::{KvCache, Logits, Model};
+
+/// The sessions of one model.
+#[derive(Debug)]
+pub struct SessionStore {
+    map: HashMap<String, KvCache>,
+    capacity: usize,
+}
+
+impl SessionStore {
+    pub fn new(capacity_bytes: usize) -> Self {
+        SessionStore {
+            map: HashMap::new(),
+            capacity: capacity_bytes,
+        }
+    }
+
+    /// Capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Bytes held by all sessions.
+    pub fn used(&self) -> usize {
+        self.map.values().map(KvCache::bytes).sum()
+    }
+
+    pub fn count(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn open(&mut self, model: &Model, id: &str) -> Result<()> {
+        if id.is_empty() {
+            return Err(Error::invalid("empty session id"));
+        }
+        if self.map.contains_key(id) {
+            return Err(Error::SessionExists(id.to_string()));
+        }
+        self.map.insert(id.to_string(), KvCache::new(model.config()));
+        Ok(())
+    }
+
+    fn get(&self, id: &str) -> Result<&KvCache> {
+        self.map.get(id).ok_or_else(|| Error::UnknownSession(id.to_string()))
+    }
+
+    /// Tokens held by a session.
+    pub fn len(&self, id: &str) -> Result<usize> {
+        Ok(self.get(id)?.len())
+    }
+
+    /// Bytes held by a session.
+    pub fn bytes(&self, id: &str) -> Result<usize> {
+        Ok(self.get(id)?.bytes())
+    }
+
+    /// Runs a block on a session (see [`Model::forward`]).
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        id: &str,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<Logits> {
+        let needed = tokens.len() * model.config().kv_bytes_per_token();
+        let available = self.capacity.saturating_sub(self.used());
+        let cache = self.map.get_mut(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        if needed > available {
+            return Err(Error::CapacityExceeded {
+                session: id.to_string(),
+                needed,
+                available,
+                capacity: self.capacity,
+            });
+        }
+        model.forward(cache, tokens, positions, mask, readout)
+    }
+
+    /// Keeps a session's first `n` tokens.
+    pub fn truncate(&mut self, id: &str, n: usize) -> Result<()> {
+        let cache = self.map.get_mut(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        if n > cache.len() {
+            return Err(Error::invalid(format!(
+                "cannot truncate session `{id}` to {n} tokens: it holds {}",
+                cache.len()
+            )));
+        }
+        cache.truncate(n);
+        Ok(())
+    }
+
+    /// Drops a session; returns the bytes freed.
+    pub fn release(&mut self, id: &str) -> Result<usize> {
+        let cache = self.map.remove(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        Ok(cache.bytes())
+    }
+}

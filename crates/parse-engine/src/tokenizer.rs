@@ -1,0 +1,322 @@
+//! Tokenizer and chat template.
+//!
+//! The tokenizer is built from the GGUF file's own metadata (vocabulary, merges, token types, pre-tokenizer name)
+//! so any GGUF works without extra files; a `tokenizer.json` is the alternative. The chat template is chosen from
+//! the template text the model ships: ChatML (Qwen; with Qwen2.5's default system prompt when the template carries
+//! one and the caller gives none), Llama 3 headers, or Mistral `[INST]`. A template in another form is not
+//! interpreted (no Jinja engine): such models get a plain `User:` / `Assistant:` layout and a warning in the log.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+
+use crate::error::{Error, Result};
+
+/// Qwen2.5's default system prompt, used by its template when the conversation has none.
+pub const QWEN25_DEFAULT_SYSTEM: &str = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+
+/// A chat turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
+    }
+}
+
+/// The supported chat layouts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatTemplate {
+    ChatMl { default_system: Option<String> },
+    Llama3,
+    Mistral,
+    Plain,
+}
+
+impl ChatTemplate {
+    /// Chooses a layout from a model's template text and vocabulary.
+    pub fn detect(template: Option<&str>, has_token: impl Fn(&str) -> bool) -> Self {
+        let t = template.unwrap_or("");
+        if t.contains("<|im_start|>") || (template.is_none() && has_token("<|im_start|>")) {
+            let default_system = t.contains(QWEN25_DEFAULT_SYSTEM).then(|| QWEN25_DEFAULT_SYSTEM.to_string());
+            ChatTemplate::ChatMl { default_system }
+        } else if t.contains("<|start_header_id|>") || (template.is_none() && has_token("<|start_header_id|>")) {
+            ChatTemplate::Llama3
+        } else if t.contains("[INST]") {
+            ChatTemplate::Mistral
+        } else {
+            if template.is_some() {
+                tracing::warn!("chat template not recognised; using a plain User/Assistant layout");
+            }
+            ChatTemplate::Plain
+        }
+    }
+
+    /// Renders a conversation and opens the assistant's turn.
+    pub fn render(&self, messages: &[Message]) -> String {
+        let mut out = String::new();
+        match self {
+            ChatTemplate::ChatMl { default_system } => {
+                if messages.first().is_none_or(|m| m.role != "system") {
+                    if let Some(s) = default_system {
+                        out.push_str(&format!("<|im_start|>system\n{s}<|im_end|>\n"));
+                    }
+                }
+                for m in messages {
+                    out.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+                }
+                out.push_str("<|im_start|>assistant\n");
+            }
+            ChatTemplate::Llama3 => {
+                out.push_str("<|begin_of_text|>");
+                for m in messages {
+                    out.push_str(&format!(
+                        "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
+                        m.role,
+                        m.content.trim()
+                    ));
+                }
+                out.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
+            }
+            ChatTemplate::Mistral => {
+                let system: Vec<&str> = messages
+                    .iter()
+                    .filter(|m| m.role == "system")
+                    .map(|m| m.content.as_str())
+                    .collect();
+                for m in messages.iter().filter(|m| m.role != "system") {
+                    if m.role == "user" {
+                        let sys = if system.is_empty() { String::new() } else { format!("{}\n\n", system.join("\n")) };
+                        out.push_str(&format!("[INST] {sys}{} [/INST]", m.content));
+                    } else {
+                        out.push_str(&format!("{}</s>", m.content));
+                    }
+                }
+            }
+            ChatTemplate::Plain => {
+                for m in messages {
+                    let role = match m.role.as_str() {
+                        "system" => "System",
+                        "assistant" => "Assistant",
+                        _ => "User",
+                    };
+                    out.push_str(&format!("{role}: {}\n", m.content));
+                }
+                out.push_str("Assistant:");
+            }
+        }
+        out
+    }
+}
+
+/// A tokenizer with its special tokens and chat layout.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos: Vec<u32>,
+    bos: Option<u32>,
+    add_bos: bool,
+    template: ChatTemplate,
+}
+
+const END_TOKENS: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"];
+
+impl Tokenizer {
+    /// Builds the tokenizer from GGUF metadata.
+    pub fn from_gguf(content: &Content) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_gguf(content).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let id = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
+        let template = content
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+            .map(|s| s.as_str());
+        let add_bos = content
+            .metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        Ok(Self::assemble(
+            inner,
+            id("tokenizer.ggml.eos_token_id"),
+            id("tokenizer.ggml.bos_token_id"),
+            add_bos,
+            template,
+        ))
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; the chat template comes from a `tokenizer_config.json` beside it when
+    /// there is one.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let config: Option<serde_json::Value> = path
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|s| serde_json::from_str(&s).ok());
+        let template = config
+            .as_ref()
+            .and_then(|c| c.get("chat_template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string);
+        let token_of = |key: &str| {
+            config
+                .as_ref()
+                .and_then(|c| c.get(key))
+                .and_then(|t| t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str())))
+                .and_then(|t| inner.token_to_id(t))
+        };
+        let (eos, bos) = (token_of("eos_token"), token_of("bos_token"));
+        let add_bos = config
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Self::assemble(inner, eos, bos, add_bos, template.as_deref()))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        eos: Option<u32>,
+        bos: Option<u32>,
+        add_bos: bool,
+        template: Option<&str>,
+    ) -> Self {
+        let mut eos_ids: Vec<u32> = eos.into_iter().collect();
+        for t in END_TOKENS {
+            if let Some(id) = inner.token_to_id(t) {
+                if !eos_ids.contains(&id) {
+                    eos_ids.push(id);
+                }
+            }
+        }
+        let template = ChatTemplate::detect(template, |t| inner.token_to_id(t).is_some());
+        Tokenizer {
+            inner,
+            eos: eos_ids,
+            bos,
+            add_bos,
+            template,
+        }
+    }
+
+    /// Token ids of `text`, special tokens written in the text included, with no BOS/EOS added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Text of `ids`; special tokens are dropped when `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Token ids of a chat conversation, ready for the assistant's reply.
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        if messages.iter().all(|m| m.content.trim().is_empty()) {
+            return Err(Error::invalid("empty prompt"));
+        }
+        let text = self.template.render(messages);
+        let mut ids = self.encode(&text)?;
+        if self.add_bos {
+            if let Some(b) = self.bos {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Tokens that end generation.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// Turns a growing token sequence into text deltas without splitting multi-byte characters: text is released only
+/// once the tokens decode to complete characters.
+#[derive(Debug, Default, Clone)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a token and returns the newly completed text, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.is_char_boundary(prefix.len()) {
+            let delta = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(Some(delta))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_uses_the_default_system_only_without_one() {
+        let t = ChatTemplate::detect(Some(&format!("<|im_start|>{QWEN25_DEFAULT_SYSTEM}")), |_| false);
+        let s = t.render(&[Message::new("user", "hi")]);
+        assert_eq!(
+            s,
+            format!(
+                "<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+            )
+        );
+        let s = t.render(&[Message::new("system", "be brief"), Message::new("user", "hi")]);
+        assert!(s.starts_with("<|im_start|>system\nbe brief<|im_end|>\n"));
+        assert!(!s.contains("Alibaba"));
+        assert_eq!(ChatTemplate::detect(Some("{{ [INST] }}"), |_| false), ChatTemplate::Mistral);
+        assert_eq!(ChatTemplate::detect(None, |t| t == "<|start_header_id|>"), ChatTemplate::Llama3);
+    }
+}
