@@ -1,0 +1,61 @@
+//! Shared helpers of the engine's integration tests: where the default models and the shared data are.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use parse_engine::{Engine, EngineConfig};
+
+pub const TARGET_FILE: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
+pub const DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+pub fn model_dir() -> PathBuf {
+    match std::env::var_os("PARSE_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/parse/models"),
+    }
+}
+
+/// Path of a default model; fails the test with instructions when it has not been fetched.
+pub fn model_path(file: &str) -> PathBuf {
+    let p = model_dir().join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: run deploy/models/fetch.py (or set PARSE_MODEL_DIR) before the tests",
+        p.display()
+    );
+    p
+}
+
+pub fn shared_dir() -> PathBuf {
+    match std::env::var_os("PARSE_SHARED_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
+    }
+}
+
+fn load(file: &str) -> Mutex<Engine> {
+    Mutex::new(Engine::load(&EngineConfig::new(model_path(file))).expect("default model loads"))
+}
+
+/// The default target, loaded once per test binary.
+pub fn target() -> &'static Mutex<Engine> {
+    static E: OnceLock<Mutex<Engine>> = OnceLock::new();
+    E.get_or_init(|| load(TARGET_FILE))
+}
+
+/// The default draft, loaded once per test binary.
+pub fn draft() -> &'static Mutex<Engine> {
+    static E: OnceLock<Mutex<Engine>> = OnceLock::new();
+    E.get_or_init(|| load(DRAFT_FILE))
+}
+
+/// Prompts used by the real-model tests.
+pub const PROMPTS: [&str; 5] = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep does he have?",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning, my friend' into French and Spanish.",
+];
