@@ -49,7 +49,10 @@ impl Engine {
         let _span = tracing::info_span!("load", path = %path.display()).entered();
         let (model, tokenizer) = if path.is_dir() {
             let model = load::load_safetensors(path, &cfg.load)?;
-            let tok_path = cfg.tokenizer.clone().unwrap_or_else(|| path.join("tokenizer.json"));
+            let tok_path = cfg
+                .tokenizer
+                .clone()
+                .unwrap_or_else(|| path.join("tokenizer.json"));
             (model, Tokenizer::from_file(&tok_path)?)
         } else {
             let mut g = GgufFile::open(path)?;
@@ -70,10 +73,20 @@ impl Engine {
                 ),
             ));
         }
-        Ok(Self::from_parts(model, tokenizer, cfg.kv_capacity_bytes, path))
+        Ok(Self::from_parts(
+            model,
+            tokenizer,
+            cfg.kv_capacity_bytes,
+            path,
+        ))
     }
 
-    pub fn from_parts(model: Model, tokenizer: Tokenizer, kv_capacity_bytes: usize, path: &Path) -> Self {
+    pub fn from_parts(
+        model: Model,
+        tokenizer: Tokenizer,
+        kv_capacity_bytes: usize,
+        path: &Path,
+    ) -> Self {
         Engine {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
@@ -111,11 +124,17 @@ impl Engine {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
-        self.sessions.forward(&self.model, session, tokens, positions, mask, readout)
+        self.sessions
+            .forward(&self.model, session, tokens, positions, mask, readout)
     }
 
     /// Causal block after what the session holds, logits at `readout`.
-    pub fn forward_causal(&mut self, session: &str, tokens: &[u32], readout: &[usize]) -> Result<Logits> {
+    pub fn forward_causal(
+        &mut self,
+        session: &str,
+        tokens: &[u32],
+        readout: &[usize],
+    ) -> Result<Logits> {
         let base = self.sessions.len(session)?;
         let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
         let mask = BlockMask::causal(base, tokens.len());

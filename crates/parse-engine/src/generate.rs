@@ -81,12 +81,21 @@ impl StopFilter {
     /// Adds text; returns (releasable delta, whether a stop string was found).
     fn push(&mut self, delta: &str) -> (String, bool) {
         self.text.push_str(delta);
-        let search_from = self.sent.saturating_sub(self.stop.iter().map(|s| s.len()).max().unwrap_or(0));
-        let search_from = (0..=search_from).rev().find(|i| self.text.is_char_boundary(*i)).unwrap_or(0);
+        let search_from = self
+            .sent
+            .saturating_sub(self.stop.iter().map(|s| s.len()).max().unwrap_or(0));
+        let search_from = (0..=search_from)
+            .rev()
+            .find(|i| self.text.is_char_boundary(*i))
+            .unwrap_or(0);
         let hit = self
             .stop
             .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| i + search_from))
+            .filter_map(|s| {
+                self.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| i + search_from)
+            })
             .min();
         if let Some(cut) = hit {
             self.text.truncate(cut);
@@ -105,7 +114,11 @@ impl StopFilter {
             }
         }
         let upto = self.text.len() - hold;
-        let out = if upto > self.sent { self.text[self.sent..upto].to_string() } else { String::new() };
+        let out = if upto > self.sent {
+            self.text[self.sent..upto].to_string()
+        } else {
+            String::new()
+        };
         self.sent = self.sent.max(upto);
         (out, false)
     }

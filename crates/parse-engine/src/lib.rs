@@ -8,6 +8,7 @@
 pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod kernels;
 pub mod load;
 pub mod mask;
 pub mod model;

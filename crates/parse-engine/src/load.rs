@@ -51,9 +51,10 @@ impl GgufFile {
         let file = File::open(path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
         let mut reader = BufReader::new(file.try_clone().map_err(io)?);
-        let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)))
-            .map_err(|_| Error::model(path, "malformed GGUF header"))?
-            .map_err(|e| Error::model(path, format!("not a readable GGUF file: {e}")))?;
+        let content =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)))
+                .map_err(|_| Error::model(path, "malformed GGUF header"))?
+                .map_err(|e| Error::model(path, format!("not a readable GGUF file: {e}")))?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             content,
@@ -79,7 +80,9 @@ impl GgufFile {
     }
 
     pub fn meta_usize(&self, key: &str) -> Result<usize> {
-        let v = self.meta(key).ok_or_else(|| self.bad(format!("missing metadata `{key}`")))?;
+        let v = self
+            .meta(key)
+            .ok_or_else(|| self.bad(format!("missing metadata `{key}`")))?;
         let n = match v {
             Value::U8(x) => *x as u64,
             Value::U16(x) => *x as u64,
@@ -124,7 +127,11 @@ impl GgufFile {
         let bytes = elems
             .filter(|e| e % dtype.block_size() == 0)
             .and_then(|e| (e / dtype.block_size()).checked_mul(dtype.type_size()))
-            .ok_or_else(|| self.bad(format!("tensor `{name}` has an impossible shape {dims:?} for {dtype:?}")))?;
+            .ok_or_else(|| {
+                self.bad(format!(
+                    "tensor `{name}` has an impossible shape {dims:?} for {dtype:?}"
+                ))
+            })?;
         let start = self.content.tensor_data_offset.checked_add(info.offset);
         let end = start.and_then(|s| s.checked_add(bytes as u64));
         let (Some(start), Some(end)) = (start, end) else {
@@ -154,12 +161,14 @@ impl GgufFile {
                 found: dims,
             });
         }
-        QMatrix::from_bytes(dtype, rows, cols, &bytes).map_err(|e| match quant::storage_bytes(dtype, rows, cols) {
-            Some(_) => self.bad(format!("tensor `{name}`: {e}")),
-            None => Error::UnsupportedDType {
-                tensor: name.to_string(),
-                dtype: format!("{dtype:?}"),
-            },
+        QMatrix::from_bytes(dtype, rows, cols, &bytes).map_err(|e| {
+            match quant::storage_bytes(dtype, rows, cols) {
+                Some(_) => self.bad(format!("tensor `{name}`: {e}")),
+                None => Error::UnsupportedDType {
+                    tensor: name.to_string(),
+                    dtype: format!("{dtype:?}"),
+                },
+            }
         })
     }
 
@@ -173,7 +182,8 @@ impl GgufFile {
                 found: dims,
             });
         }
-        let m = QMatrix::from_bytes(dtype, 1, len, &bytes).map_err(|e| self.bad(format!("tensor `{name}`: {e}")))?;
+        let m = QMatrix::from_bytes(dtype, 1, len, &bytes)
+            .map_err(|e| self.bad(format!("tensor `{name}`: {e}")))?;
         Ok(m.to_f32())
     }
 }
@@ -229,12 +239,22 @@ pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Model> {
     let cfg = gguf_config(g, opts)?;
     let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
-    let fast = |m: QMatrix| if opts.fast_cpu_formats { m.into_fast_cpu_format() } else { m };
+    let fast = |m: QMatrix| {
+        if opts.fast_cpu_formats {
+            m.into_fast_cpu_format()
+        } else {
+            m
+        }
+    };
     let mut layers = Vec::with_capacity(cfg.n_layers);
     for i in 0..cfg.n_layers {
         let p = |s: &str| format!("blk.{i}.{s}");
         let bias = |g: &mut GgufFile, name: String, len: usize| -> Result<Option<Vec<f32>>> {
-            if g.has_tensor(&name) { g.vector(&name, len).map(Some) } else { Ok(None) }
+            if g.has_tensor(&name) {
+                g.vector(&name, len).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         layers.push(Layer {
             attn_norm: g.vector(&p("attn_norm.weight"), d)?,
@@ -275,10 +295,11 @@ pub fn hf_config(path: &Path, opts: &LoadOptions) -> Result<ModelConfig> {
         path: path.to_path_buf(),
         source,
     })?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::model(path, format!("config.json is not JSON: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::model(path, format!("config.json is not JSON: {e}")))?;
     let get = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
-    let need = |k: &str| get(k).ok_or_else(|| Error::model(path, format!("config.json lacks `{k}`")));
+    let need =
+        |k: &str| get(k).ok_or_else(|| Error::model(path, format!("config.json lacks `{k}`")));
     let model_type = v
         .get("model_type")
         .and_then(|x| x.as_str())
@@ -298,9 +319,15 @@ pub fn hf_config(path: &Path, opts: &LoadOptions) -> Result<ModelConfig> {
         n_layers: need("num_hidden_layers")?,
         n_heads,
         n_kv_heads: get("num_key_value_heads").unwrap_or(n_heads),
-        head_dim: get("head_dim").unwrap_or(if n_heads > 0 { hidden_size / n_heads } else { 0 }),
-        rms_eps: v.get("rms_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-6) as f32,
-        rope_theta: v.get("rope_theta").and_then(|x| x.as_f64()).unwrap_or(10000.0) as f32,
+        head_dim: get("head_dim").unwrap_or(hidden_size.checked_div(n_heads).unwrap_or(0)),
+        rms_eps: v
+            .get("rms_norm_eps")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(1e-6) as f32,
+        rope_theta: v
+            .get("rope_theta")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(10000.0) as f32,
         rope_style: RopeStyle::Neox,
         max_context: opts.max_context.map_or(ctx, |m| m.min(ctx)),
     };
@@ -332,7 +359,9 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         tensors.extend(t);
     }
     let mut take = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        let t = tensors.remove(name).ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        let t = tensors
+            .remove(name)
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
         if t.dims() != shape {
             return Err(Error::ShapeMismatch {
                 tensor: name.to_string(),
@@ -340,7 +369,9 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
                 found: t.dims().to_vec(),
             });
         }
-        Ok(t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(t.to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     };
     let mat = |data: Vec<f32>, rows: usize, cols: usize| {
         QMatrix::from_f32(GgmlDType::F32, rows, cols, &data).map_err(Error::invalid)
@@ -352,7 +383,11 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let has_bias = cfg.arch == Arch::Qwen2;
         let mut bias = |name: String, len: usize| -> Result<Option<Vec<f32>>> {
-            if has_bias { take(&name, &[len]).map(Some) } else { Ok(None) }
+            if has_bias {
+                take(&name, &[len]).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let bq = bias(p("self_attn.q_proj.bias"), qd)?;
         let bk = bias(p("self_attn.k_proj.bias"), kvd)?;
@@ -372,7 +407,11 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
             w_down: mat(take(&p("mlp.down_proj.weight"), &[d, f])?, d, f)?,
         });
     }
-    let embed = mat(take("model.embed_tokens.weight", &[cfg.vocab_size, d])?, cfg.vocab_size, d)?;
+    let embed = mat(
+        take("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+        cfg.vocab_size,
+        d,
+    )?;
     let norm = take("model.norm.weight", &[d])?;
     let lm_head = match take("lm_head.weight", &[cfg.vocab_size, d]) {
         Ok(w) => Some(mat(w, cfg.vocab_size, d)?),

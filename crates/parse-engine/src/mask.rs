@@ -56,7 +56,9 @@ impl BlockMask {
         for (i, row) in dense.chunks(width).enumerate() {
             let cached = row[..n_cached].iter().take_while(|v| **v).count();
             if row[cached..n_cached].iter().any(|v| *v) {
-                return Err(Error::invalid(format!("row {i}: visible cached keys must form a prefix")));
+                return Err(Error::invalid(format!(
+                    "row {i}: visible cached keys must form a prefix"
+                )));
             }
             let mut spans: Vec<Range<usize>> = Vec::new();
             for (j, v) in row[n_cached..].iter().enumerate() {
@@ -133,16 +135,34 @@ mod tests {
         ];
         let m = BlockMask::from_dense(2, 3, &d).unwrap();
         assert_eq!(m.rows()[1].spans, vec![1..2]);
-        assert_eq!(m.rows()[2], MaskRow { cached: 1, spans: vec![0..1, 2..3] });
+        assert_eq!(
+            m.rows()[2],
+            MaskRow {
+                cached: 1,
+                spans: vec![0..1, 2..3]
+            }
+        );
         m.validate(2, 3).unwrap();
         assert!(m.validate(1, 3).is_err());
         assert!(m.validate(2, 4).is_err());
         let hole = [false, true, true];
         assert!(BlockMask::from_dense(2, 1, &hole).is_err());
-        let blind = BlockMask::from_rows(vec![MaskRow { cached: 0, spans: vec![] }]);
+        let blind = BlockMask::from_rows(vec![MaskRow {
+            cached: 0,
+            spans: vec![],
+        }]);
         assert!(blind.validate(0, 1).is_err());
-        let backwards = BlockMask::from_rows(vec![MaskRow { cached: 0, spans: vec![1..2, 0..1] }]);
+        let backwards = BlockMask::from_rows(vec![MaskRow {
+            cached: 0,
+            spans: vec![1..2, 0..1],
+        }]);
         assert!(backwards.validate(0, 2).is_err());
-        assert_eq!(BlockMask::causal(4, 2).rows()[1], MaskRow { cached: 4, spans: vec![0..2] });
+        assert_eq!(
+            BlockMask::causal(4, 2).rows()[1],
+            MaskRow {
+                cached: 4,
+                spans: vec![0..2]
+            }
+        );
     }
 }

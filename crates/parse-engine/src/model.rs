@@ -62,13 +62,13 @@ impl ModelConfig {
         if let Some((name, _)) = nonzero.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} is zero"));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "{} attention heads do not divide into {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} is odd", self.head_dim));
         }
         Ok(())
@@ -257,7 +257,11 @@ impl Model {
             check_matrix(&n("gate"), &l.w_gate, f, d)?;
             check_matrix(&n("up"), &l.w_up, f, d)?;
             check_matrix(&n("down"), &l.w_down, d, f)?;
-            for (name, b, len) in [("q bias", &l.bq, qd), ("k bias", &l.bk, kvd), ("v bias", &l.bv, kvd)] {
+            for (name, b, len) in [
+                ("q bias", &l.bq, qd),
+                ("k bias", &l.bk, kvd),
+                ("v bias", &l.bv, kvd),
+            ] {
                 if let Some(b) = b {
                     check_vec(&n(name), b, len)?;
                 }
@@ -307,13 +311,21 @@ impl Model {
             return Err(Error::invalid("empty block: no tokens to process"));
         }
         if positions.len() != n {
-            return Err(Error::invalid(format!("{n} tokens but {} positions", positions.len())));
+            return Err(Error::invalid(format!(
+                "{n} tokens but {} positions",
+                positions.len()
+            )));
         }
         if let Some(t) = tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
-            return Err(Error::invalid(format!("token id {t} is outside the vocabulary of {}", cfg.vocab_size)));
+            return Err(Error::invalid(format!(
+                "token id {t} is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
         }
         if let Some(r) = readout.iter().find(|r| **r >= n) {
-            return Err(Error::invalid(format!("readout row {r} is outside the block of {n}")));
+            return Err(Error::invalid(format!(
+                "readout row {r} is outside the block of {n}"
+            )));
         }
         let base = cache.len();
         if base + n > cfg.max_context {
@@ -428,7 +440,12 @@ impl Model {
 
     /// Causal forward of `tokens` appended after the cache at consecutive positions; logits at every row in
     /// `readout`.
-    pub fn forward_causal(&self, cache: &mut KvCache, tokens: &[u32], readout: &[usize]) -> Result<Logits> {
+    pub fn forward_causal(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        readout: &[usize],
+    ) -> Result<Logits> {
         let base = cache.len();
         let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
         let mask = BlockMask::causal(base, tokens.len());
@@ -441,8 +458,11 @@ impl Model {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut mat = |rows: usize, cols: usize| {
             let scale = 1.0 / (cols as f32).sqrt();
-            let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-scale..scale)).collect();
-            QMatrix::from_f32(candle_core::quantized::GgmlDType::F32, rows, cols, &data).map_err(Error::invalid)
+            let data: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-scale..scale))
+                .collect();
+            QMatrix::from_f32(candle_core::quantized::GgmlDType::F32, rows, cols, &data)
+                .map_err(Error::invalid)
         };
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
@@ -507,7 +527,10 @@ mod tests {
     }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
     }
 
     #[test]
@@ -521,14 +544,35 @@ mod tests {
         let c = trunk.len();
         let positions = [c, c + 1, c + 2, c + 3, c + 1].map(|p| p as u32);
         let rows = vec![
-            MaskRow { cached: c, spans: vec![0..1] },
-            MaskRow { cached: c, spans: vec![0..2] },
-            MaskRow { cached: c, spans: vec![0..3] },
-            MaskRow { cached: c, spans: vec![0..4] },
-            MaskRow { cached: c, spans: vec![0..1, 4..5] },
+            MaskRow {
+                cached: c,
+                spans: vec![0..1],
+            },
+            MaskRow {
+                cached: c,
+                spans: vec![0..2],
+            },
+            MaskRow {
+                cached: c,
+                spans: vec![0..3],
+            },
+            MaskRow {
+                cached: c,
+                spans: vec![0..4],
+            },
+            MaskRow {
+                cached: c,
+                spans: vec![0..1, 4..5],
+            },
         ];
         let packed = model
-            .forward(&mut cache.clone(), &tokens, &positions, &BlockMask::from_rows(rows), &[0, 1, 2, 3, 4])
+            .forward(
+                &mut cache.clone(),
+                &tokens,
+                &positions,
+                &BlockMask::from_rows(rows),
+                &[0, 1, 2, 3, 4],
+            )
             .unwrap();
         let seqs: [(&[u32], usize); 5] = [
             (&[10], 0),
@@ -539,7 +583,9 @@ mod tests {
         ];
         for (seq, row) in seqs {
             let mut c2 = cache.clone();
-            let want = model.forward_causal(&mut c2, seq, &[seq.len() - 1]).unwrap();
+            let want = model
+                .forward_causal(&mut c2, seq, &[seq.len() - 1])
+                .unwrap();
             let diff = max_diff(want.row(0), packed.row(row));
             assert!(diff < 1e-4, "row {row}: {diff}");
         }
@@ -565,7 +611,8 @@ mod tests {
         let mut cache = KvCache::new(model.config());
         model.forward_causal(&mut cache, &[1, 2], &[1]).unwrap();
         let causal = BlockMask::causal(2, 2);
-        let cases: Vec<(Vec<u32>, Vec<u32>, BlockMask, Vec<usize>)> = vec![
+        type Case = (Vec<u32>, Vec<u32>, BlockMask, Vec<usize>);
+        let cases: Vec<Case> = vec![
             (vec![], vec![], BlockMask::causal(2, 0), vec![]),
             (vec![1, 2], vec![2], causal.clone(), vec![0]),
             (vec![1, 200], vec![2, 3], causal.clone(), vec![0]),
@@ -576,7 +623,10 @@ mod tests {
         ];
         for (tokens, positions, mask, readout) in cases {
             let err = model.forward(&mut cache, &tokens, &positions, &mask, &readout);
-            assert!(matches!(err, Err(Error::InvalidInput(_))), "{tokens:?} {positions:?}: {err:?}");
+            assert!(
+                matches!(err, Err(Error::InvalidInput(_))),
+                "{tokens:?} {positions:?}: {err:?}"
+            );
             assert_eq!(cache.len(), 2);
         }
         let long: Vec<u32> = vec![1; 300];

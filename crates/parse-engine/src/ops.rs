@@ -109,7 +109,14 @@ pub struct AttnShape {
 /// The visible keys of a row are visited in cache order (the cached prefix, then the visible block spans), scores
 /// are reduced in that order, and the softmax and weighted sum follow it too: the result for a row depends only on
 /// the keys it sees.
-pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], mask: &[MaskRow], s: &AttnShape, out: &mut [f32]) {
+pub fn attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    mask: &[MaskRow],
+    s: &AttnShape,
+    out: &mut [f32],
+) {
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
@@ -119,7 +126,11 @@ pub fn attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], mask: &[MaskRow], 
         let kvh = h / group;
         let qv = &q[idx * hd..(idx + 1) * hd];
         let m = &mask[row];
-        let keys = (0..m.cached).chain(m.spans.iter().flat_map(|sp| sp.clone().map(|j| s.block_start + j)));
+        let keys = (0..m.cached).chain(
+            m.spans
+                .iter()
+                .flat_map(|sp| sp.clone().map(|j| s.block_start + j)),
+        );
         let mut scores: Vec<(usize, f32)> = keys
             .map(|t| {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
@@ -173,7 +184,10 @@ mod tests {
         };
         let k = vec![1.0, 0.0, 0.0, 1.0];
         let v = vec![5.0, 6.0, 7.0, 8.0];
-        let mask = vec![MaskRow { cached: 0, spans: vec![0..1] }];
+        let mask = vec![MaskRow {
+            cached: 0,
+            spans: vec![0..1],
+        }];
         let mut out = vec![0.0; 4];
         attention(&[1.0, 1.0, 2.0, 2.0], &k, &v, &mask, &s, &mut out);
         assert_eq!(out, vec![7.0, 8.0, 7.0, 8.0]);

@@ -12,13 +12,14 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0,
-    GgmlType,
+    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
+    BlockQ8_0, BlockQ8K, GgmlType,
 };
 use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::kernels;
 
 /// Rows of activations processed against one weight quad before moving on.
 const ROW_TILE: usize = 8;
@@ -126,65 +127,132 @@ impl<T: GgmlType> Mat<T> {
         }
     }
 
-    /// `out[r * rows + c] = dot(W[c], x[r])` for `m` rows of `x`.
+    /// `out[r * rows + c] = dot(W[c], x[r])` for `m` rows of `x`, through candle's per-element dot kernels.
     fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let (n, k) = (self.rows, self.cols);
         let kb = self.blocks_per_row();
-        let mut xq = vec![T::VecDotType::zeros(); m * kb];
-        for (dst, src) in xq.chunks_mut(kb).zip(x.chunks(k)) {
-            T::VecDotType::from_float(src, dst);
-        }
+        let xq = quantize_rows::<T>(x, k, m);
         let n_quad = n & !3;
-        let threads = rayon::current_num_threads().max(1);
-        // Column chunks: a multiple of 4 so that no quad straddles two workers; small enough for load balance.
-        let chunk = ((n / (threads * 8)).max(4) / 4 * 4).min(256);
         let w = &self.blocks;
         let xq = &xq;
-        let work = |c0: usize, dst: &mut [f32]| {
-            // dst is column-major for this chunk: dst[(c - c0) * m + r].
-            let c1 = (c0 + dst.len() / m).min(n);
-            for r0 in (0..m).step_by(ROW_TILE) {
-                let r1 = (r0 + ROW_TILE).min(m);
-                let mut c = c0;
-                while c < c1 {
-                    if c + 4 <= n_quad {
-                        let w0 = &w[c * kb..(c + 1) * kb];
-                        let w1 = &w[(c + 1) * kb..(c + 2) * kb];
-                        let w2 = &w[(c + 2) * kb..(c + 3) * kb];
-                        let w3 = &w[(c + 3) * kb..(c + 4) * kb];
-                        for r in r0..r1 {
-                            let (d0, d1, d2, d3) = T::vec_dot_4(k, w0, w1, w2, w3, &xq[r * kb..(r + 1) * kb]);
-                            let base = (c - c0) * m + r;
-                            dst[base] = d0;
-                            dst[base + m] = d1;
-                            dst[base + 2 * m] = d2;
-                            dst[base + 3 * m] = d3;
+        let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
+        drive(
+            n,
+            m,
+            chunk,
+            |c0, dst| {
+                // dst is column-major for this chunk: dst[(c - c0) * m + r].
+                let c1 = (c0 + dst.len() / m).min(n);
+                for r0 in (0..m).step_by(ROW_TILE) {
+                    let r1 = (r0 + ROW_TILE).min(m);
+                    let mut c = c0;
+                    while c < c1 {
+                        if c + 4 <= n_quad {
+                            let w0 = &w[c * kb..(c + 1) * kb];
+                            let w1 = &w[(c + 1) * kb..(c + 2) * kb];
+                            let w2 = &w[(c + 2) * kb..(c + 3) * kb];
+                            let w3 = &w[(c + 3) * kb..(c + 4) * kb];
+                            for r in r0..r1 {
+                                let (d0, d1, d2, d3) =
+                                    T::vec_dot_4(k, w0, w1, w2, w3, &xq[r * kb..(r + 1) * kb]);
+                                let base = (c - c0) * m + r;
+                                dst[base] = d0;
+                                dst[base + m] = d1;
+                                dst[base + 2 * m] = d2;
+                                dst[base + 3 * m] = d3;
+                            }
+                            c += 4;
+                        } else {
+                            let wc = &w[c * kb..(c + 1) * kb];
+                            for r in r0..r1 {
+                                dst[(c - c0) * m + r] =
+                                    T::vec_dot(k, wc, &xq[r * kb..(r + 1) * kb]);
+                            }
+                            c += 1;
                         }
-                        c += 4;
-                    } else {
-                        let wc = &w[c * kb..(c + 1) * kb];
-                        for r in r0..r1 {
-                            dst[(c - c0) * m + r] = T::vec_dot(k, wc, &xq[r * kb..(r + 1) * kb]);
-                        }
-                        c += 1;
                     }
                 }
-            }
-        };
-        if m == 1 {
-            out[..n]
-                .par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(i, dst)| work(i * chunk, dst));
-        } else {
-            let mut t = vec![0f32; n * m];
-            t.par_chunks_mut(chunk * m)
-                .enumerate()
-                .for_each(|(i, dst)| work(i * chunk, dst));
-            for (c, col) in t.chunks(m).enumerate() {
-                for (r, v) in col.iter().enumerate() {
-                    out[r * n + c] = *v;
+            },
+            out,
+        );
+    }
+}
+
+impl Mat<BlockQ4K> {
+    /// Q4_K through the register-tiled kernel of [`crate::kernels`].
+    fn matmul_q4k(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let (n, k) = (self.rows, self.cols);
+        let kb = self.blocks_per_row();
+        let xq = quantize_rows::<BlockQ4K>(x, k, m);
+        let w = &self.blocks;
+        let xq = &xq;
+        let chunk = column_chunk(n, kb * std::mem::size_of::<BlockQ4K>());
+        drive(
+            n,
+            m,
+            chunk,
+            |c0, dst| {
+                let c1 = (c0 + dst.len() / m).min(n);
+                let mut tile = [0f32; kernels::TILE_ROWS];
+                for r0 in (0..m).step_by(kernels::TILE_ROWS) {
+                    let r1 = (r0 + kernels::TILE_ROWS).min(m);
+                    let rows: Vec<&[BlockQ8K]> =
+                        (r0..r1).map(|r| &xq[r * kb..(r + 1) * kb]).collect();
+                    for c in c0..c1 {
+                        let t = &mut tile[..r1 - r0];
+                        kernels::q4k_dot_tile(&w[c * kb..(c + 1) * kb], &rows, t);
+                        for (i, v) in t.iter().enumerate() {
+                            dst[(c - c0) * m + r0 + i] = *v;
+                        }
+                    }
                 }
+            },
+            out,
+        );
+    }
+}
+
+/// Activations quantized row by row to the weight format's dot partner.
+fn quantize_rows<T: GgmlType>(x: &[f32], k: usize, m: usize) -> Vec<T::VecDotType> {
+    let kb = k / T::BLCK_SIZE;
+    let mut xq = vec![T::VecDotType::zeros(); m * kb];
+    for (dst, src) in xq.chunks_mut(kb).zip(x.chunks(k)) {
+        T::VecDotType::from_float(src, dst);
+    }
+    xq
+}
+
+/// Output columns per work item: a multiple of 4 (no quad straddles two workers), enough items to balance the
+/// threads, and few enough weight bytes per item to stay in L2 while every row tile passes over them.
+fn column_chunk(n: usize, row_bytes: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let by_balance = n / (threads * 8);
+    let by_cache = (256 << 10) / row_bytes.max(1);
+    (by_balance.min(by_cache).max(4) / 4 * 4).min(256)
+}
+
+/// Runs `work(first_column, dst)` over column chunks in parallel and lays the results out row-major in `out`.
+/// `dst` holds the chunk's columns column-major (`dst[(c - first_column) * m + r]`).
+fn drive(
+    n: usize,
+    m: usize,
+    chunk: usize,
+    work: impl Fn(usize, &mut [f32]) + Sync,
+    out: &mut [f32],
+) {
+    if m == 1 {
+        out[..n]
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, dst)| work(i * chunk, dst));
+    } else {
+        let mut t = vec![0f32; n * m];
+        t.par_chunks_mut(chunk * m)
+            .enumerate()
+            .for_each(|(i, dst)| work(i * chunk, dst));
+        for (c, col) in t.chunks(m).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                out[r * n + c] = *v;
             }
         }
     }
@@ -192,12 +260,14 @@ impl<T: GgmlType> Mat<T> {
 
 fn check_layout<T: GgmlType>(dtype: GgmlDType, rows: usize, cols: usize) -> Result<(), String> {
     if std::mem::size_of::<T>() * dtype.block_size() != dtype.type_size() * T::BLCK_SIZE {
-        return Err(format!("block layout of {dtype:?} does not match this build"));
+        return Err(format!(
+            "block layout of {dtype:?} does not match this build"
+        ));
     }
     if T::BLCK_SIZE != <T::VecDotType as GgmlType>::BLCK_SIZE {
         return Err(format!("{dtype:?} has mismatched activation blocks"));
     }
-    if cols % T::BLCK_SIZE != 0 {
+    if !cols.is_multiple_of(T::BLCK_SIZE) {
         return Err(format!(
             "row length {cols} is not a multiple of the {dtype:?} block size {}",
             T::BLCK_SIZE
@@ -211,18 +281,28 @@ fn check_layout<T: GgmlType>(dtype: GgmlDType, rows: usize, cols: usize) -> Resu
 
 /// Bytes a `rows x cols` matrix takes in `dtype`, or None when the shape does not fit the format.
 pub fn storage_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> Option<usize> {
-    if dtype.block_size() == 0 || cols % dtype.block_size() != 0 {
+    if dtype.block_size() == 0 || !cols.is_multiple_of(dtype.block_size()) {
         return None;
     }
-    rows.checked_mul(cols / dtype.block_size())?.checked_mul(dtype.type_size())
+    rows.checked_mul(cols / dtype.block_size())?
+        .checked_mul(dtype.type_size())
 }
 
 impl QMatrix {
     /// Builds a matrix from raw ggml bytes (as stored in a GGUF file).
-    pub fn from_bytes(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self, String> {
-        let expected = storage_bytes(dtype, rows, cols).ok_or_else(|| format!("{rows}x{cols} does not fit {dtype:?}"))?;
+    pub fn from_bytes(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Self, String> {
+        let expected = storage_bytes(dtype, rows, cols)
+            .ok_or_else(|| format!("{rows}x{cols} does not fit {dtype:?}"))?;
         if bytes.len() != expected {
-            return Err(format!("expected {expected} bytes of {dtype:?}, got {}", bytes.len()));
+            return Err(format!(
+                "expected {expected} bytes of {dtype:?}, got {}",
+                bytes.len()
+            ));
         }
         macro_rules! mk {
             ($variant:ident, $t:ty) => {{
@@ -238,7 +318,11 @@ impl QMatrix {
                     .chunks_exact(2)
                     .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                     .collect();
-                QMatrix::F32(Mat { rows, cols, blocks: data })
+                QMatrix::F32(Mat {
+                    rows,
+                    cols,
+                    blocks: data,
+                })
             }
             GgmlDType::Q4_0 => mk!(Q4_0, BlockQ4_0),
             GgmlDType::Q4_1 => mk!(Q4_1, BlockQ4_1),
@@ -255,9 +339,18 @@ impl QMatrix {
     }
 
     /// Quantizes a row-major f32 matrix into `dtype`.
-    pub fn from_f32(dtype: GgmlDType, rows: usize, cols: usize, data: &[f32]) -> Result<Self, String> {
+    pub fn from_f32(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<Self, String> {
         if data.len() != rows * cols {
-            return Err(format!("expected {} values, got {}", rows * cols, data.len()));
+            return Err(format!(
+                "expected {} values, got {}",
+                rows * cols,
+                data.len()
+            ));
         }
         macro_rules! mk {
             ($variant:ident, $t:ty) => {{
@@ -369,14 +462,23 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        dispatch!(self, mat => mat.matmul(x, m, out));
+        match self {
+            QMatrix::Q4K(mat) => mat.matmul_q4k(x, m, out),
+            _ => dispatch!(self, mat => mat.matmul(x, m, out)),
+        }
         Ok(())
     }
 }
 
 impl std::fmt::Debug for QMatrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "QMatrix({:?}, {}x{})", self.dtype(), self.rows(), self.cols())
+        write!(
+            f,
+            "QMatrix({:?}, {}x{})",
+            self.dtype(),
+            self.rows(),
+            self.cols()
+        )
     }
 }
 
@@ -428,11 +530,21 @@ mod tests {
             let rms = (exact.iter().map(|v| v * v).sum::<f32>() / exact.len() as f32).sqrt();
             let mut got = vec![0f32; m * n];
             q.matmul(&x, m, &mut got).unwrap();
-            let max_err = exact.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / rms;
+            let max_err = exact
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+                / rms;
             assert!(max_err < tol, "{dtype:?}: relative error {max_err}");
             // The kernel must also agree with the dequantized weights (only activation rounding differs).
             let deq = reference(&q.to_f32(), &x, n, k, m);
-            let deq_err = deq.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / rms;
+            let deq_err = deq
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+                / rms;
             assert!(deq_err < 0.03, "{dtype:?}: kernel vs dequantized {deq_err}");
         }
     }
@@ -442,7 +554,12 @@ mod tests {
         let (n, k) = (70, 256);
         let w = random(n * k, 3);
         let x = random(19 * k, 4);
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::F32] {
+        for dtype in [
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q8_0,
+            GgmlDType::F32,
+        ] {
             let q = QMatrix::from_f32(dtype, n, k, &w).unwrap();
             let mut all = vec![0f32; 19 * n];
             q.matmul(&x, 19, &mut all).unwrap();
@@ -451,7 +568,10 @@ mod tests {
                 q.matmul(&x[r * k..(r + 1) * k], 1, &mut one).unwrap();
                 assert_eq!(
                     one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    all[r * n..(r + 1) * n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    all[r * n..(r + 1) * n]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
                     "{dtype:?} row {r}"
                 );
             }

@@ -40,7 +40,10 @@ impl SamplingParams {
             )));
         }
         if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
-            return Err(Error::invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         Ok(())
     }
@@ -162,12 +165,27 @@ mod tests {
             (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(&p), draw(&p));
-        assert!(draw(&p).contains(&0), "a temperature of 1 must sometimes pick a low logit");
-        let k1 = SamplingParams { top_k: 1, ..p.clone() };
+        assert!(
+            draw(&p).contains(&0),
+            "a temperature of 1 must sometimes pick a low logit"
+        );
+        let k1 = SamplingParams {
+            top_k: 1,
+            ..p.clone()
+        };
         assert!(draw(&k1).iter().all(|t| *t == 1));
-        let nucleus = SamplingParams { top_p: 0.5, ..p.clone() };
+        let nucleus = SamplingParams {
+            top_p: 0.5,
+            ..p.clone()
+        };
         assert!(draw(&nucleus).iter().all(|t| *t == 1 || *t == 2));
-        assert!(Sampler::new(SamplingParams { temperature: f32::NAN, ..p.clone() }).is_err());
+        assert!(
+            Sampler::new(SamplingParams {
+                temperature: f32::NAN,
+                ..p.clone()
+            })
+            .is_err()
+        );
         assert!(Sampler::new(SamplingParams { top_p: 0.0, ..p }).is_err());
     }
 }

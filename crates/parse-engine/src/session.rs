@@ -45,12 +45,15 @@ impl SessionStore {
         if self.map.contains_key(id) {
             return Err(Error::SessionExists(id.to_string()));
         }
-        self.map.insert(id.to_string(), KvCache::new(model.config()));
+        self.map
+            .insert(id.to_string(), KvCache::new(model.config()));
         Ok(())
     }
 
     fn get(&self, id: &str) -> Result<&KvCache> {
-        self.map.get(id).ok_or_else(|| Error::UnknownSession(id.to_string()))
+        self.map
+            .get(id)
+            .ok_or_else(|| Error::UnknownSession(id.to_string()))
     }
 
     /// Tokens held by a session.
@@ -75,7 +78,10 @@ impl SessionStore {
     ) -> Result<Logits> {
         let needed = tokens.len() * model.config().kv_bytes_per_token();
         let available = self.capacity.saturating_sub(self.used());
-        let cache = self.map.get_mut(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        let cache = self
+            .map
+            .get_mut(id)
+            .ok_or_else(|| Error::UnknownSession(id.to_string()))?;
         if needed > available {
             return Err(Error::CapacityExceeded {
                 session: id.to_string(),
@@ -89,7 +95,10 @@ impl SessionStore {
 
     /// Keeps a session's first `n` tokens.
     pub fn truncate(&mut self, id: &str, n: usize) -> Result<()> {
-        let cache = self.map.get_mut(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        let cache = self
+            .map
+            .get_mut(id)
+            .ok_or_else(|| Error::UnknownSession(id.to_string()))?;
         if n > cache.len() {
             return Err(Error::invalid(format!(
                 "cannot truncate session `{id}` to {n} tokens: it holds {}",
@@ -102,7 +111,10 @@ impl SessionStore {
 
     /// Drops a session; returns the bytes freed.
     pub fn release(&mut self, id: &str) -> Result<usize> {
-        let cache = self.map.remove(id).ok_or_else(|| Error::UnknownSession(id.to_string()))?;
+        let cache = self
+            .map
+            .remove(id)
+            .ok_or_else(|| Error::UnknownSession(id.to_string()))?;
         Ok(cache.bytes())
     }
 }

@@ -14,7 +14,8 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use crate::error::{Error, Result};
 
 /// Qwen2.5's default system prompt, used by its template when the conversation has none.
-pub const QWEN25_DEFAULT_SYSTEM: &str = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+pub const QWEN25_DEFAULT_SYSTEM: &str =
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
 
 /// A chat turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,9 +47,13 @@ impl ChatTemplate {
     pub fn detect(template: Option<&str>, has_token: impl Fn(&str) -> bool) -> Self {
         let t = template.unwrap_or("");
         if t.contains("<|im_start|>") || (template.is_none() && has_token("<|im_start|>")) {
-            let default_system = t.contains(QWEN25_DEFAULT_SYSTEM).then(|| QWEN25_DEFAULT_SYSTEM.to_string());
+            let default_system = t
+                .contains(QWEN25_DEFAULT_SYSTEM)
+                .then(|| QWEN25_DEFAULT_SYSTEM.to_string());
             ChatTemplate::ChatMl { default_system }
-        } else if t.contains("<|start_header_id|>") || (template.is_none() && has_token("<|start_header_id|>")) {
+        } else if t.contains("<|start_header_id|>")
+            || (template.is_none() && has_token("<|start_header_id|>"))
+        {
             ChatTemplate::Llama3
         } else if t.contains("[INST]") {
             ChatTemplate::Mistral
@@ -65,13 +70,16 @@ impl ChatTemplate {
         let mut out = String::new();
         match self {
             ChatTemplate::ChatMl { default_system } => {
-                if messages.first().is_none_or(|m| m.role != "system") {
-                    if let Some(s) = default_system {
-                        out.push_str(&format!("<|im_start|>system\n{s}<|im_end|>\n"));
-                    }
+                if messages.first().is_none_or(|m| m.role != "system")
+                    && let Some(s) = default_system
+                {
+                    out.push_str(&format!("<|im_start|>system\n{s}<|im_end|>\n"));
                 }
                 for m in messages {
-                    out.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+                    out.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        m.role, m.content
+                    ));
                 }
                 out.push_str("<|im_start|>assistant\n");
             }
@@ -94,7 +102,11 @@ impl ChatTemplate {
                     .collect();
                 for m in messages.iter().filter(|m| m.role != "system") {
                     if m.role == "user" {
-                        let sys = if system.is_empty() { String::new() } else { format!("{}\n\n", system.join("\n")) };
+                        let sys = if system.is_empty() {
+                            String::new()
+                        } else {
+                            format!("{}\n\n", system.join("\n"))
+                        };
                         out.push_str(&format!("[INST] {sys}{} [/INST]", m.content));
                     } else {
                         out.push_str(&format!("{}</s>", m.content));
@@ -127,12 +139,19 @@ pub struct Tokenizer {
     template: ChatTemplate,
 }
 
-const END_TOKENS: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>"];
+const END_TOKENS: [&str; 5] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "</s>",
+];
 
 impl Tokenizer {
     /// Builds the tokenizer from GGUF metadata.
     pub fn from_gguf(content: &Content) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_gguf(content).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let inner = tokenizers::Tokenizer::from_gguf(content)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let id = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
         let template = content
             .metadata
@@ -172,7 +191,10 @@ impl Tokenizer {
             config
                 .as_ref()
                 .and_then(|c| c.get(key))
-                .and_then(|t| t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str())))
+                .and_then(|t| {
+                    t.as_str()
+                        .or_else(|| t.get("content").and_then(|c| c.as_str()))
+                })
                 .and_then(|t| inner.token_to_id(t))
         };
         let (eos, bos) = (token_of("eos_token"), token_of("bos_token"));
@@ -181,7 +203,13 @@ impl Tokenizer {
             .and_then(|c| c.get("add_bos_token"))
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
-        Ok(Self::assemble(inner, eos, bos, add_bos, template.as_deref()))
+        Ok(Self::assemble(
+            inner,
+            eos,
+            bos,
+            add_bos,
+            template.as_deref(),
+        ))
     }
 
     fn assemble(
@@ -193,10 +221,10 @@ impl Tokenizer {
     ) -> Self {
         let mut eos_ids: Vec<u32> = eos.into_iter().collect();
         for t in END_TOKENS {
-            if let Some(id) = inner.token_to_id(t) {
-                if !eos_ids.contains(&id) {
-                    eos_ids.push(id);
-                }
+            if let Some(id) = inner.token_to_id(t)
+                && !eos_ids.contains(&id)
+            {
+                eos_ids.push(id);
             }
         }
         let template = ChatTemplate::detect(template, |t| inner.token_to_id(t).is_some());
@@ -233,12 +261,11 @@ impl Tokenizer {
         }
         let text = self.template.render(messages);
         let mut ids = self.encode(&text)?;
-        if self.add_bos {
-            if let Some(b) = self.bos {
-                if ids.first() != Some(&b) {
-                    ids.insert(0, b);
-                }
-            }
+        if self.add_bos
+            && let Some(b) = self.bos
+            && ids.first() != Some(&b)
+        {
+            ids.insert(0, b);
         }
         Ok(ids)
     }
@@ -288,7 +315,10 @@ impl StreamDecoder {
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{fffd}') && full.is_char_boundary(prefix.len()) {
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{fffd}')
+            && full.is_char_boundary(prefix.len())
+        {
             let delta = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
@@ -305,7 +335,10 @@ mod tests {
 
     #[test]
     fn chatml_uses_the_default_system_only_without_one() {
-        let t = ChatTemplate::detect(Some(&format!("<|im_start|>{QWEN25_DEFAULT_SYSTEM}")), |_| false);
+        let t = ChatTemplate::detect(
+            Some(&format!("<|im_start|>{QWEN25_DEFAULT_SYSTEM}")),
+            |_| false,
+        );
         let s = t.render(&[Message::new("user", "hi")]);
         assert_eq!(
             s,
@@ -313,10 +346,19 @@ mod tests {
                 "<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
             )
         );
-        let s = t.render(&[Message::new("system", "be brief"), Message::new("user", "hi")]);
+        let s = t.render(&[
+            Message::new("system", "be brief"),
+            Message::new("user", "hi"),
+        ]);
         assert!(s.starts_with("<|im_start|>system\nbe brief<|im_end|>\n"));
         assert!(!s.contains("Alibaba"));
-        assert_eq!(ChatTemplate::detect(Some("{{ [INST] }}"), |_| false), ChatTemplate::Mistral);
-        assert_eq!(ChatTemplate::detect(None, |t| t == "<|start_header_id|>"), ChatTemplate::Llama3);
+        assert_eq!(
+            ChatTemplate::detect(Some("{{ [INST] }}"), |_| false),
+            ChatTemplate::Mistral
+        );
+        assert_eq!(
+            ChatTemplate::detect(None, |t| t == "<|start_header_id|>"),
+            ChatTemplate::Llama3
+        );
     }
 }

@@ -13,7 +13,8 @@ pub const DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 pub fn model_dir() -> PathBuf {
     match std::env::var_os("PARSE_MODEL_DIR") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/parse/models"),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+            .join(".cache/parse/models"),
     }
 }
 

@@ -34,18 +34,32 @@ fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
 }
 
 /// Writes `model` as GGUF, matrix `i` (in file order) quantized to `formats[i % len]`.
-fn write_gguf(path: &Path, model: &Model, arch_name: &str, formats: &[GgmlDType], corrupt_q_shape: bool) {
+fn write_gguf(
+    path: &Path,
+    model: &Model,
+    arch_name: &str,
+    formats: &[GgmlDType],
+    corrupt_q_shape: bool,
+) {
     let cfg = model.config();
     let w = model.weights();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut i = 0;
-    let mut mat = |name: String, m: &parse_engine::quant::QMatrix, tensors: &mut Vec<(String, QTensor)>| {
-        let (rows, cols) = (m.rows(), m.cols());
-        let shape = if corrupt_q_shape && name.ends_with("attn_k.weight") { [cols, rows] } else { [rows, cols] };
-        let t = tensor(m.to_f32(), &shape);
-        tensors.push((name, QTensor::quantize(&t, formats[i % formats.len()]).unwrap()));
-        i += 1;
-    };
+    let mut mat =
+        |name: String, m: &parse_engine::quant::QMatrix, tensors: &mut Vec<(String, QTensor)>| {
+            let (rows, cols) = (m.rows(), m.cols());
+            let shape = if corrupt_q_shape && name.ends_with("attn_k.weight") {
+                [cols, rows]
+            } else {
+                [rows, cols]
+            };
+            let t = tensor(m.to_f32(), &shape);
+            tensors.push((
+                name,
+                QTensor::quantize(&t, formats[i % formats.len()]).unwrap(),
+            ));
+            i += 1;
+        };
     let vec = |name: String, v: &[f32], tensors: &mut Vec<(String, QTensor)>| {
         let t = tensor(v.to_vec(), &[v.len()]);
         tensors.push((name, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
@@ -63,7 +77,11 @@ fn write_gguf(path: &Path, model: &Model, arch_name: &str, formats: &[GgmlDType]
         mat(p("ffn_gate.weight"), &l.w_gate, &mut tensors);
         mat(p("ffn_up.weight"), &l.w_up, &mut tensors);
         mat(p("ffn_down.weight"), &l.w_down, &mut tensors);
-        for (name, b) in [("attn_q.bias", &l.bq), ("attn_k.bias", &l.bk), ("attn_v.bias", &l.bv)] {
+        for (name, b) in [
+            ("attn_q.bias", &l.bq),
+            ("attn_k.bias", &l.bk),
+            ("attn_v.bias", &l.bv),
+        ] {
             if let Some(b) = b {
                 vec(p(name), b, &mut tensors);
             }
@@ -71,14 +89,26 @@ fn write_gguf(path: &Path, model: &Model, arch_name: &str, formats: &[GgmlDType]
     }
     let k = |s: &str| format!("{arch_name}.{s}");
     let meta: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String(arch_name.into())),
+        (
+            "general.architecture".into(),
+            Value::String(arch_name.into()),
+        ),
         (k("context_length"), Value::U32(cfg.max_context as u32)),
         (k("embedding_length"), Value::U32(cfg.hidden_size as u32)),
-        (k("feed_forward_length"), Value::U32(cfg.intermediate_size as u32)),
+        (
+            k("feed_forward_length"),
+            Value::U32(cfg.intermediate_size as u32),
+        ),
         (k("block_count"), Value::U32(cfg.n_layers as u32)),
         (k("attention.head_count"), Value::U32(cfg.n_heads as u32)),
-        (k("attention.head_count_kv"), Value::U32(cfg.n_kv_heads as u32)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_eps)),
+        (
+            k("attention.head_count_kv"),
+            Value::U32(cfg.n_kv_heads as u32),
+        ),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg.rms_eps),
+        ),
         (k("rope.freq_base"), Value::F32(cfg.rope_theta)),
     ];
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -101,7 +131,11 @@ fn logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let rms = (b.iter().map(|v| v * v).sum::<f32>() / b.len() as f32).sqrt();
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / rms
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / rms
 }
 
 /// The model with matrix `i` (in the file order of `write_gguf`) quantized in memory to `formats[i % len]`.
@@ -110,12 +144,21 @@ fn quantized_copy(model: &Model, formats: &[GgmlDType]) -> Model {
     let mut w = model.weights().clone();
     let mut i = 0;
     let mut q = |m: &mut QMatrix| {
-        *m = QMatrix::from_f32(formats[i % formats.len()], m.rows(), m.cols(), &m.to_f32()).unwrap();
+        *m =
+            QMatrix::from_f32(formats[i % formats.len()], m.rows(), m.cols(), &m.to_f32()).unwrap();
         i += 1;
     };
     q(&mut w.embed);
     for l in w.layers.iter_mut() {
-        for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down] {
+        for m in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            &mut l.wo,
+            &mut l.w_gate,
+            &mut l.w_up,
+            &mut l.w_down,
+        ] {
             q(m);
         }
     }
@@ -129,16 +172,34 @@ fn quantized_copy(model: &Model, formats: &[GgmlDType]) -> Model {
 fn gguf_models_in_every_weight_format_load_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = [1u32, 17, 250, 3, 99, 42];
-    let exact_opts = LoadOptions { fast_cpu_formats: false, ..Default::default() };
+    let exact_opts = LoadOptions {
+        fast_cpu_formats: false,
+        ..Default::default()
+    };
     for arch in [Arch::Llama, Arch::Qwen2] {
         let reference = Model::random(tiny(arch), 11).unwrap();
-        let arch_name = if arch == Arch::Llama { "llama" } else { "qwen2" };
+        let arch_name = if arch == Arch::Llama {
+            "llama"
+        } else {
+            "qwen2"
+        };
         for formats in [
             vec![GgmlDType::F32],
             vec![GgmlDType::F16],
             vec![GgmlDType::Q8_0],
-            vec![GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1],
-            vec![GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K],
+            vec![
+                GgmlDType::Q4_0,
+                GgmlDType::Q4_1,
+                GgmlDType::Q5_0,
+                GgmlDType::Q5_1,
+            ],
+            vec![
+                GgmlDType::Q2K,
+                GgmlDType::Q3K,
+                GgmlDType::Q4K,
+                GgmlDType::Q5K,
+                GgmlDType::Q6K,
+            ],
         ] {
             let path = dir.path().join(format!("{arch_name}-{formats:?}.gguf"));
             write_gguf(&path, &reference, arch_name, &formats, false);
@@ -146,12 +207,18 @@ fn gguf_models_in_every_weight_format_load_exactly() {
             let model = load::load_gguf(&mut g, &exact_opts).unwrap();
             assert_eq!(model.config(), reference.config());
             let want = logits(&quantized_copy(&reference, &formats), &tokens);
-            assert!(logits(&model, &tokens) == want, "{arch_name} {formats:?}: logits differ");
+            assert!(
+                logits(&model, &tokens) == want,
+                "{arch_name} {formats:?}: logits differ"
+            );
             // Default options: Q4_1/Q5_0/Q5_1 become Q8_0. The logits move (max 0.054 of their RMS measured here)
             // far less than 4- and 5-bit quantization moves them from the f32 model (~0.6).
             let fast = load_path(&path).unwrap();
             let err = rel_err(&logits(&fast, &tokens), &want);
-            assert!(err < 0.15, "{arch_name} {formats:?}: fast-format drift {err}");
+            assert!(
+                err < 0.15,
+                "{arch_name} {formats:?}: fast-format drift {err}"
+            );
         }
     }
 }
@@ -166,23 +233,38 @@ fn broken_gguf_files_are_typed_errors() {
 
     let truncated = dir.path().join("truncated.gguf");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    assert!(matches!(load_path(&truncated), Err(Error::InvalidModel { .. })));
+    assert!(matches!(
+        load_path(&truncated),
+        Err(Error::InvalidModel { .. })
+    ));
 
     let header_only = dir.path().join("header.gguf");
     std::fs::write(&header_only, &bytes[..64]).unwrap();
-    assert!(matches!(load_path(&header_only), Err(Error::InvalidModel { .. })));
+    assert!(matches!(
+        load_path(&header_only),
+        Err(Error::InvalidModel { .. })
+    ));
 
     let garbage = dir.path().join("garbage.gguf");
     std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
-    assert!(matches!(load_path(&garbage), Err(Error::InvalidModel { .. })));
+    assert!(matches!(
+        load_path(&garbage),
+        Err(Error::InvalidModel { .. })
+    ));
 
     let mut flipped = bytes.clone();
     flipped[0] ^= 0xff;
     let bad_magic = dir.path().join("magic.gguf");
     std::fs::write(&bad_magic, &flipped).unwrap();
-    assert!(matches!(load_path(&bad_magic), Err(Error::InvalidModel { .. })));
+    assert!(matches!(
+        load_path(&bad_magic),
+        Err(Error::InvalidModel { .. })
+    ));
 
-    assert!(matches!(load_path(&dir.path().join("absent.gguf")), Err(Error::Io { .. })));
+    assert!(matches!(
+        load_path(&dir.path().join("absent.gguf")),
+        Err(Error::Io { .. })
+    ));
 
     let gpt2 = dir.path().join("gpt2.gguf");
     write_gguf(&gpt2, &model, "gpt2", &[GgmlDType::Q8_0], false);
@@ -190,33 +272,44 @@ fn broken_gguf_files_are_typed_errors() {
 
     let transposed = dir.path().join("transposed.gguf");
     write_gguf(&transposed, &model, "qwen2", &[GgmlDType::F32], true);
-    assert!(matches!(load_path(&transposed), Err(Error::ShapeMismatch { tensor, .. }) if tensor.contains("attn_k")));
+    assert!(
+        matches!(load_path(&transposed), Err(Error::ShapeMismatch { tensor, .. }) if tensor.contains("attn_k"))
+    );
 }
 
 #[test]
 fn sessions_over_capacity_fail_before_touching_the_cache() {
     let model = Model::random(tiny(Arch::Qwen2), 2).unwrap();
     let per_token = model.config().kv_bytes_per_token();
-    let tokenizer =
-        parse_engine::Tokenizer::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/qwen2.5-tokenizer.json"))
-            .unwrap();
-    let mut e = parse_engine::Engine::from_parts(model, tokenizer, 10 * per_token, Path::new("tiny"));
+    let tokenizer = parse_engine::Tokenizer::from_file(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models/qwen2.5-tokenizer.json"),
+    )
+    .unwrap();
+    let mut e =
+        parse_engine::Engine::from_parts(model, tokenizer, 10 * per_token, Path::new("tiny"));
     e.open_session("a").unwrap();
     e.open_session("b").unwrap();
     assert!(matches!(e.open_session("a"), Err(Error::SessionExists(_))));
     e.forward_causal("a", &[1, 2, 3, 4, 5, 6], &[5]).unwrap();
     let err = e.forward_causal("b", &[1, 2, 3, 4, 5], &[4]);
-    assert!(matches!(err, Err(Error::CapacityExceeded { needed, available, .. }) if needed == 5 * per_token && available == 4 * per_token));
+    assert!(
+        matches!(err, Err(Error::CapacityExceeded { needed, available, .. }) if needed == 5 * per_token && available == 4 * per_token)
+    );
     assert_eq!(e.session_len("b").unwrap(), 0);
     e.forward_causal("b", &[1, 2, 3, 4], &[3]).unwrap();
     e.truncate("a", 2).unwrap();
     assert_eq!(e.sessions().used(), 6 * per_token);
     assert_eq!(e.release("a").unwrap(), 2 * per_token);
-    assert!(matches!(e.forward_causal("a", &[1], &[0]), Err(Error::UnknownSession(_))));
+    assert!(matches!(
+        e.forward_causal("a", &[1], &[0]),
+        Err(Error::UnknownSession(_))
+    ));
     assert!(matches!(e.truncate("b", 9), Err(Error::InvalidInput(_))));
     // Empty prompts are refused by the chat encoder and by generation.
     assert!(matches!(
-        e.tokenizer().encode_chat(&[parse_engine::Message::new("user", "  ")]),
+        e.tokenizer()
+            .encode_chat(&[parse_engine::Message::new("user", "  ")]),
         Err(Error::InvalidInput(_))
     ));
     let req = parse_engine::GenerateRequest {
@@ -225,9 +318,19 @@ fn sessions_over_capacity_fail_before_touching_the_cache() {
         sampling: Default::default(),
         stop: vec![],
     };
-    assert!(matches!(parse_engine::generate(&mut e, "g", &req, |_, _| {}), Err(Error::InvalidInput(_))));
-    let req = parse_engine::GenerateRequest { prompt_tokens: vec![1], max_new_tokens: 0, ..req };
-    assert!(matches!(parse_engine::generate(&mut e, "g", &req, |_, _| {}), Err(Error::InvalidInput(_))));
+    assert!(matches!(
+        parse_engine::generate(&mut e, "g", &req, |_, _| {}),
+        Err(Error::InvalidInput(_))
+    ));
+    let req = parse_engine::GenerateRequest {
+        prompt_tokens: vec![1],
+        max_new_tokens: 0,
+        ..req
+    };
+    assert!(matches!(
+        parse_engine::generate(&mut e, "g", &req, |_, _| {}),
+        Err(Error::InvalidInput(_))
+    ));
 }
 
 #[test]
@@ -242,8 +345,16 @@ fn safetensors_checkpoints_load_exactly() {
         let mut put = |name: String, data: Vec<f32>, shape: &[usize]| {
             ts.insert(name, tensor(data, shape));
         };
-        put("model.embed_tokens.weight".into(), w.embed.to_f32(), &[cfg.vocab_size, cfg.hidden_size]);
-        put("model.norm.weight".into(), w.norm.clone(), &[cfg.hidden_size]);
+        put(
+            "model.embed_tokens.weight".into(),
+            w.embed.to_f32(),
+            &[cfg.vocab_size, cfg.hidden_size],
+        );
+        put(
+            "model.norm.weight".into(),
+            w.norm.clone(),
+            &[cfg.hidden_size],
+        );
         for (i, l) in w.layers.iter().enumerate() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             for (name, m) in [
@@ -257,9 +368,21 @@ fn safetensors_checkpoints_load_exactly() {
             ] {
                 put(p(name), m.to_f32(), &[m.rows(), m.cols()]);
             }
-            put(p("input_layernorm.weight"), l.attn_norm.clone(), &[cfg.hidden_size]);
-            put(p("post_attention_layernorm.weight"), l.ffn_norm.clone(), &[cfg.hidden_size]);
-            for (name, b) in [("self_attn.q_proj.bias", &l.bq), ("self_attn.k_proj.bias", &l.bk), ("self_attn.v_proj.bias", &l.bv)] {
+            put(
+                p("input_layernorm.weight"),
+                l.attn_norm.clone(),
+                &[cfg.hidden_size],
+            );
+            put(
+                p("post_attention_layernorm.weight"),
+                l.ffn_norm.clone(),
+                &[cfg.hidden_size],
+            );
+            for (name, b) in [
+                ("self_attn.q_proj.bias", &l.bq),
+                ("self_attn.k_proj.bias", &l.bk),
+                ("self_attn.v_proj.bias", &l.bv),
+            ] {
                 if let Some(b) = b {
                     put(p(name), b.clone(), &[b.len()]);
                 }
@@ -279,7 +402,11 @@ fn safetensors_checkpoints_load_exactly() {
         let loaded = load::load_safetensors(&sub, &LoadOptions::default()).unwrap();
         assert_eq!(loaded.config(), model.config());
         let tokens = [3u32, 1, 4, 1, 5];
-        assert_eq!(logits(&loaded, &tokens), logits(&model, &tokens), "{model_type}");
+        assert_eq!(
+            logits(&loaded, &tokens),
+            logits(&model, &tokens),
+            "{model_type}"
+        );
         // A missing tensor is named.
         ts_remove_and_check(&sub);
     }
@@ -289,7 +416,8 @@ fn ts_remove_and_check(dir: &Path) {
     let bad = dir.join("bad");
     std::fs::create_dir_all(&bad).unwrap();
     std::fs::copy(dir.join("config.json"), bad.join("config.json")).unwrap();
-    let mut ts = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut ts =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     ts.remove("model.norm.weight");
     candle_core::safetensors::save(&ts, bad.join("model.safetensors")).unwrap();
     assert!(matches!(

@@ -8,9 +8,14 @@ use parse_engine::{BlockMask, Engine, Message, sampling::argmax};
 
 /// Prompt tokens plus a 40-token continuation the model itself chose greedily.
 fn continuation(engine: &mut Engine, prompt: &str) -> (Vec<u32>, Vec<u32>) {
-    let ids = engine.tokenizer().encode_chat(&[Message::new("user", prompt)]).unwrap();
+    let ids = engine
+        .tokenizer()
+        .encode_chat(&[Message::new("user", prompt)])
+        .unwrap();
     engine.open_session("cont").unwrap();
-    let mut logits = engine.forward_causal("cont", &ids, &[ids.len() - 1]).unwrap();
+    let mut logits = engine
+        .forward_causal("cont", &ids, &[ids.len() - 1])
+        .unwrap();
     let mut cont = Vec::new();
     for _ in 0..40 {
         let t = argmax(logits.row(0));
@@ -22,9 +27,16 @@ fn continuation(engine: &mut Engine, prompt: &str) -> (Vec<u32>, Vec<u32>) {
 }
 
 /// Logits bits of every continuation position, feeding the continuation in blocks of `block` tokens.
-fn logits_in_blocks(engine: &mut Engine, prompt: &[u32], cont: &[u32], block: usize) -> Vec<Vec<u32>> {
+fn logits_in_blocks(
+    engine: &mut Engine,
+    prompt: &[u32],
+    cont: &[u32],
+    block: usize,
+) -> Vec<Vec<u32>> {
     engine.open_session("blocks").unwrap();
-    engine.forward_causal("blocks", prompt, &[prompt.len() - 1]).unwrap();
+    engine
+        .forward_causal("blocks", prompt, &[prompt.len() - 1])
+        .unwrap();
     let mut rows = Vec::new();
     for chunk in cont.chunks(block) {
         let readout: Vec<usize> = (0..chunk.len()).collect();
@@ -43,7 +55,10 @@ fn check_batch_invariance(engine: &mut Engine) {
     for block in [7, 16, 40] {
         let other = logits_in_blocks(engine, &prompt, &cont, block);
         for (pos, (a, b)) in one.iter().zip(&other).enumerate() {
-            assert!(a == b, "block size {block}: logits at position {pos} differ from one-token steps");
+            assert!(
+                a == b,
+                "block size {block}: logits at position {pos} differ from one-token steps"
+            );
         }
     }
 }
@@ -63,7 +78,10 @@ fn draft_logits_are_bitwise_batch_invariant() {
 #[test]
 fn packed_branches_match_one_token_steps_on_the_real_target() {
     let mut e = common::target().lock().unwrap_or_else(|e| e.into_inner());
-    let ids = e.tokenizer().encode_chat(&[Message::new("user", common::PROMPTS[3])]).unwrap();
+    let ids = e
+        .tokenizer()
+        .encode_chat(&[Message::new("user", common::PROMPTS[3])])
+        .unwrap();
     let a = e.tokenizer().encode("101, 103 and 107").unwrap();
     let b = e.tokenizer().encode("Sure: 109").unwrap();
     let c = ids.len();
@@ -71,13 +89,30 @@ fn packed_branches_match_one_token_steps_on_the_real_target() {
     e.forward_causal("packed", &ids, &[c - 1]).unwrap();
     let mut tokens = a.clone();
     tokens.extend(&b);
-    let positions: Vec<u32> = (0..a.len()).chain(0..b.len()).map(|p| (c + p) as u32).collect();
+    let positions: Vec<u32> = (0..a.len())
+        .chain(0..b.len())
+        .map(|p| (c + p) as u32)
+        .collect();
     let rows = (0..a.len())
-        .map(|i| parse_engine::MaskRow { cached: c, spans: vec![0..i + 1] })
-        .chain((0..b.len()).map(|i| parse_engine::MaskRow { cached: c, spans: vec![a.len()..a.len() + i + 1] }))
+        .map(|i| parse_engine::MaskRow {
+            cached: c,
+            spans: vec![0..i + 1],
+        })
+        .chain((0..b.len()).map(|i| parse_engine::MaskRow {
+            cached: c,
+            spans: vec![a.len()..a.len() + i + 1],
+        }))
         .collect();
     let readout: Vec<usize> = (0..tokens.len()).collect();
-    let packed = e.forward("packed", &tokens, &positions, &BlockMask::from_rows(rows), &readout).unwrap();
+    let packed = e
+        .forward(
+            "packed",
+            &tokens,
+            &positions,
+            &BlockMask::from_rows(rows),
+            &readout,
+        )
+        .unwrap();
     for (branch, offset) in [(&a, 0usize), (&b, a.len())] {
         e.truncate("packed", c).unwrap();
         for (i, t) in branch.iter().enumerate() {
@@ -109,37 +144,66 @@ fn target_greedy_tokens_match_candle_transformers_quantized_qwen2() {
     let mut e = common::target().lock().unwrap_or_else(|e| e.into_inner());
     let mut total_agree = 0;
     for prompt in common::PROMPTS {
-        let ids = e.tokenizer().encode_chat(&[Message::new("user", prompt)]).unwrap();
+        let ids = e
+            .tokenizer()
+            .encode_chat(&[Message::new("user", prompt)])
+            .unwrap();
         e.open_session("ours").unwrap();
         let mut ours = e.forward_causal("ours", &ids, &[ids.len() - 1]).unwrap();
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let mut theirs = oracle.forward(&input, 0).unwrap();
         let mut agree = 0;
         let mut diverged = false;
         for i in 0..32 {
-            let v: Vec<f32> = theirs.squeeze(0).unwrap().to_dtype(candle_core::DType::F32).unwrap().to_vec1().unwrap();
+            let v: Vec<f32> = theirs
+                .squeeze(0)
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             let a = ours.row(0);
             let t = argmax(&v);
             let mut sorted = v.clone();
             sorted.sort_by(|x, y| y.total_cmp(x));
             let margin = sorted[0] - sorted[1];
-            let mean_diff = a.iter().zip(&v).map(|(x, y)| (x - y).abs()).sum::<f32>() / v.len() as f32;
-            assert!(mean_diff < 0.2, "{prompt:?} step {i}: mean |logit diff| {mean_diff}");
+            let mean_diff =
+                a.iter().zip(&v).map(|(x, y)| (x - y).abs()).sum::<f32>() / v.len() as f32;
+            assert!(
+                mean_diff < 0.2,
+                "{prompt:?} step {i}: mean |logit diff| {mean_diff}"
+            );
             if argmax(a) == t {
                 agree += 1;
             } else {
                 diverged = true;
-                assert!(margin < 0.25, "{prompt:?} step {i}: oracle picks {t} by a margin of {margin}, we pick {}", argmax(a));
+                assert!(
+                    margin < 0.25,
+                    "{prompt:?} step {i}: oracle picks {t} by a margin of {margin}, we pick {}",
+                    argmax(a)
+                );
             }
             ours = e.forward_causal("ours", &[t], &[0]).unwrap();
-            let input = Tensor::new(&[t], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+            let input = Tensor::new(&[t], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
             theirs = oracle.forward(&input, ids.len() + i).unwrap();
         }
         e.release("ours").unwrap();
-        println!("{prompt:?}: {agree}/32 greedy choices agree, free-running sequences identical: {}", !diverged);
+        println!(
+            "{prompt:?}: {agree}/32 greedy choices agree, free-running sequences identical: {}",
+            !diverged
+        );
         total_agree += agree;
     }
-    assert!(total_agree >= 150, "only {total_agree}/160 greedy choices agree");
+    assert!(
+        total_agree >= 150,
+        "only {total_agree}/160 greedy choices agree"
+    );
 }
 
 fn eval_texts() -> Vec<String> {
@@ -152,13 +216,16 @@ fn eval_texts() -> Vec<String> {
         ("mtbench-dev.jsonl", &["turns"][..]),
     ] {
         let path = dir.join(file);
-        let data = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let data =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         for line in data.lines().filter(|l| !l.trim().is_empty()) {
             let v: serde_json::Value = serde_json::from_str(line).unwrap();
             for f in fields {
                 match &v[*f] {
                     serde_json::Value::String(s) => texts.push(s.clone()),
-                    serde_json::Value::Array(a) => texts.extend(a.iter().filter_map(|x| x.as_str()).map(String::from)),
+                    serde_json::Value::Array(a) => {
+                        texts.extend(a.iter().filter_map(|x| x.as_str()).map(String::from))
+                    }
                     other => panic!("{file}: field {f} is {other:?}"),
                 }
             }
@@ -169,8 +236,10 @@ fn eval_texts() -> Vec<String> {
 
 #[test]
 fn gguf_tokenizer_matches_the_reference_tokenizer_json_on_every_eval_prompt() {
-    let reference = parse_engine::Tokenizer::from_file(&common::shared_dir().join("models/qwen2.5-tokenizer.json"))
-        .expect("reference tokenizer loads");
+    let reference = parse_engine::Tokenizer::from_file(
+        &common::shared_dir().join("models/qwen2.5-tokenizer.json"),
+    )
+    .expect("reference tokenizer loads");
     for file in [common::TARGET_FILE, common::DRAFT_FILE] {
         let mut f = std::fs::File::open(common::model_path(file)).unwrap();
         let content = gguf_file::Content::read(&mut f).unwrap();
@@ -184,7 +253,10 @@ fn gguf_tokenizer_matches_the_reference_tokenizer_json_on_every_eval_prompt() {
         }
         // The chat layout with its special tokens encodes the same way too.
         let chat = ours.template().render(&[Message::new("user", "hi")]);
-        assert_eq!(ours.encode(&chat).unwrap(), reference.encode(&chat).unwrap());
+        assert_eq!(
+            ours.encode(&chat).unwrap(),
+            reference.encode(&chat).unwrap()
+        );
         assert!(ours.is_eos(ours.token_to_id("<|im_end|>").unwrap()));
     }
 }

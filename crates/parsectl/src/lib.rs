@@ -31,7 +31,9 @@ pub enum CliError {
 impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Usage(_) | CliError::Engine(parse_engine::Error::InvalidInput(_)) => EXIT_USAGE,
+            CliError::Usage(_) | CliError::Engine(parse_engine::Error::InvalidInput(_)) => {
+                EXIT_USAGE
+            }
             CliError::Engine(parse_engine::Error::ContextExceeded { .. }) => EXIT_USAGE,
             _ => EXIT_FAILURE,
         }
@@ -91,14 +93,19 @@ impl ModelArgs {
             Mode::Target => (&self.target_model, DEFAULT_TARGET_FILE),
             Mode::Draft => (&self.draft_model, DEFAULT_DRAFT_FILE),
         };
-        let path = explicit.clone().unwrap_or_else(|| self.cache_dir().join(file));
+        let path = explicit
+            .clone()
+            .unwrap_or_else(|| self.cache_dir().join(file));
         if !path.exists() {
             let hint = if explicit.is_none() {
                 " (fetch the default pair with deploy/models/fetch.py, or pass --target-model/--draft-model)"
             } else {
                 ""
             };
-            return Err(CliError::Usage(format!("model not found: {}{hint}", path.display())));
+            return Err(CliError::Usage(format!(
+                "model not found: {}{hint}",
+                path.display()
+            )));
         }
         Ok(path)
     }
@@ -192,7 +199,10 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
         println!();
         eprintln!(
             "[{} | prompt {} tok | output {} tok | prefill {:.0} ms | decode {:.1} tok/s | finish {}]",
-            args.mode.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default(),
+            args.mode
+                .to_possible_value()
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default(),
             s.prompt_tokens,
             s.output_tokens,
             s.prefill_ms,
