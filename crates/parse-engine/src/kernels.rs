@@ -1,4 +1,4 @@
-//! Register-tiled CPU dot kernels for Q4_K weights against Q8_K activations.
+//! Register-tiled CPU dot kernels for Q4_K and Q6_K weights against Q8_K activations.
 //!
 //! One call computes the dot products of one weight row with up to [`TILE_ROWS`] activation rows, unpacking each
 //! weight super-block once for all of them. The arithmetic of each (weight row, activation row) pair is fixed and
@@ -9,9 +9,13 @@
 //!   through 4 lanes (lane `t` takes sub-blocks `2t` and `2t + 1`), and both lane sets are summed in a fixed tree
 //!   at the end.
 //!
-//! [`q4k_dot_scalar`] implements the same definition without SIMD; the AVX2 kernel must agree with it bitwise.
+//! Q6_K is simpler: a super-block's whole integer sum `S` is exact, and `acc = fma(d_x * d_w, S as f32, acc)` runs
+//! in one scalar chain.
+//!
+//! [`q4k_dot_scalar`] and [`q6k_dot_scalar`] implement the definitions without SIMD; the AVX2 kernels must agree
+//! with them bitwise.
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ8K};
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K};
 use half::f16;
 
 /// Activation rows processed per call.
@@ -26,6 +30,15 @@ struct RawQ4K {
     dmin: u16,
     scales: [u8; 12],
     qs: [u8; QK_K / 2],
+}
+
+/// Byte layout of a Q6_K super-block (ggml's `block_q6_K`).
+#[repr(C)]
+struct RawQ6K {
+    ql: [u8; QK_K / 2],
+    qh: [u8; QK_K / 4],
+    scales: [i8; QK_K / 16],
+    d: u16,
 }
 
 /// Byte layout of a Q8_K super-block (ggml's `block_q8_K`).
@@ -47,6 +60,16 @@ fn raw_q4k(xs: &[BlockQ4K]) -> &[RawQ4K] {
     // fields in the same order as RawQ4K (f16 and u16 share size, alignment and every bit pattern); size and
     // alignment equality is asserted at compile time above.
     unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ4K>(), xs.len()) }
+}
+
+const _: () = assert!(std::mem::size_of::<RawQ6K>() == std::mem::size_of::<BlockQ6K>());
+const _: () = assert!(std::mem::align_of::<RawQ6K>() == std::mem::align_of::<BlockQ6K>());
+
+#[allow(unsafe_code)]
+fn raw_q6k(xs: &[BlockQ6K]) -> &[RawQ6K] {
+    // SAFETY: candle's BlockQ6K is `#[repr(C)] { ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16 }`, the same
+    // fields in the same order as RawQ6K; size and alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ6K>(), xs.len()) }
 }
 
 #[allow(unsafe_code)]
@@ -147,6 +170,64 @@ pub fn q4k_dot_tile(w: &[BlockQ4K], xs: &[&[BlockQ8K]], out: &mut [f32]) {
     }
 }
 
+/// The unsigned 6-bit value (0..64) of element `v` of a Q6_K super-block; the weight is `value - 32`.
+#[inline]
+fn q6k_value(b: &RawQ6K, v: usize) -> i32 {
+    let (n, rest) = (v / 128, v % 128);
+    let (part, l) = (rest / 32, rest % 32);
+    let ql = &b.ql[64 * n..64 * n + 64];
+    let qh = b.qh[32 * n + l];
+    let low = match part {
+        0 => ql[l] & 0xF,
+        1 => ql[l + 32] & 0xF,
+        2 => ql[l] >> 4,
+        _ => ql[l + 32] >> 4,
+    };
+    (low | (((qh >> (2 * part)) & 3) << 4)) as i32
+}
+
+/// Reference definition of the dot product of one Q6_K row with one Q8_K row (no SIMD).
+pub fn q6k_dot_scalar(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    let (w, x) = (raw_q6k(w), raw_q8k(x));
+    let mut acc = 0f32;
+    for (wb, xb) in w.iter().zip(x) {
+        let mut s = 0i32;
+        for g in 0..16 {
+            let group: i32 = (16 * g..16 * g + 16)
+                .map(|v| (q6k_value(wb, v) - 32) * xb.qs[v] as i32)
+                .sum();
+            s += wb.scales[g] as i32 * group;
+        }
+        let d = xb.d * f16::from_bits(wb.d).to_f32();
+        acc = d.mul_add(s as f32, acc);
+    }
+    acc
+}
+
+/// Dot products of one Q6_K weight row with up to [`TILE_ROWS`] Q8_K activation rows: `out[r] = w . xs[r]`.
+pub fn q6k_dot_tile(w: &[BlockQ6K], xs: &[&[BlockQ8K]], out: &mut [f32]) {
+    debug_assert!(xs.len() <= TILE_ROWS && out.len() == xs.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            #[allow(unsafe_code)]
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            unsafe {
+                match xs.len() {
+                    1 => avx2_q6k::q6k_tile::<1>(w, xs, out),
+                    2 => avx2_q6k::q6k_tile::<2>(w, xs, out),
+                    3 => avx2_q6k::q6k_tile::<3>(w, xs, out),
+                    _ => avx2_q6k::q6k_tile::<4>(w, xs, out),
+                }
+            }
+            return;
+        }
+    }
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = q6k_dot_scalar(w, x);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2 {
@@ -215,6 +296,92 @@ mod avx2 {
             unsafe { _mm_storeu_ps(mlanes.as_mut_ptr(), acc_m[r]) };
             out[r] = lane_tree(lanes) - lane_tree4(mlanes);
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2_q6k {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn q6k_tile<const R: usize>(
+        w: &[BlockQ6K],
+        xs: &[&[BlockQ8K]],
+        out: &mut [f32],
+    ) {
+        let w = raw_q6k(w);
+        let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+        let m4 = _mm256_set1_epi8(0xF);
+        let m2 = _mm256_set1_epi8(3);
+        let mut acc = [0f32; R];
+        for (b, wb) in w.iter().enumerate() {
+            // SAFETY: scales has 16 bytes.
+            let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for n in 0..2 {
+                // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+                let (ql0, ql1, qh) = unsafe {
+                    (
+                        _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n).cast()),
+                        _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n + 32).cast()),
+                        _mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast()),
+                    )
+                };
+                let high = |shift: i32| -> __m256i {
+                    let h = match shift {
+                        0 => qh,
+                        2 => _mm256_srli_epi16(qh, 2),
+                        4 => _mm256_srli_epi16(qh, 4),
+                        _ => _mm256_srli_epi16(qh, 6),
+                    };
+                    _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)
+                };
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+                ];
+                let scale: [__m256i; 4] = std::array::from_fn(|j| {
+                    let g = 8 * n + 2 * j;
+                    _mm256_set_m128i(
+                        _mm_set1_epi16(wb.scales[g + 1] as i16),
+                        _mm_set1_epi16(wb.scales[g] as i16),
+                    )
+                });
+                for r in 0..R {
+                    let q8 = xs[r][b].qs.as_ptr();
+                    for j in 0..4 {
+                        // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
+                        let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
+                        sumi[r] = _mm256_add_epi32(sumi[r], p);
+                    }
+                }
+            }
+            let wd = f16::from_bits(wb.d).to_f32();
+            for r in 0..R {
+                let xb = &xs[r][b];
+                // SAFETY: bsums has 16 i16 (32 bytes).
+                let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                let s = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
+                acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
+            }
+        }
+        out[..R].copy_from_slice(&acc);
     }
 }
 

@@ -8,22 +8,80 @@ use rayon::prelude::*;
 
 use crate::mask::MaskRow;
 
-/// Dot product with 8 independent accumulators combined in a fixed order.
+/// Dot product with a fixed arithmetic: lane `l` (0..8) of two accumulators takes elements `16i + l` (first) and
+/// `16i + 8 + l` (second) by fused multiply-add, the accumulators are added lane-wise and the lanes summed in a
+/// fixed tree; a tail shorter than 16 is added by a scalar fma chain. The AVX2 path and the portable path
+/// compute exactly this, so results do not depend on which one runs.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        let (x, y) = (&a[i * 8..i * 8 + 8], &b[i * 8..i * 8 + 8]);
-        for l in 0..8 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            #[allow(unsafe_code)]
+            // SAFETY: AVX2 and FMA are available (checked just above).
+            return unsafe { dot_avx2(a, b) };
         }
     }
-    let mut tail = 0f32;
-    for i in chunks * 8..a.len() {
-        tail = a[i].mul_add(b[i], tail);
+    dot_portable(a, b)
+}
+
+#[inline]
+fn lane_sum(l: [f32; 8]) -> f32 {
+    let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+fn dot_tail(a: &[f32], b: &[f32], from: usize) -> f32 {
+    let mut t = 0f32;
+    for i in from..a.len().min(b.len()) {
+        t = a[i].mul_add(b[i], t);
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    t
+}
+
+/// The portable definition of [`dot`].
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n16 = a.len().min(b.len()) / 16 * 16;
+    let mut acc0 = [0f32; 8];
+    let mut acc1 = [0f32; 8];
+    for i in (0..n16).step_by(16) {
+        for l in 0..8 {
+            acc0[l] = a[i + l].mul_add(b[i + l], acc0[l]);
+            acc1[l] = a[i + 8 + l].mul_add(b[i + 8 + l], acc1[l]);
+        }
+    }
+    let lanes: [f32; 8] = std::array::from_fn(|l| acc0[l] + acc1[l]);
+    lane_sum(lanes) + dot_tail(a, b, n16)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n16 = a.len().min(b.len()) / 16 * 16;
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= n16 <= both lengths.
+        unsafe {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc0,
+            );
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                acc1,
+            );
+        }
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: lanes holds 8 f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0, acc1)) };
+    lane_sum(lanes) + dot_tail(a, b, n16)
 }
 
 /// `out[r] = x[r] / rms(x[r]) * w` for each row of width `w.len()`.
@@ -106,9 +164,9 @@ pub struct AttnShape {
 /// Masked softmax attention. `q`: rows x n_heads x head_dim; `k_cache`/`v_cache`: tokens x n_kv_heads x head_dim,
 /// holding the cached tokens followed by the block's own; `out`: like `q`.
 ///
-/// The visible keys of a row are visited in cache order (the cached prefix, then the visible block spans), scores
-/// are reduced in that order, and the softmax and weighted sum follow it too: the result for a row depends only on
-/// the keys it sees.
+/// Work is split by (row, KV head): the query heads sharing a KV head read each key and value once. For every
+/// (row, head) the visible keys are visited in cache order (the cached prefix, then the visible block spans), and
+/// the scores, softmax and weighted sum follow that order: the result depends only on the keys the row sees.
 pub fn attention(
     q: &[f32],
     k_cache: &[f32],
@@ -121,45 +179,80 @@ pub fn attention(
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-        let (row, h) = (idx / s.n_heads, idx % s.n_heads);
-        let kvh = h / group;
-        let qv = &q[idx * hd..(idx + 1) * hd];
-        let m = &mask[row];
-        let keys = (0..m.cached).chain(
-            m.spans
-                .iter()
-                .flat_map(|sp| sp.clone().map(|j| s.block_start + j)),
-        );
-        let mut scores: Vec<(usize, f32)> = keys
-            .map(|t| {
+    out.par_chunks_mut(group * hd)
+        .enumerate()
+        .for_each(|(idx, o)| {
+            let (row, kvh) = (idx / s.n_kv_heads, idx % s.n_kv_heads);
+            let qs = &q[idx * group * hd..(idx + 1) * group * hd];
+            let m = &mask[row];
+            let keys: Vec<usize> = (0..m.cached)
+                .chain(
+                    m.spans
+                        .iter()
+                        .flat_map(|sp| sp.clone().map(|j| s.block_start + j)),
+                )
+                .collect();
+            let n = keys.len();
+            // scores[h * n + i]: head h of the group, i-th visible key.
+            let mut scores = vec![0f32; group * n];
+            for (i, &t) in keys.iter().enumerate() {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
-                (t, dot(qv, kv) * scale)
-            })
-            .collect();
-        let max = scores.iter().fold(f32::NEG_INFINITY, |a, (_, v)| a.max(*v));
-        let mut sum = 0f32;
-        for (_, v) in scores.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
-        o.fill(0.0);
-        for (t, p) in &scores {
-            let vv = &v_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
-            for (a, b) in o.iter_mut().zip(vv) {
-                *a = p.mul_add(*b, *a);
+                for h in 0..group {
+                    scores[h * n + i] = dot(&qs[h * hd..(h + 1) * hd], kv) * scale;
+                }
             }
-        }
-        let inv = 1.0 / sum;
-        for a in o.iter_mut() {
-            *a *= inv;
-        }
-    });
+            let mut sums = vec![0f32; group];
+            for h in 0..group {
+                let sc = &mut scores[h * n..(h + 1) * n];
+                let max = sc.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
+                let mut sum = 0f32;
+                for v in sc.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                sums[h] = sum;
+            }
+            o.fill(0.0);
+            for (i, &t) in keys.iter().enumerate() {
+                let vv = &v_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
+                for h in 0..group {
+                    let p = scores[h * n + i];
+                    for (a, b) in o[h * hd..(h + 1) * hd].iter_mut().zip(vv) {
+                        *a = p.mul_add(*b, *a);
+                    }
+                }
+            }
+            for h in 0..group {
+                let inv = 1.0 / sums[h];
+                for a in o[h * hd..(h + 1) * hd].iter_mut() {
+                    *a *= inv;
+                }
+            }
+        });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_paths_agree_bitwise() {
+        for n in [1usize, 8, 16, 37, 128, 200] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1000) as f32 / 337.0 - 1.3)
+                .collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| ((i * 104729) % 997) as f32 / 211.0 - 2.1)
+                .collect();
+            assert_eq!(
+                dot(&a, &b).to_bits(),
+                dot_portable(&a, &b).to_bits(),
+                "n = {n}"
+            );
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - exact).abs() < 1e-3 * exact.abs().max(1.0));
+        }
+    }
 
     #[test]
     fn rope_rotates_pairs_and_keeps_norm() {

@@ -141,8 +141,8 @@ impl<T: GgmlType> Mat<T> {
             m,
             chunk,
             |c0, dst| {
-                // dst is column-major for this chunk: dst[(c - c0) * m + r].
-                let c1 = (c0 + dst.len() / m).min(n);
+                let cw = dst.len() / m;
+                let c1 = c0 + cw;
                 for r0 in (0..m).step_by(ROW_TILE) {
                     let r1 = (r0 + ROW_TILE).min(m);
                     let mut c = c0;
@@ -155,17 +155,17 @@ impl<T: GgmlType> Mat<T> {
                             for r in r0..r1 {
                                 let (d0, d1, d2, d3) =
                                     T::vec_dot_4(k, w0, w1, w2, w3, &xq[r * kb..(r + 1) * kb]);
-                                let base = (c - c0) * m + r;
+                                let base = r * cw + (c - c0);
                                 dst[base] = d0;
-                                dst[base + m] = d1;
-                                dst[base + 2 * m] = d2;
-                                dst[base + 3 * m] = d3;
+                                dst[base + 1] = d1;
+                                dst[base + 2] = d2;
+                                dst[base + 3] = d3;
                             }
                             c += 4;
                         } else {
                             let wc = &w[c * kb..(c + 1) * kb];
                             for r in r0..r1 {
-                                dst[(c - c0) * m + r] =
+                                dst[r * cw + (c - c0)] =
                                     T::vec_dot(k, wc, &xq[r * kb..(r + 1) * kb]);
                             }
                             c += 1;
@@ -178,38 +178,42 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-impl Mat<BlockQ4K> {
-    /// Q4_K through the register-tiled kernel of [`crate::kernels`].
-    fn matmul_q4k(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let (n, k) = (self.rows, self.cols);
-        let kb = self.blocks_per_row();
-        let xq = quantize_rows::<BlockQ4K>(x, k, m);
-        let w = &self.blocks;
-        let xq = &xq;
-        let chunk = column_chunk(n, kb * std::mem::size_of::<BlockQ4K>());
-        drive(
-            n,
-            m,
-            chunk,
-            |c0, dst| {
-                let c1 = (c0 + dst.len() / m).min(n);
-                let mut tile = [0f32; kernels::TILE_ROWS];
-                for r0 in (0..m).step_by(kernels::TILE_ROWS) {
-                    let r1 = (r0 + kernels::TILE_ROWS).min(m);
-                    let rows: Vec<&[BlockQ8K]> =
-                        (r0..r1).map(|r| &xq[r * kb..(r + 1) * kb]).collect();
-                    for c in c0..c1 {
-                        let t = &mut tile[..r1 - r0];
-                        kernels::q4k_dot_tile(&w[c * kb..(c + 1) * kb], &rows, t);
-                        for (i, v) in t.iter().enumerate() {
-                            dst[(c - c0) * m + r0 + i] = *v;
-                        }
+/// Matmul of a K-quant matrix through a register-tiled kernel of [`crate::kernels`].
+fn matmul_tiled<T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    tile_fn: fn(&[T], &[&[BlockQ8K]], &mut [f32]),
+) {
+    let (n, k) = (mat.rows, mat.cols);
+    let kb = mat.blocks_per_row();
+    let xq = quantize_rows::<T>(x, k, m);
+    let w = &mat.blocks;
+    let xq = &xq;
+    let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
+    drive(
+        n,
+        m,
+        chunk,
+        |c0, dst| {
+            let cw = dst.len() / m;
+            let c1 = c0 + cw;
+            let mut tile = [0f32; kernels::TILE_ROWS];
+            for r0 in (0..m).step_by(kernels::TILE_ROWS) {
+                let r1 = (r0 + kernels::TILE_ROWS).min(m);
+                let rows: Vec<&[BlockQ8K]> = (r0..r1).map(|r| &xq[r * kb..(r + 1) * kb]).collect();
+                for c in c0..c1 {
+                    let t = &mut tile[..r1 - r0];
+                    tile_fn(&w[c * kb..(c + 1) * kb], &rows, t);
+                    for (i, v) in t.iter().enumerate() {
+                        dst[(r0 + i) * cw + (c - c0)] = *v;
                     }
                 }
-            },
-            out,
-        );
-    }
+            }
+        },
+        out,
+    );
 }
 
 /// Activations quantized row by row to the weight format's dot partner.
@@ -232,7 +236,8 @@ fn column_chunk(n: usize, row_bytes: usize) -> usize {
 }
 
 /// Runs `work(first_column, dst)` over column chunks in parallel and lays the results out row-major in `out`.
-/// `dst` holds the chunk's columns column-major (`dst[(c - first_column) * m + r]`).
+/// `dst` holds the chunk's `cw` columns row-major (`dst[r * cw + (c - first_column)]`, `cw = dst.len() / m`), so
+/// each row of a chunk lands in `out` as one contiguous copy.
 fn drive(
     n: usize,
     m: usize,
@@ -250,9 +255,10 @@ fn drive(
         t.par_chunks_mut(chunk * m)
             .enumerate()
             .for_each(|(i, dst)| work(i * chunk, dst));
-        for (c, col) in t.chunks(m).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                out[r * n + c] = *v;
+        for (i, buf) in t.chunks(chunk * m).enumerate() {
+            let (c0, cw) = (i * chunk, buf.len() / m);
+            for (r, row) in buf.chunks(cw).enumerate() {
+                out[r * n + c0..r * n + c0 + cw].copy_from_slice(row);
             }
         }
     }
@@ -463,7 +469,8 @@ impl QMatrix {
             return Ok(());
         }
         match self {
-            QMatrix::Q4K(mat) => mat.matmul_q4k(x, m, out),
+            QMatrix::Q4K(mat) => matmul_tiled(mat, x, m, out, kernels::q4k_dot_tile),
+            QMatrix::Q6K(mat) => matmul_tiled(mat, x, m, out, kernels::q6k_dot_tile),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }
         Ok(())
