@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::load::{self, GgufFile, LoadOptions};
-use crate::mask::BlockMask;
 use crate::model::{Logits, Model};
 use crate::session::SessionStore;
 use crate::tokenizer::Tokenizer;
+use parse_core::mask::BlockMask;
 
 /// Default KV capacity of an engine: 4 GiB.
 pub const DEFAULT_KV_CAPACITY: usize = 4 << 30;

@@ -45,8 +45,33 @@ pub enum Error {
     ContextExceeded { needed: usize, limit: usize },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    #[error(transparent)]
+    Backend(parse_core::Error),
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<parse_core::Error> for Error {
+    fn from(e: parse_core::Error) -> Self {
+        match e.kind {
+            parse_core::ErrorKind::InvalidInput => Error::InvalidInput(e.message),
+            _ => Error::Backend(e),
+        }
+    }
+}
+
+impl From<Error> for parse_core::Error {
+    /// Engine errors by meaning, for the PARSE loop and the services.
+    fn from(e: Error) -> Self {
+        use parse_core::ErrorKind as K;
+        let kind = match &e {
+            Error::InvalidInput(_) | Error::ContextExceeded { .. } => K::InvalidInput,
+            Error::CapacityExceeded { .. } => K::ResourceExhausted,
+            Error::Backend(inner) => inner.kind,
+            _ => K::Internal,
+        };
+        parse_core::Error::new(kind, e.to_string())
+    }
 }
 
 /// The engine's result type.

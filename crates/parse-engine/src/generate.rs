@@ -71,15 +71,29 @@ pub struct Generation {
 }
 
 /// Releases text to a stream, holding back any tail that could still turn into a stop string.
-struct StopFilter {
+#[derive(Debug, Clone)]
+pub struct StopFilter {
     stop: Vec<String>,
     text: String,
     sent: usize,
 }
 
 impl StopFilter {
+    pub fn new(stop: Vec<String>) -> Self {
+        StopFilter {
+            stop,
+            text: String::new(),
+            sent: 0,
+        }
+    }
+
+    /// All text so far (cut before a stop string once one was found).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     /// Adds text; returns (releasable delta, whether a stop string was found).
-    fn push(&mut self, delta: &str) -> (String, bool) {
+    pub fn push(&mut self, delta: &str) -> (String, bool) {
         self.text.push_str(delta);
         let search_from = self
             .sent
@@ -123,7 +137,8 @@ impl StopFilter {
         (out, false)
     }
 
-    fn flush(&mut self) -> String {
+    /// Releases whatever was held back.
+    pub fn flush(&mut self) -> String {
         let out = self.text[self.sent..].to_string();
         self.sent = self.text.len();
         out
@@ -192,11 +207,7 @@ fn run(
     let decode_start = Instant::now();
     let mut logits = logits.ok_or_else(|| Error::invalid("empty prompt"))?;
     let mut decoder = StreamDecoder::new();
-    let mut filter = StopFilter {
-        stop: req.stop.clone(),
-        text: String::new(),
-        sent: 0,
-    };
+    let mut filter = StopFilter::new(req.stop.clone());
     let mut token_ids = Vec::new();
     let mut pending_ids: Vec<u32> = Vec::new();
     let finish = loop {

@@ -5,12 +5,12 @@
 //! Invariant: a token's logits are bitwise identical whether it is computed alone or inside any block (see
 //! `quant` and `ops`); the exact limits of PARSE and lossless token-level speculation rest on it.
 
+pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod load;
-pub mod mask;
 pub mod model;
 pub mod ops;
 pub mod quant;
@@ -22,7 +22,7 @@ pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateRequest, Generation, GenerationStats, generate};
 pub use load::LoadOptions;
-pub use mask::{BlockMask, MaskRow};
 pub use model::{Arch, KvCache, Logits, Model, ModelConfig};
+pub use parse_core::mask::{self, BlockMask, MaskRow};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::{ChatTemplate, Message, Tokenizer};

@@ -6,9 +6,9 @@
 //! multiplied by it). Layout follows the checkpoints: Config / KvCache / Layer / Model.
 
 use crate::error::{Error, Result};
-use crate::mask::BlockMask;
 use crate::ops::{self, AttnShape, Rope, RopeStyle};
 use crate::quant::QMatrix;
+use parse_core::mask::BlockMask;
 
 /// Model family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -507,7 +507,7 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mask::MaskRow;
+    use parse_core::mask::MaskRow;
 
     pub(crate) fn tiny(arch: Arch) -> ModelConfig {
         ModelConfig {

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::mask::MaskRow;
+use parse_core::mask::MaskRow;
 
 /// Dot product with a fixed arithmetic: lane `l` (0..8) of two accumulators takes elements `16i + l` (first) and
 /// `16i + 8 + l` (second) by fused multiply-add, the accumulators are added lane-wise and the lanes summed in a

@@ -6,52 +6,9 @@
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-/// Sampling settings of a request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// 0 means no top-k cut.
-    pub top_k: usize,
-    /// 1 means no nucleus cut.
-    pub top_p: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<()> {
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(Error::invalid(format!(
-                "temperature must be a finite number >= 0, got {}",
-                self.temperature
-            )));
-        }
-        if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
-            return Err(Error::invalid(format!(
-                "top_p must be in (0, 1], got {}",
-                self.top_p
-            )));
-        }
-        Ok(())
-    }
-
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
-    }
-}
+pub use parse_core::SamplingParams;
 
 /// Index of the largest logit (lowest index on ties; NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::mask::BlockMask;
 use crate::model::{KvCache, Logits, Model};
+use parse_core::mask::BlockMask;
 
 /// The sessions of one model.
 #[derive(Debug)]

@@ -270,6 +270,26 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The judge verdict's verification suffix: it closes the assistant's turn and asks whether the answer so far is
+    /// correct, in the model's chat layout.
+    pub fn judge_suffix(&self) -> Result<Vec<u32>> {
+        const QUESTION: &str =
+            "Is the assistant's answer above correct and on track so far? Answer Yes or No.";
+        let text = match &self.template {
+            ChatTemplate::ChatMl { .. } => {
+                format!(
+                    "<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+                )
+            }
+            ChatTemplate::Llama3 => format!(
+                "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n{QUESTION}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            ),
+            ChatTemplate::Mistral => format!("</s>[INST] {QUESTION} [/INST]"),
+            ChatTemplate::Plain => format!("\nUser: {QUESTION}\nAssistant:"),
+        };
+        self.encode(&text)
+    }
+
     /// Tokens that end generation.
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos

@@ -4,7 +4,10 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use parse_engine::{Engine, EngineConfig, GenerateRequest, Message, SamplingParams};
+use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::generate::StopFilter;
+use parse_engine::tokenizer::StreamDecoder;
+use parse_engine::{Engine, EngineConfig, Message, SamplingParams};
 use serde_json::json;
 
 /// Exit code for bad input (arguments, prompt).
@@ -20,6 +23,8 @@ pub const DEFAULT_DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
+    #[error("{}", .0.message)]
+    Core(parse_core::Error),
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
@@ -59,6 +64,33 @@ pub enum Mode {
     Target,
     /// The draft model alone.
     Draft,
+    /// Classic draft-model speculative decoding (greedy, lossless).
+    TokenSpec,
+    /// Parallel prefix verification of whole draft segments.
+    Parse,
+    /// PARSE whose target extend steps use token-level speculation.
+    #[value(name = "parse+token-spec")]
+    ParseTokenSpec,
+}
+
+impl From<Mode> for parse_core::Mode {
+    fn from(m: Mode) -> Self {
+        match m {
+            Mode::Target => parse_core::Mode::Target,
+            Mode::Draft => parse_core::Mode::Draft,
+            Mode::TokenSpec => parse_core::Mode::TokenSpec,
+            Mode::Parse => parse_core::Mode::Parse,
+            Mode::ParseTokenSpec => parse_core::Mode::ParseTokenSpec,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerdictArg {
+    /// Lowest target probability of a segment's tokens.
+    Likelihood,
+    /// The target's yes/no answer to a verification suffix.
+    Judge,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -90,8 +122,8 @@ impl ModelArgs {
     /// The model file for a mode, checked to exist.
     pub fn path_for(&self, mode: Mode) -> Result<PathBuf, CliError> {
         let (explicit, file) = match mode {
-            Mode::Target => (&self.target_model, DEFAULT_TARGET_FILE),
             Mode::Draft => (&self.draft_model, DEFAULT_DRAFT_FILE),
+            _ => (&self.target_model, DEFAULT_TARGET_FILE),
         };
         let path = explicit
             .clone()
@@ -136,6 +168,24 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Segment verdict (parse modes).
+    #[arg(long, value_enum, default_value_t = VerdictArg::Likelihood)]
+    pub verdict: VerdictArg,
+    /// Acceptance threshold: > 1 accepts only exact matches, 0 accepts every draft.
+    #[arg(long, default_value_t = 1e-3)]
+    pub tau: f32,
+    /// Do not accept at least the tokens equal to the target's greedy choice.
+    #[arg(long)]
+    pub no_exact_floor: bool,
+    /// Shortest segment, in tokens.
+    #[arg(long, default_value_t = 4)]
+    pub min_segment_tokens: usize,
+    /// Longest segment, in tokens.
+    #[arg(long, default_value_t = 48)]
+    pub max_segment_tokens: usize,
+    /// Segments drafted per verification at the start (the window adapts).
+    #[arg(long, default_value_t = 2)]
+    pub draft_segments: usize,
     /// Print one JSON object instead of text and a stats line.
     #[arg(long)]
     pub json: bool,
@@ -151,64 +201,206 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
+fn load(path: PathBuf, tokenizer: &Option<PathBuf>) -> Result<Engine, CliError> {
+    let mut cfg = EngineConfig::new(path);
+    cfg.tokenizer = tokenizer.clone();
+    Ok(Engine::load(&cfg)?)
+}
+
 fn generate(args: &GenerateArgs) -> Result<(), CliError> {
     if args.prompt.trim().is_empty() {
         return Err(CliError::Usage("empty prompt".into()));
     }
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
+    let mode: parse_core::Mode = args.mode.into();
+    let uses_target = args.mode != Mode::Draft;
+    let uses_draft = args.mode != Mode::Target;
+    let mut target = match uses_target {
+        true => Some(load(
+            args.models.path_for(Mode::Target)?,
+            &args.models.tokenizer,
+        )?),
+        false => None,
     };
-    sampling.validate()?;
-    let path = args.models.path_for(args.mode)?;
-    let mut cfg = EngineConfig::new(path);
-    cfg.tokenizer = args.models.tokenizer.clone();
-    let mut engine = Engine::load(&cfg)?;
+    let mut draft = match uses_draft {
+        true => Some(load(
+            args.models.path_for(Mode::Draft)?,
+            &args.models.tokenizer,
+        )?),
+        false => None,
+    };
+    let tokenizer = target
+        .as_ref()
+        .or(draft.as_ref())
+        .map(|e| e.tokenizer().clone())
+        .ok_or_else(|| CliError::Usage("no model".into()))?;
+    if let (Some(t), Some(d)) = (&target, &draft)
+        && t.tokenizer().vocab_size() != d.tokenizer().vocab_size()
+    {
+        return Err(CliError::Usage(
+            "the draft and target models must share a tokenizer".into(),
+        ));
+    }
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
         messages.push(Message::new("system", s));
     }
     messages.push(Message::new("user", &args.prompt));
-    let prompt_tokens = engine.tokenizer().encode_chat(&messages)?;
-    let req = GenerateRequest {
-        prompt_tokens,
+    let req = parse_core::GenerationRequest {
+        session: "cli".into(),
+        prompt: tokenizer.encode_chat(&messages)?,
         max_new_tokens: args.max_new_tokens,
-        sampling,
-        stop: args.stop.clone(),
+        mode,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        policy: parse_core::AcceptPolicy {
+            verdict: match args.verdict {
+                VerdictArg::Likelihood => parse_core::Verdict::Likelihood,
+                VerdictArg::Judge => parse_core::Verdict::Judge,
+            },
+            tau: args.tau,
+            exact_floor: !args.no_exact_floor,
+        },
+        segmenter: parse_core::SegmenterConfig {
+            min_tokens: args.min_segment_tokens,
+            max_tokens: args.max_segment_tokens,
+            ..Default::default()
+        },
+        window: parse_core::DraftWindow {
+            initial_segments: args.draft_segments,
+            max_segments: args.draft_segments.max(8),
+            ..Default::default()
+        },
+        eos: tokenizer.eos_ids().to_vec(),
+        judge_suffix: tokenizer.judge_suffix()?,
     };
+    req.validate().map_err(|e| CliError::Usage(e.message))?;
     let stream = !args.json;
     let mut stdout = std::io::stdout();
-    let out = parse_engine::generate(&mut engine, "cli", &req, |delta, _| {
-        if stream {
-            let _ = stdout.write_all(delta.as_bytes());
-            let _ = stdout.flush();
+    let mut decoder = StreamDecoder::new();
+    let mut filter = StopFilter::new(args.stop.clone());
+    let mut failure = None;
+    let mut sink = |tokens: &[u32], _source: parse_core::Source| -> bool {
+        for &t in tokens {
+            let delta = match decoder.push(&tokenizer, t) {
+                Ok(d) => d,
+                Err(e) => {
+                    failure = Some(e);
+                    return false;
+                }
+            };
+            if let Some(delta) = delta {
+                let (out, stopped) = filter.push(&delta);
+                if stream {
+                    let _ = stdout.write_all(out.as_bytes());
+                    let _ = stdout.flush();
+                }
+                if stopped {
+                    return false;
+                }
+            }
         }
-    })?;
+        true
+    };
+    let outcome = {
+        let mut verifier = target.as_mut().map(EngineVerifier::new);
+        let mut drafter = draft.as_mut().map(EngineDrafter::new);
+        let result = match (&mut drafter, &mut verifier) {
+            (Some(d), Some(v)) => parse_core::generate(d, v, &req, &mut sink),
+            (None, Some(v)) => parse_core::generate(&mut NoDrafter, v, &req, &mut sink),
+            (Some(d), None) => parse_core::generate(d, &mut NoVerifier, &req, &mut sink),
+            (None, None) => Err(parse_core::Error::invalid("no model")),
+        };
+        result.map_err(CliError::Core)?
+    };
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let tail = filter.flush();
+    if stream {
+        let _ = stdout.write_all(tail.as_bytes());
+    }
+    let text = filter.text().to_string();
+    let finish =
+        if text.len() < tokenizer.decode(&outcome.tokens, true)?.len() && !args.stop.is_empty() {
+            "stop"
+        } else {
+            outcome.finish_reason.as_str()
+        };
     if args.json {
         let v = json!({
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason.as_str(),
-            "stats": out.stats,
+            "text": text,
+            "token_ids": outcome.tokens,
+            "finish_reason": finish,
+            "stats": outcome.stats,
         });
         println!("{v}");
     } else {
-        let s = &out.stats;
+        let s = &outcome.stats;
         println!();
         eprintln!(
-            "[{} | prompt {} tok | output {} tok | prefill {:.0} ms | decode {:.1} tok/s | finish {}]",
-            args.mode
-                .to_possible_value()
-                .map(|v| v.get_name().to_string())
-                .unwrap_or_default(),
-            s.prompt_tokens,
+            "[{} | output {} tok | {:.1} tok/s | target passes/token {:.2} | draft accepted {}/{} | segments {}/{} | finish {finish}]",
+            s.mode,
             s.output_tokens,
-            s.prefill_ms,
-            s.decode_tokens_per_s,
-            out.finish_reason.as_str()
+            s.tokens_per_s,
+            s.target_passes_per_token,
+            s.draft_tokens_accepted,
+            s.draft_tokens_proposed,
+            s.segments_accepted,
+            s.segments_proposed,
         );
     }
     Ok(())
+}
+
+/// Stands in for the drafter in target mode (never called).
+struct NoDrafter;
+
+impl parse_core::Drafter for NoDrafter {
+    fn begin(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        Err(parse_core::Error::internal("no draft model loaded"))
+    }
+    fn next(&mut self, _: &str, _: usize) -> parse_core::Result<parse_core::DraftChunk> {
+        Err(parse_core::Error::internal("no draft model loaded"))
+    }
+    fn pieces(&mut self, _: &[u32]) -> parse_core::Result<Vec<String>> {
+        Err(parse_core::Error::internal("no draft model loaded"))
+    }
+    fn release(&mut self, _: &str) -> parse_core::Result<()> {
+        Ok(())
+    }
+}
+
+/// Stands in for the verifier in draft mode (never called).
+struct NoVerifier;
+
+impl parse_core::Verifier for NoVerifier {
+    fn open(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        Err(parse_core::Error::internal("no target model loaded"))
+    }
+    fn verify(
+        &mut self,
+        _: &str,
+        _: &parse_core::VerifyPlan,
+    ) -> parse_core::Result<parse_core::VerifyOutput> {
+        Err(parse_core::Error::internal("no target model loaded"))
+    }
+    fn extend(
+        &mut self,
+        _: &str,
+        _: u32,
+        _: usize,
+        _: Option<&parse_core::SegmenterConfig>,
+    ) -> parse_core::Result<parse_core::ExtendOutput> {
+        Err(parse_core::Error::internal("no target model loaded"))
+    }
+    fn truncate(&mut self, _: &str, _: usize) -> parse_core::Result<()> {
+        Err(parse_core::Error::internal("no target model loaded"))
+    }
+    fn release(&mut self, _: &str) -> parse_core::Result<()> {
+        Ok(())
+    }
 }

@@ -1,0 +1,645 @@
+//! The generation loop, written once against the [`Drafter`] and [`Verifier`] traits (in-process engines or gRPC
+//! clients), for every mode.
+//!
+//! Target session convention (see `plan`): the cache holds the context except its last token, the **pending** one.
+//!
+//! One PARSE round: draft a few segments continuing the accepted context (the window adapts: doubled after a fully
+//! accepted draft, halved after a rejection, so the draft never runs far past a likely rejection); verify them in one
+//! pass; keep the accepted prefix; if the draft was cut short, take the target's own token at the cut (free from the
+//! pass) and let the target extend to the end of that segment (in `parse+token-spec` by token-level speculation);
+//! then draft again.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::plan::VerifyPlan;
+use crate::policy::{AcceptPolicy, VerifyOutput, decide};
+use crate::segmenter::{self, SegmenterConfig};
+
+/// Sampling settings of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// 1 means no nucleus cut.
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(Error::invalid(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            )));
+        }
+        if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return Err(Error::invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// Generation mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Mode {
+    /// The target alone.
+    #[serde(rename = "target")]
+    Target,
+    /// The draft alone.
+    #[serde(rename = "draft")]
+    Draft,
+    /// Classic draft-model speculative decoding (greedy verification).
+    #[serde(rename = "token-spec")]
+    TokenSpec,
+    /// Parallel prefix verification of whole segments.
+    #[serde(rename = "parse")]
+    Parse,
+    /// PARSE whose extend steps use token-level speculation.
+    #[serde(rename = "parse+token-spec")]
+    ParseTokenSpec,
+}
+
+impl Mode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Mode::Target => "target",
+            Mode::Draft => "draft",
+            Mode::TokenSpec => "token-spec",
+            Mode::Parse => "parse",
+            Mode::ParseTokenSpec => "parse+token-spec",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "target" => Ok(Mode::Target),
+            "draft" => Ok(Mode::Draft),
+            "token-spec" => Ok(Mode::TokenSpec),
+            "parse" => Ok(Mode::Parse),
+            "parse+token-spec" => Ok(Mode::ParseTokenSpec),
+            other => Err(Error::invalid(format!(
+                "unknown mode `{other}` (target, draft, token-spec, parse, parse+token-spec)"
+            ))),
+        }
+    }
+}
+
+/// How much to draft before verifying.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraftWindow {
+    /// Segments per verification at the start of a request.
+    pub initial_segments: usize,
+    /// Upper bound of the adaptive window.
+    pub max_segments: usize,
+    /// Tokens per verification at most.
+    pub max_tokens: usize,
+    /// Draft tokens per round of token-level speculation.
+    pub token_spec_tokens: usize,
+}
+
+impl Default for DraftWindow {
+    fn default() -> Self {
+        DraftWindow {
+            initial_segments: 2,
+            max_segments: 8,
+            max_tokens: 128,
+            token_spec_tokens: 6,
+        }
+    }
+}
+
+/// One request to the loop.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Session id on the workers.
+    pub session: String,
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub mode: Mode,
+    pub sampling: SamplingParams,
+    pub policy: AcceptPolicy,
+    pub segmenter: SegmenterConfig,
+    pub window: DraftWindow,
+    /// Tokens that end generation.
+    pub eos: Vec<u32>,
+    /// The judge's verification suffix (needed by the judge verdict).
+    pub judge_suffix: Vec<u32>,
+}
+
+impl GenerationRequest {
+    pub fn validate(&self) -> Result<()> {
+        if self.prompt.is_empty() {
+            return Err(Error::invalid("empty prompt"));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(Error::invalid("max_new_tokens must be at least 1"));
+        }
+        self.sampling.validate()?;
+        self.policy.validate()?;
+        self.segmenter.validate()?;
+        let w = &self.window;
+        if w.initial_segments == 0
+            || w.max_segments < w.initial_segments
+            || w.max_tokens == 0
+            || w.token_spec_tokens == 0
+        {
+            return Err(Error::invalid(
+                "draft window sizes must be positive, initial <= max",
+            ));
+        }
+        let speculative = matches!(
+            self.mode,
+            Mode::TokenSpec | Mode::Parse | Mode::ParseTokenSpec
+        );
+        if speculative && !self.sampling.is_greedy() {
+            return Err(Error::invalid(format!(
+                "mode {} supports greedy decoding only for now (temperature 0)",
+                self.mode.as_str()
+            )));
+        }
+        if matches!(self.mode, Mode::Parse | Mode::ParseTokenSpec)
+            && self.policy.verdict == crate::policy::Verdict::Judge
+            && self.judge_suffix.is_empty()
+        {
+            return Err(Error::invalid(
+                "the judge verdict needs a verification suffix",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A chunk of draft tokens with their texts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DraftChunk {
+    pub tokens: Vec<u32>,
+    pub pieces: Vec<String>,
+    /// The draft ended (end token produced, or no room left in the draft model's context).
+    pub done: bool,
+}
+
+/// Writes drafts.
+pub trait Drafter {
+    /// Starts a draft continuing `context` (the prompt and every output token so far).
+    fn begin(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()>;
+    /// Up to `max` further draft tokens; stops after an end token. Empty with `done` when the draft has ended.
+    fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk>;
+    /// Texts of tokens (the draft and target share a tokenizer in token-level modes).
+    fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>>;
+    fn release(&mut self, session: &str) -> Result<()>;
+}
+
+/// Tokens a verifier decoded on its own.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExtendOutput {
+    pub tokens: Vec<u32>,
+    pub pieces: Vec<String>,
+}
+
+/// Runs the target.
+pub trait Verifier {
+    /// Opens a session on `prompt`: the cache takes all but its last token, which becomes pending.
+    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<()>;
+    /// Runs a plan; the cache then holds its former tokens plus the plan's (truncate afterwards).
+    fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput>;
+    /// Appends `pending` and decodes up to `max` tokens (at least one), stopping after an end token or, with
+    /// `segment`, once the text from `pending` on closes a segment. The last returned token is not in the cache.
+    fn extend(
+        &mut self,
+        session: &str,
+        pending: u32,
+        max: usize,
+        segment: Option<&SegmenterConfig>,
+    ) -> Result<ExtendOutput>;
+    /// Keeps the first `len` cached tokens.
+    fn truncate(&mut self, session: &str, len: usize) -> Result<()>;
+    fn release(&mut self, session: &str) -> Result<()>;
+}
+
+/// Who wrote a piece of output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    Draft,
+    Target,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Eos,
+    Length,
+    /// The caller's sink asked to stop (a stop string, a cancelled client).
+    Stop,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+/// Per-request figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub mode: String,
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub draft_tokens_proposed: usize,
+    pub draft_tokens_accepted: usize,
+    pub segments_proposed: usize,
+    pub segments_accepted: usize,
+    /// Target forward passes (prefill excluded): verify + extend.
+    pub target_passes: usize,
+    pub verify_passes: usize,
+    pub extend_passes: usize,
+    /// Token positions the target computed (prefill excluded).
+    pub target_positions: usize,
+    pub target_passes_per_token: f64,
+    pub target_positions_per_token: f64,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+    pub extend_ms: f64,
+    pub prefill_ms: f64,
+    pub total_ms: f64,
+    pub tokens_per_s: f64,
+}
+
+/// A finished generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Output tokens (the end token excluded).
+    pub tokens: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub stats: Stats,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+struct Run<'a, D: ?Sized, V: ?Sized> {
+    d: &'a mut D,
+    v: &'a mut V,
+    req: &'a GenerationRequest,
+    sink: &'a mut dyn FnMut(&[u32], Source) -> bool,
+    out: Vec<u32>,
+    stats: Stats,
+    finished: Option<FinishReason>,
+    /// Target cache length and pending token.
+    cached: usize,
+    pending: u32,
+    window: usize,
+}
+
+impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
+    fn remaining(&self) -> usize {
+        self.req.max_new_tokens - self.out.len()
+    }
+
+    /// Appends output up to an end token or the budget; returns how many tokens were taken.
+    fn emit(&mut self, tokens: &[u32], source: Source) -> usize {
+        let mut taken = 0;
+        for &t in tokens {
+            if self.finished.is_some() {
+                break;
+            }
+            if self.req.eos.contains(&t) {
+                self.finished = Some(FinishReason::Eos);
+                break;
+            }
+            self.out.push(t);
+            taken += 1;
+            if self.out.len() >= self.req.max_new_tokens {
+                self.finished = Some(FinishReason::Length);
+            }
+        }
+        if taken > 0
+            && !(self.sink)(&self.out[self.out.len() - taken..], source)
+            && self.finished.is_none()
+        {
+            self.finished = Some(FinishReason::Stop);
+        }
+        taken
+    }
+
+    fn context(&self) -> Vec<u32> {
+        let mut c = self.req.prompt.clone();
+        c.extend(&self.out);
+        c
+    }
+
+    fn open_target(&mut self) -> Result<()> {
+        let t = Instant::now();
+        self.v
+            .open(&self.req.session, &self.req.prompt, &self.req.sampling)?;
+        self.stats.prefill_ms += ms(t);
+        self.cached = self.req.prompt.len() - 1;
+        self.pending = *self
+            .req
+            .prompt
+            .last()
+            .ok_or_else(|| Error::invalid("empty prompt"))?;
+        Ok(())
+    }
+
+    fn extend(&mut self, max: usize, segment: Option<&SegmenterConfig>) -> Result<()> {
+        let t = Instant::now();
+        let ext = self
+            .v
+            .extend(&self.req.session, self.pending, max, segment)?;
+        self.stats.extend_ms += ms(t);
+        let n = ext.tokens.len();
+        if n == 0 {
+            return Err(Error::internal("verifier extended by no token"));
+        }
+        self.stats.extend_passes += n;
+        self.stats.target_positions += n;
+        self.cached += n;
+        self.pending = ext.tokens[n - 1];
+        self.emit(&ext.tokens, Source::Target);
+        Ok(())
+    }
+
+    fn run_target(&mut self) -> Result<()> {
+        self.open_target()?;
+        while self.finished.is_none() {
+            self.extend(self.remaining().min(16), None)?;
+        }
+        Ok(())
+    }
+
+    fn run_draft(&mut self) -> Result<()> {
+        let t = Instant::now();
+        self.d
+            .begin(&self.req.session, &self.req.prompt, &self.req.sampling)?;
+        self.stats.draft_ms += ms(t);
+        while self.finished.is_none() {
+            let t = Instant::now();
+            let chunk = self.d.next(&self.req.session, self.remaining().min(16))?;
+            self.stats.draft_ms += ms(t);
+            self.stats.draft_tokens_proposed += chunk.tokens.len();
+            let taken = self.emit(&chunk.tokens, Source::Draft);
+            self.stats.draft_tokens_accepted += taken;
+            if self.finished.is_none() && (chunk.done || chunk.tokens.is_empty()) {
+                self.finished = Some(FinishReason::Length);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drafts for one verification: `(tokens, boundaries)`. In segment mode it pulls until `window` segments are
+    /// closed, the draft ends, or a length cap is hit; otherwise it takes `tokens` tokens.
+    fn draft(&mut self, segments: Option<usize>, tokens: usize) -> Result<(Vec<u32>, Vec<usize>)> {
+        let cfg = &self.req.segmenter;
+        let cap = self.remaining().min(match segments {
+            Some(_) => self.req.window.max_tokens,
+            None => tokens,
+        });
+        let t = Instant::now();
+        let context = self.context();
+        self.d
+            .begin(&self.req.session, &context, &SamplingParams::default())?;
+        let mut draft = Vec::new();
+        let mut pieces: Vec<String> = Vec::new();
+        let mut done = false;
+        let mut cut = None;
+        while cut.is_none() && !done && draft.len() < cap {
+            let want = match segments {
+                Some(_) => (cap - draft.len()).min(8),
+                None => cap - draft.len(),
+            };
+            let chunk = self.d.next(&self.req.session, want)?;
+            done = chunk.done || chunk.tokens.is_empty();
+            draft.extend(chunk.tokens);
+            pieces.extend(chunk.pieces);
+            if let Some(w) = segments {
+                let closed = segmenter::closed_boundaries(&pieces, cfg);
+                if closed.len() >= w {
+                    cut = Some(closed[w - 1]);
+                }
+            }
+        }
+        self.stats.draft_ms += ms(t);
+        if let Some(c) = cut {
+            draft.truncate(c);
+            pieces.truncate(c);
+        }
+        draft.truncate(cap);
+        pieces.truncate(cap);
+        let bs = match segments {
+            Some(_) => segmenter::boundaries(&pieces, cfg),
+            None => vec![draft.len()],
+        };
+        Ok((draft, bs))
+    }
+
+    /// One verification of `draft`; applies the result. Returns (accepted, fully accepted).
+    fn verify(
+        &mut self,
+        draft: &[u32],
+        boundaries: &[usize],
+        exact_only: bool,
+        bonus: bool,
+    ) -> Result<(usize, bool)> {
+        let l = draft.len();
+        let judge = !exact_only && self.req.policy.verdict == crate::policy::Verdict::Judge;
+        let suffix = judge.then_some(self.req.judge_suffix.as_slice());
+        let plan = VerifyPlan::build(self.cached, self.pending, draft, boundaries, suffix)?;
+        let t = Instant::now();
+        let out = self.v.verify(&self.req.session, &plan)?;
+        self.stats.verify_ms += ms(t);
+        self.stats.verify_passes += 1;
+        self.stats.target_positions += plan.tokens.len();
+        self.stats.draft_tokens_proposed += l;
+        self.stats.segments_proposed += boundaries.len();
+        let policy = if exact_only {
+            // Token-level rounds carry no suffix: exact agreement only, whatever the request's verdict.
+            AcceptPolicy {
+                verdict: crate::policy::Verdict::Likelihood,
+                tau: f32::INFINITY,
+                exact_floor: true,
+            }
+        } else {
+            self.req.policy
+        };
+        let acc = decide(&plan, &out, &policy)?;
+        let a = acc.accepted;
+        self.stats.draft_tokens_accepted += a;
+        self.stats.segments_accepted += boundaries.iter().take_while(|b| **b <= a).count();
+        let full = a == l;
+        if full && !bonus {
+            // Keep pending and d_0..d_{L-2}; d_{L-1} becomes pending.
+            self.v.truncate(&self.req.session, self.cached + l)?;
+            self.cached += l;
+            self.pending = draft[l - 1];
+            self.emit(draft, Source::Draft);
+        } else {
+            // The target's own token at the cut (a correction, or the bonus after a full acceptance).
+            let next = out.rows[a].argmax;
+            self.v.truncate(&self.req.session, self.cached + 1 + a)?;
+            self.cached += 1 + a;
+            self.pending = next;
+            self.emit(&draft[..a], Source::Draft);
+            self.emit(&[next], Source::Target);
+        }
+        Ok((a, full))
+    }
+
+    fn run_token_spec(&mut self) -> Result<()> {
+        self.open_target()?;
+        while self.finished.is_none() {
+            let (draft, bs) = self.draft(None, self.req.window.token_spec_tokens)?;
+            if draft.is_empty() {
+                self.extend(1, None)?;
+                continue;
+            }
+            self.verify(&draft, &bs, true, true)?;
+        }
+        Ok(())
+    }
+
+    fn run_parse(&mut self) -> Result<()> {
+        self.open_target()?;
+        self.window = self.req.window.initial_segments;
+        while self.finished.is_none() {
+            let (draft, bs) = self.draft(Some(self.window), 0)?;
+            if draft.is_empty() {
+                // The draft had nothing to say: the target writes a segment.
+                self.extend_segment()?;
+                continue;
+            }
+            let (_, full) = self.verify(&draft, &bs, false, false)?;
+            if full {
+                self.window = (self.window * 2).min(self.req.window.max_segments);
+            } else {
+                self.window = (self.window / 2).max(1);
+                if self.finished.is_none() {
+                    self.extend_segment()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The target writes on to the end of the current segment (the one starting at the pending token).
+    fn extend_segment(&mut self) -> Result<()> {
+        let cfg = self.req.segmenter.clone();
+        if self.req.mode != Mode::ParseTokenSpec {
+            return self.extend(self.remaining(), Some(&cfg));
+        }
+        let mut pieces = self.d.pieces(&[self.pending])?;
+        while self.finished.is_none() && segmenter::first_segment_end(&pieces, &cfg).is_none() {
+            let start = self.out.len();
+            let (draft, bs) = self.draft(None, self.req.window.token_spec_tokens)?;
+            if draft.is_empty() {
+                self.extend(1, None)?;
+            } else {
+                self.verify(&draft, &bs, true, true)?;
+            }
+            let new: Vec<u32> = self.out[start..].to_vec();
+            pieces.extend(self.d.pieces(&new)?);
+        }
+        Ok(())
+    }
+}
+
+/// Generates one request. `sink` receives output as it is accepted and returns `false` to stop generation. Every
+/// session the loop opened is released before it returns, also on error.
+pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
+    drafter: &mut D,
+    verifier: &mut V,
+    req: &GenerationRequest,
+    sink: &mut dyn FnMut(&[u32], Source) -> bool,
+) -> Result<Outcome> {
+    req.validate()?;
+    let start = Instant::now();
+    let mut run = Run {
+        d: drafter,
+        v: verifier,
+        req,
+        sink,
+        out: Vec::new(),
+        stats: Stats {
+            mode: req.mode.as_str().to_string(),
+            prompt_tokens: req.prompt.len(),
+            ..Default::default()
+        },
+        finished: None,
+        cached: 0,
+        pending: 0,
+        window: req.window.initial_segments,
+    };
+    let result = match req.mode {
+        Mode::Target => run.run_target(),
+        Mode::Draft => run.run_draft(),
+        Mode::TokenSpec => run.run_token_spec(),
+        Mode::Parse | Mode::ParseTokenSpec => run.run_parse(),
+    };
+    let uses_target = req.mode != Mode::Draft;
+    let uses_draft = req.mode != Mode::Target;
+    let released_v = if uses_target {
+        run.v.release(&req.session)
+    } else {
+        Ok(())
+    };
+    let released_d = if uses_draft {
+        run.d.release(&req.session)
+    } else {
+        Ok(())
+    };
+    result?;
+    released_v?;
+    released_d?;
+    let mut stats = run.stats;
+    stats.output_tokens = run.out.len();
+    stats.target_passes = stats.verify_passes + stats.extend_passes;
+    if stats.output_tokens > 0 {
+        stats.target_passes_per_token = stats.target_passes as f64 / stats.output_tokens as f64;
+        stats.target_positions_per_token =
+            stats.target_positions as f64 / stats.output_tokens as f64;
+    }
+    stats.total_ms = ms(start);
+    stats.tokens_per_s = if stats.total_ms > 0.0 {
+        stats.output_tokens as f64 / (stats.total_ms / 1e3)
+    } else {
+        0.0
+    };
+    Ok(Outcome {
+        tokens: run.out,
+        finish_reason: run.finished.unwrap_or(FinishReason::Length),
+        stats,
+    })
+}

@@ -1,0 +1,20 @@
+//! PARSE core: verification plans (tokens, positions, compact mask), the segmenter, verdicts and the acceptance
+//! policy, and the one generation loop over the [`Drafter`] / [`Verifier`] traits. No ML and no network code: the
+//! engines and the gRPC clients implement the traits.
+
+pub mod driver;
+pub mod error;
+pub mod mask;
+pub mod plan;
+pub mod policy;
+pub mod segmenter;
+
+pub use driver::{
+    DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
+    SamplingParams, Source, Stats, Verifier, generate,
+};
+pub use error::{Error, ErrorKind, Result};
+pub use mask::{BlockMask, MaskRow};
+pub use plan::VerifyPlan;
+pub use policy::{AcceptPolicy, Acceptance, JudgeScore, RowScore, Verdict, VerifyOutput, decide};
+pub use segmenter::SegmenterConfig;

@@ -1,0 +1,341 @@
+//! The loop against deterministic fake models: the exact limits of every mode, session hygiene and the sink's stop.
+//!
+//! The "target" continues a context with a fixed function of its last tokens; the "draft" agrees with it except at
+//! about one position in five. Token 0 ends generation; a token divisible by 7 reads as a newline.
+
+use std::collections::HashMap;
+
+use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
+use parse_core::segmenter::{self, SegmenterConfig};
+use parse_core::{
+    AcceptPolicy, DraftWindow, GenerationRequest, JudgeScore, Mode, RowScore, SamplingParams,
+    Source, Verdict, VerifyOutput, VerifyPlan, generate,
+};
+
+const EOS: u32 = 0;
+
+fn target_next(ctx: &[u32]) -> u32 {
+    if ctx.len() >= 70 {
+        return EOS;
+    }
+    let n = ctx.len();
+    let a = ctx[n - 1] as usize;
+    let b = if n > 1 { ctx[n - 2] as usize } else { 3 };
+    ((a * 31 + b * 17 + n * 7) % 49 + 1) as u32
+}
+
+fn draft_next(ctx: &[u32]) -> u32 {
+    let t = target_next(ctx);
+    if t != EOS && (ctx.iter().map(|x| *x as usize).sum::<usize>() + ctx.len()).is_multiple_of(5) {
+        t % 49 + 1
+    } else {
+        t
+    }
+}
+
+fn piece(t: u32) -> String {
+    if t.is_multiple_of(7) {
+        "\n".into()
+    } else {
+        format!(" w{t}")
+    }
+}
+
+fn greedy(prompt: &[u32], next: fn(&[u32]) -> u32, max: usize) -> Vec<u32> {
+    let mut ctx = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max {
+        let t = next(&ctx);
+        if t == EOS {
+            break;
+        }
+        out.push(t);
+        ctx.push(t);
+    }
+    out
+}
+
+#[derive(Default)]
+struct FakeVerifier {
+    caches: HashMap<String, Vec<u32>>,
+}
+
+impl Verifier for FakeVerifier {
+    fn open(&mut self, s: &str, prompt: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        assert!(
+            self.caches
+                .insert(s.into(), prompt[..prompt.len() - 1].to_vec())
+                .is_none()
+        );
+        Ok(())
+    }
+    fn verify(&mut self, s: &str, plan: &VerifyPlan) -> parse_core::Result<VerifyOutput> {
+        let cache = self.caches.get_mut(s).unwrap();
+        assert_eq!(
+            plan.positions[0] as usize,
+            cache.len(),
+            "plan built for another cache length"
+        );
+        plan.mask.validate(cache.len(), plan.tokens.len()).unwrap();
+        let mut ctx = cache.clone();
+        ctx.push(plan.tokens[0]);
+        let mut rows = Vec::new();
+        for t in 0..=plan.draft.len() {
+            let argmax = target_next(&ctx);
+            let prob = match plan.draft.get(t) {
+                Some(d) if *d == argmax => 0.9,
+                Some(_) => 1e-4,
+                None => f32::NAN,
+            };
+            rows.push(RowScore { argmax, prob });
+            if let Some(d) = plan.draft.get(t) {
+                ctx.push(*d);
+            }
+        }
+        // The judge says yes when the segment's tokens all agree with the target.
+        let judge = plan
+            .boundaries
+            .iter()
+            .take(plan.suffix_rows.len())
+            .map(|&b| {
+                let ok = rows[..b].iter().all(|r| r.prob > 0.5);
+                JudgeScore {
+                    yes: if ok { 0.8 } else { 0.2 },
+                    no: if ok { 0.2 } else { 0.8 },
+                }
+            })
+            .collect();
+        cache.extend(&plan.tokens);
+        Ok(VerifyOutput { rows, judge })
+    }
+    fn extend(
+        &mut self,
+        s: &str,
+        pending: u32,
+        max: usize,
+        seg: Option<&SegmenterConfig>,
+    ) -> parse_core::Result<ExtendOutput> {
+        let cache = self.caches.get_mut(s).unwrap();
+        let mut out = ExtendOutput::default();
+        let mut pieces = vec![piece(pending)];
+        let mut last = pending;
+        while out.tokens.len() < max.max(1) {
+            cache.push(last);
+            let t = target_next(cache);
+            out.tokens.push(t);
+            out.pieces.push(piece(t));
+            pieces.push(piece(t));
+            last = t;
+            if t == EOS || seg.is_some_and(|c| segmenter::first_segment_end(&pieces, c).is_some()) {
+                break;
+            }
+        }
+        Ok(out)
+    }
+    fn truncate(&mut self, s: &str, len: usize) -> parse_core::Result<()> {
+        let c = self.caches.get_mut(s).unwrap();
+        assert!(len <= c.len());
+        c.truncate(len);
+        Ok(())
+    }
+    fn release(&mut self, s: &str) -> parse_core::Result<()> {
+        self.caches.remove(s).unwrap();
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct FakeDrafter {
+    ctx: HashMap<String, Vec<u32>>,
+}
+
+impl Drafter for FakeDrafter {
+    fn begin(&mut self, s: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        self.ctx.insert(s.into(), context.to_vec());
+        Ok(())
+    }
+    fn next(&mut self, s: &str, max: usize) -> parse_core::Result<DraftChunk> {
+        let ctx = self.ctx.get_mut(s).unwrap();
+        let mut c = DraftChunk::default();
+        while c.tokens.len() < max {
+            if ctx.last() == Some(&EOS) {
+                c.done = true;
+                break;
+            }
+            let t = draft_next(ctx);
+            ctx.push(t);
+            c.tokens.push(t);
+            c.pieces.push(piece(t));
+        }
+        c.done |= ctx.last() == Some(&EOS);
+        Ok(c)
+    }
+    fn pieces(&mut self, tokens: &[u32]) -> parse_core::Result<Vec<String>> {
+        Ok(tokens.iter().map(|t| piece(*t)).collect())
+    }
+    fn release(&mut self, s: &str) -> parse_core::Result<()> {
+        self.ctx.remove(s);
+        Ok(())
+    }
+}
+
+fn request(
+    mode: Mode,
+    tau: f32,
+    verdict: Verdict,
+    prompt: &[u32],
+    max: usize,
+) -> GenerationRequest {
+    GenerationRequest {
+        session: "s".into(),
+        prompt: prompt.to_vec(),
+        max_new_tokens: max,
+        mode,
+        sampling: SamplingParams::default(),
+        policy: AcceptPolicy {
+            verdict,
+            tau,
+            exact_floor: true,
+        },
+        segmenter: SegmenterConfig {
+            min_tokens: 2,
+            max_tokens: 12,
+            ..Default::default()
+        },
+        window: DraftWindow::default(),
+        eos: vec![EOS],
+        judge_suffix: vec![40, 41, 42],
+    }
+}
+
+fn run(
+    mode: Mode,
+    tau: f32,
+    verdict: Verdict,
+    prompt: &[u32],
+    max: usize,
+) -> (parse_core::Outcome, Vec<(usize, Source)>) {
+    let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+    let mut chunks = Vec::new();
+    let out = generate(
+        &mut d,
+        &mut v,
+        &request(mode, tau, verdict, prompt, max),
+        &mut |t, s| {
+            chunks.push((t.len(), s));
+            true
+        },
+    )
+    .unwrap();
+    assert!(
+        v.caches.is_empty() && d.ctx.is_empty(),
+        "sessions left open"
+    );
+    (out, chunks)
+}
+
+const PROMPTS: [&[u32]; 3] = [&[5, 9, 13], &[2], &[44, 3, 8, 21, 30]];
+
+#[test]
+fn limits_hold_exactly_in_every_mode() {
+    for prompt in PROMPTS {
+        for max in [1, 7, 200] {
+            let target = greedy(prompt, target_next, max);
+            let draft = greedy(prompt, draft_next, max);
+            if max == 200 {
+                assert_ne!(target, draft, "the fake draft must disagree somewhere");
+            }
+            for verdict in [Verdict::Likelihood, Verdict::Judge] {
+                assert_eq!(
+                    run(Mode::Target, 0.5, verdict, prompt, max).0.tokens,
+                    target
+                );
+                assert_eq!(run(Mode::Draft, 0.5, verdict, prompt, max).0.tokens, draft);
+                assert_eq!(
+                    run(Mode::TokenSpec, 0.5, verdict, prompt, max).0.tokens,
+                    target
+                );
+                for mode in [Mode::Parse, Mode::ParseTokenSpec] {
+                    assert_eq!(
+                        run(mode, 1.5, verdict, prompt, max).0.tokens,
+                        target,
+                        "{mode:?} tau > 1"
+                    );
+                    assert_eq!(
+                        run(mode, 0.0, verdict, prompt, max).0.tokens,
+                        draft,
+                        "{mode:?} tau = 0"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn parse_accepts_clean_segments_and_cuts_at_the_first_bad_one() {
+    let prompt = PROMPTS[0];
+    let (out, chunks) = run(Mode::Parse, 1e-3, Verdict::Likelihood, prompt, 200);
+    let s = &out.stats;
+    // A bad draft token scores 1e-4 < tau, so every kept draft token agrees with the target: output = target.
+    assert_eq!(out.tokens, greedy(prompt, target_next, 200));
+    assert_eq!(out.finish_reason, parse_core::FinishReason::Eos);
+    assert!(
+        s.segments_accepted > 0 && s.segments_accepted < s.segments_proposed,
+        "{s:?}"
+    );
+    assert!(s.draft_tokens_accepted > 0 && s.draft_tokens_accepted <= s.draft_tokens_proposed);
+    assert!(s.verify_passes > 0 && s.extend_passes > 0);
+    assert_eq!(s.target_passes, s.verify_passes + s.extend_passes);
+    assert_eq!(s.output_tokens, out.tokens.len());
+    assert!(s.target_passes_per_token < 1.0, "{s:?}");
+    assert_eq!(chunks.iter().map(|c| c.0).sum::<usize>(), out.tokens.len());
+    assert!(
+        chunks.iter().any(|c| c.1 == Source::Draft) && chunks.iter().any(|c| c.1 == Source::Target)
+    );
+}
+
+#[test]
+fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
+    let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+    let mut seen = 0;
+    let out = generate(
+        &mut d,
+        &mut v,
+        &request(Mode::Parse, 1e-3, Verdict::Likelihood, PROMPTS[0], 200),
+        &mut |t, _| {
+            seen += t.len();
+            seen < 10
+        },
+    )
+    .unwrap();
+    assert_eq!(out.finish_reason, parse_core::FinishReason::Stop);
+    assert!(out.tokens.len() >= 10 && out.tokens.len() < 40);
+    assert!(v.caches.is_empty() && d.ctx.is_empty());
+    for bad in [
+        GenerationRequest {
+            prompt: vec![],
+            ..request(Mode::Parse, 0.1, Verdict::Likelihood, &[1], 5)
+        },
+        GenerationRequest {
+            max_new_tokens: 0,
+            ..request(Mode::Parse, 0.1, Verdict::Likelihood, &[1], 5)
+        },
+        request(Mode::Parse, f32::NAN, Verdict::Likelihood, &[1], 5),
+        request(Mode::Parse, -0.5, Verdict::Likelihood, &[1], 5),
+        GenerationRequest {
+            judge_suffix: vec![],
+            ..request(Mode::Parse, 0.1, Verdict::Judge, &[1], 5)
+        },
+        GenerationRequest {
+            sampling: SamplingParams {
+                temperature: 0.7,
+                ..Default::default()
+            },
+            ..request(Mode::TokenSpec, 0.1, Verdict::Likelihood, &[1], 5)
+        },
+    ] {
+        let err = generate(&mut d, &mut v, &bad, &mut |_, _| true).unwrap_err();
+        assert_eq!(err.kind, parse_core::ErrorKind::InvalidInput, "{bad:?}");
+    }
+}
