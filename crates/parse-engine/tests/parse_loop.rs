@@ -1,0 +1,209 @@
+//! The PARSE loop on real engines: single-pass equivalence of the packed verification block, and the exact limits
+//! of every mode, on tiny random models and on the shipped pair. The reference outputs come from
+//! `parse_engine::generate`, a plain decode loop independent of the PARSE loop.
+
+mod common;
+
+use std::path::Path;
+
+use parse_core::{
+    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Verdict, VerifyPlan,
+};
+use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::model::{Arch, ModelConfig};
+use parse_engine::ops::RopeStyle;
+use parse_engine::{Engine, GenerateRequest, Message, Model, Tokenizer};
+use rand::{Rng, SeedableRng};
+
+fn reference_tokenizer() -> Tokenizer {
+    Tokenizer::from_file(&common::shared_dir().join("models/qwen2.5-tokenizer.json")).unwrap()
+}
+
+/// A tiny random qwen2-shaped model with the real vocabulary (so the real tokenizer and chat layout apply).
+fn tiny_engine(seed: u64) -> Engine {
+    let cfg = ModelConfig {
+        arch: Arch::Qwen2,
+        vocab_size: 151_936,
+        hidden_size: 64,
+        intermediate_size: 128,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        rms_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_style: RopeStyle::Neox,
+        max_context: 512,
+    };
+    Engine::from_parts(
+        Model::random(cfg, seed).unwrap(),
+        reference_tokenizer(),
+        1 << 30,
+        Path::new("tiny"),
+    )
+}
+
+#[test]
+fn every_suffix_copy_equals_a_separate_pass() {
+    let mut e = tiny_engine(21);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for trial in 0..6 {
+        let cached = rng.random_range(1..40usize);
+        let context: Vec<u32> = (0..cached).map(|_| rng.random_range(0..151_000)).collect();
+        let pending: u32 = rng.random_range(0..151_000);
+        let l = rng.random_range(1..20usize);
+        let draft: Vec<u32> = (0..l).map(|_| rng.random_range(0..151_000)).collect();
+        let mut boundaries: Vec<usize> = (1..l).filter(|_| rng.random_bool(0.3)).collect();
+        boundaries.push(l);
+        let suffix: Vec<u32> = (0..rng.random_range(1..6))
+            .map(|_| rng.random_range(0..151_000))
+            .collect();
+        let plan = VerifyPlan::build(cached, pending, &draft, &boundaries, Some(&suffix)).unwrap();
+        e.open_session("packed").unwrap();
+        e.forward_causal("packed", &context, &[]).unwrap();
+        let all: Vec<usize> = (0..plan.tokens.len()).collect();
+        let packed = e
+            .forward("packed", &plan.tokens, &plan.positions, &plan.mask, &all)
+            .unwrap();
+        e.release("packed").unwrap();
+        let mut copy_start = 1 + l;
+        for &b in &boundaries {
+            let mut seq = vec![pending];
+            seq.extend(&draft[..b]);
+            seq.extend(&suffix);
+            e.open_session("alone").unwrap();
+            e.forward_causal("alone", &context, &[]).unwrap();
+            let rows: Vec<usize> = (0..seq.len()).collect();
+            let alone = e.forward_causal("alone", &seq, &rows).unwrap();
+            e.release("alone").unwrap();
+            // Draft rows up to the boundary and every row of the suffix copy: bitwise equal.
+            for r in 0..=b {
+                assert!(
+                    packed.row(r) == alone.row(r),
+                    "trial {trial}: draft row {r}"
+                );
+            }
+            for u in 0..suffix.len() {
+                assert!(
+                    packed.row(copy_start + u) == alone.row(1 + b + u),
+                    "trial {trial}: copy for b = {b}, row {u}"
+                );
+            }
+            copy_start += suffix.len();
+        }
+    }
+}
+
+fn request(
+    e: &Engine,
+    prompt: &str,
+    mode: Mode,
+    tau: f32,
+    verdict: Verdict,
+    max: usize,
+) -> GenerationRequest {
+    let tok = e.tokenizer();
+    GenerationRequest {
+        session: "req".into(),
+        prompt: tok.encode_chat(&[Message::new("user", prompt)]).unwrap(),
+        max_new_tokens: max,
+        mode,
+        sampling: Default::default(),
+        policy: AcceptPolicy {
+            verdict,
+            tau,
+            exact_floor: true,
+        },
+        segmenter: SegmenterConfig::default(),
+        window: DraftWindow::default(),
+        eos: tok.eos_ids().to_vec(),
+        judge_suffix: tok.judge_suffix().unwrap(),
+    }
+}
+
+fn plain_greedy(e: &mut Engine, prompt: &[u32], max: usize) -> Vec<u32> {
+    let req = GenerateRequest {
+        prompt_tokens: prompt.to_vec(),
+        max_new_tokens: max,
+        sampling: Default::default(),
+        stop: vec![],
+    };
+    parse_engine::generate(e, "plain", &req, |_, _| {})
+        .unwrap()
+        .token_ids
+}
+
+fn run(target: &mut Engine, draft: &mut Engine, req: &GenerationRequest) -> parse_core::Outcome {
+    let out = {
+        let mut v = EngineVerifier::new(target);
+        let mut d = EngineDrafter::new(draft);
+        parse_core::generate(&mut d, &mut v, req, &mut |_, _| true).unwrap()
+    };
+    assert_eq!(target.sessions().count(), 0, "target session left open");
+    assert_eq!(draft.sessions().count(), 0, "draft session left open");
+    out
+}
+
+fn check_limits(
+    target: &mut Engine,
+    draft: &mut Engine,
+    prompts: &[&str],
+    max: usize,
+    verdicts: &[Verdict],
+) {
+    for prompt in prompts {
+        let base = request(target, prompt, Mode::Parse, 0.0, Verdict::Likelihood, max);
+        let want_target = plain_greedy(target, &base.prompt, max);
+        let want_draft = plain_greedy(draft, &base.prompt, max);
+        let ts = run(
+            target,
+            draft,
+            &GenerationRequest {
+                mode: Mode::TokenSpec,
+                ..base.clone()
+            },
+        );
+        assert_eq!(ts.tokens, want_target, "token-spec, {prompt:?}");
+        for &verdict in verdicts {
+            for mode in [Mode::Parse, Mode::ParseTokenSpec] {
+                let r = request(target, prompt, mode, 1.5, verdict, max);
+                assert_eq!(
+                    run(target, draft, &r).tokens,
+                    want_target,
+                    "{mode:?} {verdict:?} tau > 1, {prompt:?}"
+                );
+                let r = request(target, prompt, mode, 0.0, verdict, max);
+                assert_eq!(
+                    run(target, draft, &r).tokens,
+                    want_draft,
+                    "{mode:?} {verdict:?} tau = 0, {prompt:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn limits_on_tiny_random_models() {
+    let (mut target, mut draft) = (tiny_engine(1), tiny_engine(2));
+    check_limits(
+        &mut target,
+        &mut draft,
+        &common::PROMPTS[..3],
+        24,
+        &[Verdict::Likelihood, Verdict::Judge],
+    );
+}
+
+#[test]
+fn limits_on_the_real_pair() {
+    let mut target = common::target().lock().unwrap_or_else(|e| e.into_inner());
+    let mut draft = common::draft().lock().unwrap_or_else(|e| e.into_inner());
+    check_limits(
+        &mut target,
+        &mut draft,
+        &common::PROMPTS[..3],
+        40,
+        &[Verdict::Likelihood],
+    );
+}
