@@ -292,8 +292,10 @@ pub struct Stats {
     pub draft_ms: f64,
     pub verify_ms: f64,
     pub extend_ms: f64,
+    /// Prompt processing on both models.
     pub prefill_ms: f64,
     pub total_ms: f64,
+    /// Output tokens per second of generation after prefill (prefill is the same work in every mode).
     pub tokens_per_s: f64,
 }
 
@@ -401,11 +403,18 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         Ok(())
     }
 
-    fn run_draft(&mut self) -> Result<()> {
+    /// Prompt processing on the draft side counts as prefill, like the target's: later drafts extend it.
+    fn open_draft(&mut self, sampling: &SamplingParams) -> Result<()> {
         let t = Instant::now();
         self.d
-            .begin(&self.req.session, &self.req.prompt, &self.req.sampling)?;
-        self.stats.draft_ms += ms(t);
+            .begin(&self.req.session, &self.req.prompt, sampling)?;
+        self.stats.prefill_ms += ms(t);
+        Ok(())
+    }
+
+    fn run_draft(&mut self) -> Result<()> {
+        let sampling = self.req.sampling.clone();
+        self.open_draft(&sampling)?;
         while self.finished.is_none() {
             let t = Instant::now();
             let chunk = self.d.next(&self.req.session, self.remaining().min(16))?;
@@ -520,6 +529,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     fn run_token_spec(&mut self) -> Result<()> {
         self.open_target()?;
+        self.open_draft(&SamplingParams::default())?;
         while self.finished.is_none() {
             let (draft, bs) = self.draft(None, self.req.window.token_spec_tokens)?;
             if draft.is_empty() {
@@ -533,6 +543,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     fn run_parse(&mut self) -> Result<()> {
         self.open_target()?;
+        self.open_draft(&SamplingParams::default())?;
         self.window = self.req.window.initial_segments;
         while self.finished.is_none() {
             let (draft, bs) = self.draft(Some(self.window), 0)?;
@@ -632,8 +643,9 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
             stats.target_positions as f64 / stats.output_tokens as f64;
     }
     stats.total_ms = ms(start);
-    stats.tokens_per_s = if stats.total_ms > 0.0 {
-        stats.output_tokens as f64 / (stats.total_ms / 1e3)
+    let gen_ms = stats.total_ms - stats.prefill_ms;
+    stats.tokens_per_s = if gen_ms > 0.0 {
+        stats.output_tokens as f64 / (gen_ms / 1e3)
     } else {
         0.0
     };

@@ -1,0 +1,404 @@
+//! End-to-end throughput and quality harness: every mode on the same prompts, in one run, on one machine.
+//!
+//! `cargo run --release -p parse-bench -- --suite humaneval --n 20 --modes target,token-spec,parse --tau 1e-3`
+//!
+//! Reports per mode, verdict and tau: tokens/s and its ratio to `target` (same run), target passes and positions
+//! per output token, token and segment acceptance, and quality against the same run's `target` mode: HumanEval
+//! pass@1 (each record's `test` run in a `python3` subprocess with a timeout), ASDiv exact numeric answer, and for
+//! MT-Bench / XSum the share of outputs identical to the target's and their mean common-prefix fraction. Writes
+//! `<out-dir>/<suite>.json` and `<out-dir>/<suite>.md`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use parse_bench::model_dir;
+use parse_core::{
+    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Stats, Verdict,
+};
+use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::{Engine, EngineConfig, Message};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+struct Args {
+    /// humaneval, asdiv, mtbench or xsum.
+    #[arg(long)]
+    suite: String,
+    /// A JSONL file in the format of shared/eval [default: shared/eval/<suite>-dev.jsonl].
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Records used (the first N).
+    #[arg(long, default_value_t = 20)]
+    n: usize,
+    #[arg(long, value_delimiter = ',', default_value = "target,token-spec,parse")]
+    modes: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "likelihood")]
+    verdict: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "0.001")]
+    tau: Vec<f32>,
+    /// Output budget per prompt [default: by suite].
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    #[arg(long, default_value = "bench-results")]
+    out_dir: PathBuf,
+    /// Seconds a HumanEval test may run.
+    #[arg(long, default_value_t = 10)]
+    test_timeout: u64,
+}
+
+struct Record {
+    prompt: String,
+    raw: Value,
+}
+
+fn shared_eval(suite: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../shared/eval/{suite}-dev.jsonl"))
+}
+
+fn records(args: &Args) -> Result<Vec<Record>> {
+    let path = args
+        .prompts
+        .clone()
+        .unwrap_or_else(|| shared_eval(&args.suite));
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(args.n)
+        .enumerate()
+    {
+        let v: Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}", path.display(), i + 1))?;
+        let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
+        let prompt = match args.suite.as_str() {
+            "humaneval" => format!(
+                "Complete the following Python function. Reply with the whole function in one ```python code block.\n\n```python\n{}```",
+                s("prompt").context("humaneval record without `prompt`")?
+            ),
+            "asdiv" => format!(
+                "{} {}\nSolve it step by step, then give the final number on the last line as 'Answer: <number>'.",
+                s("passage").unwrap_or_default(),
+                s("question").context("asdiv record without `question`")?
+            ),
+            "mtbench" => v
+                .get("turns")
+                .and_then(|t| t.get(0))
+                .and_then(|t| t.as_str())
+                .context("mtbench record without `turns`")?
+                .to_string(),
+            "xsum" => {
+                let doc: String = s("document")
+                    .context("xsum record without `document`")?
+                    .chars()
+                    .take(2000)
+                    .collect();
+                format!("Summarize the following article in one sentence.\n\n{doc}")
+            }
+            other => bail!("unknown suite `{other}` (humaneval, asdiv, mtbench, xsum)"),
+        };
+        out.push(Record { prompt, raw: v });
+    }
+    Ok(out)
+}
+
+fn default_budget(suite: &str) -> usize {
+    match suite {
+        "humaneval" => 384,
+        "asdiv" => 256,
+        "mtbench" => 256,
+        _ => 96,
+    }
+}
+
+/// The first ```python block of a reply, or the whole reply.
+fn code_of(reply: &str) -> String {
+    if let Some(start) = reply.find("```") {
+        let rest = &reply[start + 3..];
+        let rest = rest.strip_prefix("python").unwrap_or(rest);
+        let end = rest.find("```").unwrap_or(rest.len());
+        return rest[..end].to_string();
+    }
+    reply.to_string()
+}
+
+fn humaneval_pass(rec: &Value, reply: &str, timeout: u64) -> Result<bool> {
+    let program = format!(
+        "{}\n{}\n\n{}\ncheck({})\n",
+        rec["prompt"].as_str().unwrap_or_default(),
+        code_of(reply),
+        rec["test"].as_str().unwrap_or_default(),
+        rec["entry_point"].as_str().unwrap_or_default()
+    );
+    let mut child = Command::new("timeout")
+        .arg(timeout.to_string())
+        .args(["python3", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("running python3")?;
+    child
+        .stdin
+        .take()
+        .context("python3 stdin")?
+        .write_all(program.as_bytes())?;
+    Ok(child.wait()?.success())
+}
+
+fn numbers(text: &str) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for c in text.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_digit() || (c == '.' && !cur.is_empty()) || (c == '-' && cur.is_empty()) {
+            cur.push(c);
+        } else if c == ',' && !cur.is_empty() {
+            continue;
+        } else {
+            if let Ok(v) = cur.trim_end_matches('.').parse::<f64>() {
+                out.push(v);
+            }
+            cur.clear();
+        }
+    }
+    out
+}
+
+fn asdiv_correct(rec: &Value, reply: &str) -> bool {
+    let Some(want) = numbers(rec["answer"].as_str().unwrap_or_default())
+        .first()
+        .copied()
+    else {
+        return false;
+    };
+    let tail = reply.rsplit_once("Answer:").map_or(reply, |(_, t)| t);
+    let got = numbers(tail);
+    let pick = if reply.contains("Answer:") {
+        got.first()
+    } else {
+        got.last()
+    };
+    pick.is_some_and(|g| (g - want).abs() < 1e-6 * want.abs().max(1.0))
+}
+
+struct RunCfg {
+    mode: Mode,
+    verdict: Verdict,
+    tau: f32,
+}
+
+fn label(c: &RunCfg) -> String {
+    match c.mode {
+        Mode::Parse | Mode::ParseTokenSpec => {
+            format!("{} {:?} tau={}", c.mode.as_str(), c.verdict, c.tau).to_lowercase()
+        }
+        m => m.as_str().to_string(),
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let recs = records(&args)?;
+    if recs.is_empty() {
+        bail!("no records");
+    }
+    let budget = args
+        .max_new_tokens
+        .unwrap_or_else(|| default_budget(&args.suite));
+    let mut runs = vec![RunCfg {
+        mode: Mode::Target,
+        verdict: Verdict::Likelihood,
+        tau: 0.0,
+    }];
+    for m in &args.modes {
+        let mode: Mode = m
+            .parse()
+            .map_err(|e: parse_core::Error| anyhow::anyhow!(e.message))?;
+        match mode {
+            Mode::Target => {}
+            Mode::Parse | Mode::ParseTokenSpec => {
+                for v in &args.verdict {
+                    let verdict: Verdict = v
+                        .parse()
+                        .map_err(|e: parse_core::Error| anyhow::anyhow!(e.message))?;
+                    for &tau in &args.tau {
+                        runs.push(RunCfg { mode, verdict, tau });
+                    }
+                }
+            }
+            _ => runs.push(RunCfg {
+                mode,
+                verdict: Verdict::Likelihood,
+                tau: 0.0,
+            }),
+        }
+    }
+    let dir = model_dir();
+    let mut target = Engine::load(&EngineConfig::new(
+        dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+    ))?;
+    let mut draft = Engine::load(&EngineConfig::new(
+        dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    ))?;
+    let tok = target.tokenizer().clone();
+    let prompts: Vec<Vec<u32>> = recs
+        .iter()
+        .map(|r| tok.encode_chat(&[Message::new("user", &r.prompt)]))
+        .collect::<Result<_, _>>()?;
+
+    let mut target_outputs: Vec<Vec<u32>> = Vec::new();
+    let mut rows = Vec::new();
+    for cfg in &runs {
+        let mut total = Stats::default();
+        let mut outputs = Vec::new();
+        let mut quality = 0.0;
+        let mut prefix_share = 0.0;
+        for (i, p) in prompts.iter().enumerate() {
+            let req = GenerationRequest {
+                session: format!("bench-{i}"),
+                prompt: p.clone(),
+                max_new_tokens: budget,
+                mode: cfg.mode,
+                sampling: Default::default(),
+                policy: AcceptPolicy {
+                    verdict: cfg.verdict,
+                    tau: cfg.tau,
+                    exact_floor: true,
+                },
+                segmenter: SegmenterConfig::default(),
+                window: DraftWindow::default(),
+                eos: tok.eos_ids().to_vec(),
+                judge_suffix: tok.judge_suffix()?,
+            };
+            let out = {
+                let mut v = EngineVerifier::new(&mut target);
+                let mut d = EngineDrafter::new(&mut draft);
+                parse_core::generate(&mut d, &mut v, &req, &mut |_, _| true)
+                    .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?
+            };
+            let s = &out.stats;
+            for (a, b) in [
+                (&mut total.output_tokens, s.output_tokens),
+                (&mut total.draft_tokens_proposed, s.draft_tokens_proposed),
+                (&mut total.draft_tokens_accepted, s.draft_tokens_accepted),
+                (&mut total.segments_proposed, s.segments_proposed),
+                (&mut total.segments_accepted, s.segments_accepted),
+                (&mut total.target_passes, s.target_passes),
+                (&mut total.target_positions, s.target_positions),
+            ] {
+                *a += b;
+            }
+            total.draft_ms += s.draft_ms;
+            total.verify_ms += s.verify_ms;
+            total.extend_ms += s.extend_ms;
+            total.prefill_ms += s.prefill_ms;
+            total.total_ms += s.total_ms;
+            let reply = tok.decode(&out.tokens, true)?;
+            quality += match args.suite.as_str() {
+                "humaneval" => f64::from(u8::from(humaneval_pass(
+                    &recs[i].raw,
+                    &reply,
+                    args.test_timeout,
+                )?)),
+                "asdiv" => f64::from(u8::from(asdiv_correct(&recs[i].raw, &reply))),
+                _ => match target_outputs.get(i) {
+                    Some(t) => f64::from(u8::from(*t == out.tokens)),
+                    None => 1.0,
+                },
+            };
+            if let Some(t) = target_outputs.get(i) {
+                let common = t
+                    .iter()
+                    .zip(&out.tokens)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                prefix_share += common as f64 / t.len().max(out.tokens.len()).max(1) as f64;
+            }
+            outputs.push(out.tokens);
+            eprint!(".");
+        }
+        eprintln!(" {}", label(cfg));
+        if cfg.mode == Mode::Target {
+            target_outputs = outputs.clone();
+            prefix_share = prompts.len() as f64;
+        }
+        let n = prompts.len() as f64;
+        // Decode throughput: output tokens over generation time, prefill excluded (it is the same in every mode).
+        let gen_s = (total.total_ms - total.prefill_ms) / 1e3;
+        let tps = total.output_tokens as f64 / gen_s.max(1e-9);
+        let per_tok = |x: usize| x as f64 / total.output_tokens.max(1) as f64;
+        let ratio = |a: usize, b: usize| {
+            if b == 0 {
+                f64::NAN
+            } else {
+                a as f64 / b as f64
+            }
+        };
+        rows.push(json!({
+            "run": label(cfg),
+            "mode": cfg.mode.as_str(),
+            "verdict": format!("{:?}", cfg.verdict).to_lowercase(),
+            "tau": cfg.tau,
+            "prompts": prompts.len(),
+            "output_tokens": total.output_tokens,
+            "tokens_per_s": tps,
+            "target_passes_per_token": per_tok(total.target_passes),
+            "target_positions_per_token": per_tok(total.target_positions),
+            "token_acceptance": ratio(total.draft_tokens_accepted, total.draft_tokens_proposed),
+            "segment_acceptance": ratio(total.segments_accepted, total.segments_proposed),
+            "quality": quality / n,
+            "prefix_agreement_with_target": prefix_share / n,
+            "draft_s": total.draft_ms / 1e3,
+            "verify_s": total.verify_ms / 1e3,
+            "extend_s": total.extend_ms / 1e3,
+            "prefill_s": total.prefill_ms / 1e3,
+        }));
+    }
+    let base_tps = rows[0]["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+    let base_q = rows[0]["quality"].as_f64().unwrap_or(f64::NAN);
+    let quality_name = match args.suite.as_str() {
+        "humaneval" => "pass@1",
+        "asdiv" => "accuracy",
+        _ => "identical to target",
+    };
+    let mut md = format!(
+        "### {} ({} prompts, up to {budget} new tokens, greedy)\n\n| run | tok/s | x target | target passes/tok | target positions/tok | token acc. | segment acc. | {quality_name} | delta vs target | draft / verify / extend s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        args.suite,
+        prompts.len()
+    );
+    for r in rows.iter_mut() {
+        let tps = r["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
+        let q = r["quality"].as_f64().unwrap_or(f64::NAN);
+        r["speedup_vs_target"] = json!(tps / base_tps);
+        r["quality_delta_points"] = json!((q - base_q) * 100.0);
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        md.push_str(&format!(
+            "| {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.1}% | {:+.1} | {:.0} / {:.0} / {:.0} |\n",
+            r["run"].as_str().unwrap_or_default(),
+            tps,
+            tps / base_tps,
+            f("target_passes_per_token"),
+            f("target_positions_per_token"),
+            f("token_acceptance"),
+            f("segment_acceptance"),
+            q * 100.0,
+            (q - base_q) * 100.0,
+            f("draft_s"),
+            f("verify_s"),
+            f("extend_s"),
+        ));
+    }
+    std::fs::create_dir_all(&args.out_dir)?;
+    let report = json!({ "suite": args.suite, "max_new_tokens": budget, "runs": rows });
+    std::fs::write(
+        args.out_dir.join(format!("{}.json", args.suite)),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    std::fs::write(args.out_dir.join(format!("{}.md", args.suite)), &md)?;
+    println!("{md}");
+    Ok(())
+}
