@@ -147,32 +147,42 @@ pub fn q4k_dot_scalar(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     lane_tree(acc) - lane_tree4(acc_m)
 }
 
+/// Dispatches a tile of `xs.len()` rows (1..=[`TILE_ROWS`]) to the AVX2 kernel instantiated for that size, or to
+/// the scalar definition on CPUs without AVX2/FMA.
+macro_rules! tile_dispatch {
+    ($kernel:path, $scalar:path, $w:expr, $xs:expr, $out:expr) => {{
+        let (w, xs, out) = ($w, $xs, $out);
+        debug_assert!(xs.len() <= TILE_ROWS && out.len() == xs.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                #[allow(unsafe_code)]
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                unsafe {
+                    use $kernel as k;
+                    match xs.len() {
+                        1 => k::<1>(w, xs, out),
+                        2 => k::<2>(w, xs, out),
+                        3 => k::<3>(w, xs, out),
+                        4 => k::<4>(w, xs, out),
+                        5 => k::<5>(w, xs, out),
+                        6 => k::<6>(w, xs, out),
+                        7 => k::<7>(w, xs, out),
+                        _ => k::<8>(w, xs, out),
+                    }
+                }
+                return;
+            }
+        }
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = $scalar(w, x);
+        }
+    }};
+}
+
 /// Dot products of one Q4_K weight row with up to [`TILE_ROWS`] Q8_K activation rows: `out[r] = w . xs[r]`.
 pub fn q4k_dot_tile(w: &[BlockQ4K], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    debug_assert!(xs.len() <= TILE_ROWS && out.len() == xs.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            #[allow(unsafe_code)]
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            unsafe {
-                match xs.len() {
-                    1 => avx2::q4k_tile::<1>(w, xs, out),
-                    2 => avx2::q4k_tile::<2>(w, xs, out),
-                    3 => avx2::q4k_tile::<3>(w, xs, out),
-                    4 => avx2::q4k_tile::<4>(w, xs, out),
-                    5 => avx2::q4k_tile::<5>(w, xs, out),
-                    6 => avx2::q4k_tile::<6>(w, xs, out),
-                    7 => avx2::q4k_tile::<7>(w, xs, out),
-                    _ => avx2::q4k_tile::<8>(w, xs, out),
-                }
-            }
-            return;
-        }
-    }
-    for (o, x) in out.iter_mut().zip(xs) {
-        *o = q4k_dot_scalar(w, x);
-    }
+    tile_dispatch!(avx2::q4k_tile, q4k_dot_scalar, w, xs, out)
 }
 
 /// The unsigned 6-bit value (0..64) of element `v` of a Q6_K super-block; the weight is `value - 32`.
@@ -211,30 +221,7 @@ pub fn q6k_dot_scalar(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
 
 /// Dot products of one Q6_K weight row with up to [`TILE_ROWS`] Q8_K activation rows: `out[r] = w . xs[r]`.
 pub fn q6k_dot_tile(w: &[BlockQ6K], xs: &[&[BlockQ8K]], out: &mut [f32]) {
-    debug_assert!(xs.len() <= TILE_ROWS && out.len() == xs.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            #[allow(unsafe_code)]
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            unsafe {
-                match xs.len() {
-                    1 => avx2_q6k::q6k_tile::<1>(w, xs, out),
-                    2 => avx2_q6k::q6k_tile::<2>(w, xs, out),
-                    3 => avx2_q6k::q6k_tile::<3>(w, xs, out),
-                    4 => avx2_q6k::q6k_tile::<4>(w, xs, out),
-                    5 => avx2_q6k::q6k_tile::<5>(w, xs, out),
-                    6 => avx2_q6k::q6k_tile::<6>(w, xs, out),
-                    7 => avx2_q6k::q6k_tile::<7>(w, xs, out),
-                    _ => avx2_q6k::q6k_tile::<8>(w, xs, out),
-                }
-            }
-            return;
-        }
-    }
-    for (o, x) in out.iter_mut().zip(xs) {
-        *o = q6k_dot_scalar(w, x);
-    }
+    tile_dispatch!(avx2_q6k::q6k_tile, q6k_dot_scalar, w, xs, out)
 }
 
 #[cfg(target_arch = "x86_64")]
