@@ -16,7 +16,6 @@ Prints the path of each model file on success.
 import argparse
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -324,12 +324,8 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
         let _ = stdout.write_all(tail.as_bytes());
     }
     let text = filter.text().to_string();
-    let finish =
-        if text.len() < tokenizer.decode(&outcome.tokens, true)?.len() && !args.stop.is_empty() {
-            "stop"
-        } else {
-            outcome.finish_reason.as_str()
-        };
+    // A stop string makes the sink stop the loop, which then reports `stop` itself.
+    let finish = outcome.finish_reason.as_str();
     if args.json {
         let v = json!({
             "text": text,
