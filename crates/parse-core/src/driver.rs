@@ -11,12 +11,15 @@
 
 use std::time::Instant;
 
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::plan::VerifyPlan;
 use crate::policy::{AcceptPolicy, VerifyOutput, decide};
 use crate::segmenter::{self, SegmenterConfig};
+use crate::speculative::{self, SampleCheck};
 
 /// Sampling settings of a request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,7 +75,8 @@ pub enum Mode {
     /// The draft alone.
     #[serde(rename = "draft")]
     Draft,
-    /// Classic draft-model speculative decoding (greedy verification).
+    /// Classic draft-model speculative decoding: greedy verification, or lossless speculative sampling at
+    /// temperature > 0.
     #[serde(rename = "token-spec")]
     TokenSpec,
     /// Parallel prefix verification of whole segments.
@@ -178,9 +182,11 @@ impl GenerationRequest {
             self.mode,
             Mode::TokenSpec | Mode::Parse | Mode::ParseTokenSpec
         );
-        if speculative && !self.sampling.is_greedy() {
+        // PARSE accepts by a quality verdict, not by a distribution-preserving test: sampling there would have no
+        // defined output distribution, so those modes decode greedily. token-spec samples losslessly.
+        if speculative && self.mode != Mode::TokenSpec && !self.sampling.is_greedy() {
             return Err(Error::invalid(format!(
-                "mode {} supports greedy decoding only for now (temperature 0)",
+                "mode {} decodes greedily (temperature 0); use token-spec or target to sample",
                 self.mode.as_str()
             )));
         }
@@ -201,6 +207,8 @@ impl GenerationRequest {
 pub struct DraftChunk {
     pub tokens: Vec<u32>,
     pub pieces: Vec<String>,
+    /// Each token's probability under the sampling distribution it was drawn from (empty when greedy).
+    pub probs: Vec<f32>,
     /// The draft ended (end token produced, or no room left in the draft model's context).
     pub done: bool,
 }
@@ -211,6 +219,9 @@ pub trait Drafter {
     fn begin(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()>;
     /// Up to `max` further draft tokens; stops after an end token. Empty with `done` when the draft has ended.
     fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk>;
+    /// The sampling distribution (`(token, probability)`, probabilities > 0) that the `index`-th token since the
+    /// last `begin` was drawn from; only asked for in stochastic token-level speculation.
+    fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>>;
     /// Texts of tokens (the draft and target share a tokenizer in token-level modes).
     fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>>;
     fn release(&mut self, session: &str) -> Result<()>;
@@ -324,6 +335,8 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     cached: usize,
     pending: u32,
     window: usize,
+    /// The loop's own random stream (acceptance draws, replacement tokens), seeded from the request.
+    rng: StdRng,
 }
 
 impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
@@ -412,6 +425,15 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         Ok(())
     }
 
+    /// How the draft samples in speculative modes: like the request in stochastic token-spec, greedily otherwise.
+    fn draft_sampling(&self) -> SamplingParams {
+        if self.req.mode == Mode::TokenSpec {
+            self.req.sampling.clone()
+        } else {
+            SamplingParams::default()
+        }
+    }
+
     fn run_draft(&mut self) -> Result<()> {
         let sampling = self.req.sampling.clone();
         self.open_draft(&sampling)?;
@@ -431,7 +453,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     /// Drafts for one verification: `(tokens, boundaries)`. In segment mode it pulls until `window` segments are
     /// closed, the draft ends, or a length cap is hit; otherwise it takes `tokens` tokens.
-    fn draft(&mut self, segments: Option<usize>, tokens: usize) -> Result<(Vec<u32>, Vec<usize>)> {
+    fn draft(
+        &mut self,
+        segments: Option<usize>,
+        tokens: usize,
+    ) -> Result<(Vec<u32>, Vec<usize>, Vec<f32>)> {
         let cfg = &self.req.segmenter;
         let cap = self.remaining().min(match segments {
             Some(_) => self.req.window.max_tokens,
@@ -439,10 +465,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         });
         let t = Instant::now();
         let context = self.context();
-        self.d
-            .begin(&self.req.session, &context, &SamplingParams::default())?;
+        let sampling = self.draft_sampling();
+        self.d.begin(&self.req.session, &context, &sampling)?;
         let mut draft = Vec::new();
         let mut pieces: Vec<String> = Vec::new();
+        let mut probs: Vec<f32> = Vec::new();
         let mut done = false;
         let mut cut = None;
         while cut.is_none() && !done && draft.len() < cap {
@@ -454,6 +481,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             done = chunk.done || chunk.tokens.is_empty();
             draft.extend(chunk.tokens);
             pieces.extend(chunk.pieces);
+            probs.extend(chunk.probs);
             if let Some(w) = segments {
                 let closed = segmenter::closed_boundaries(&pieces, cfg);
                 if closed.len() >= w {
@@ -468,11 +496,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         }
         draft.truncate(cap);
         pieces.truncate(cap);
+        if !sampling.is_greedy() && probs.len() < draft.len() {
+            return Err(Error::internal(
+                "the drafter returned no probabilities for sampled tokens",
+            ));
+        }
+        probs.truncate(draft.len());
         let bs = match segments {
             Some(_) => segmenter::boundaries(&pieces, cfg),
             None => vec![draft.len()],
         };
-        Ok((draft, bs))
+        Ok((draft, bs, probs))
     }
 
     /// One verification of `draft`; applies the result. Returns (accepted, fully accepted).
@@ -506,37 +540,92 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         };
         let acc = decide(&plan, &out, &policy)?;
         let a = acc.accepted;
+        let next = out.rows[a].argmax;
+        self.accept(draft, boundaries, a, (bonus || a < l).then_some(next))
+    }
+
+    /// Applies a verification: keeps `a` draft tokens and, with `next`, the target's token after them.
+    fn accept(
+        &mut self,
+        draft: &[u32],
+        boundaries: &[usize],
+        a: usize,
+        next: Option<u32>,
+    ) -> Result<(usize, bool)> {
+        let l = draft.len();
         self.stats.draft_tokens_accepted += a;
         self.stats.segments_accepted += boundaries.iter().take_while(|b| **b <= a).count();
         let full = a == l;
-        if full && !bonus {
+        let Some(next) = next else {
             // Keep pending and d_0..d_{L-2}; d_{L-1} becomes pending.
             self.v.truncate(&self.req.session, self.cached + l)?;
             self.cached += l;
             self.pending = draft[l - 1];
             self.emit(draft, Source::Draft);
-        } else {
-            // The target's own token at the cut (a correction, or the bonus after a full acceptance).
-            let next = out.rows[a].argmax;
-            self.v.truncate(&self.req.session, self.cached + 1 + a)?;
-            self.cached += 1 + a;
-            self.pending = next;
-            self.emit(&draft[..a], Source::Draft);
-            self.emit(&[next], Source::Target);
-        }
+            return Ok((a, full));
+        };
+        // The target's own token at the cut (a correction, or the bonus after a full acceptance).
+        self.v.truncate(&self.req.session, self.cached + 1 + a)?;
+        self.cached += 1 + a;
+        self.pending = next;
+        self.emit(&draft[..a], Source::Draft);
+        self.emit(&[next], Source::Target);
         Ok((a, full))
+    }
+
+    /// One round of lossless speculative sampling over `draft` (see `speculative`).
+    fn verify_sampled(&mut self, draft: &[u32], probs: &[f32]) -> Result<()> {
+        let l = draft.len();
+        let uniforms = (0..l).map(|_| self.rng.random::<f32>()).collect();
+        let plan = VerifyPlan::build(self.cached, self.pending, draft, &[l], None)?
+            .with_sample_check(SampleCheck {
+                draft_probs: probs.to_vec(),
+                uniforms,
+            })?;
+        let t = Instant::now();
+        let out = self.v.verify(&self.req.session, &plan)?;
+        self.stats.verify_ms += ms(t);
+        self.stats.verify_passes += 1;
+        self.stats.target_positions += plan.tokens.len();
+        self.stats.draft_tokens_proposed += l;
+        self.stats.segments_proposed += 1;
+        let s = out
+            .sampled
+            .ok_or_else(|| Error::internal("the verifier ignored the sample check"))?;
+        if s.accepted > l {
+            return Err(Error::internal(format!(
+                "the verifier accepted {} of {l} draft tokens",
+                s.accepted
+            )));
+        }
+        let u = self.rng.random::<f64>();
+        let next = if s.accepted < l {
+            let t = Instant::now();
+            let q = self.d.distribution(&self.req.session, s.accepted)?;
+            self.stats.draft_ms += ms(t);
+            speculative::sample_residual(&s.dist, &q, u)?
+        } else {
+            speculative::sample_from(&s.dist, u)?
+        };
+        self.accept(draft, &[l], s.accepted, Some(next))?;
+        Ok(())
     }
 
     fn run_token_spec(&mut self) -> Result<()> {
         self.open_target()?;
-        self.open_draft(&SamplingParams::default())?;
+        let sampling = self.draft_sampling();
+        self.open_draft(&sampling)?;
         while self.finished.is_none() {
-            let (draft, bs) = self.draft(None, self.req.window.token_spec_tokens)?;
+            let (draft, bs, probs) = self.draft(None, self.req.window.token_spec_tokens)?;
             if draft.is_empty() {
                 self.extend(1, None)?;
                 continue;
             }
-            self.verify(&draft, &bs, true, true)?;
+            if sampling.is_greedy() {
+                self.verify(&draft, &bs, true, true)?;
+            } else {
+                self.verify_sampled(&draft, &probs)?;
+            }
         }
         Ok(())
     }
@@ -546,7 +635,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.open_draft(&SamplingParams::default())?;
         self.window = self.req.window.initial_segments;
         while self.finished.is_none() {
-            let (draft, bs) = self.draft(Some(self.window), 0)?;
+            let (draft, bs, _) = self.draft(Some(self.window), 0)?;
             if draft.is_empty() {
                 // The draft had nothing to say: the target writes a segment.
                 self.extend_segment()?;
@@ -574,7 +663,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let mut pieces = self.d.pieces(&[self.pending])?;
         while self.finished.is_none() && segmenter::first_segment_end(&pieces, &cfg).is_none() {
             let start = self.out.len();
-            let (draft, bs) = self.draft(None, self.req.window.token_spec_tokens)?;
+            let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
             if draft.is_empty() {
                 self.extend(1, None)?;
             } else {
@@ -612,6 +701,8 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         cached: 0,
         pending: 0,
         window: req.window.initial_segments,
+        // A stream of its own, apart from the workers' samplers that share the request's seed.
+        rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),
@@ -654,4 +745,52 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         finish_reason: run.finished.unwrap_or(FinishReason::Length),
         stats,
     })
+}
+
+/// Stands in for the drafter where none is loaded (target mode: never called).
+pub struct NoDrafter;
+
+impl Drafter for NoDrafter {
+    fn begin(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> Result<()> {
+        Err(Error::internal("no draft model loaded"))
+    }
+    fn next(&mut self, _: &str, _: usize) -> Result<DraftChunk> {
+        Err(Error::internal("no draft model loaded"))
+    }
+    fn distribution(&mut self, _: &str, _: usize) -> Result<Vec<(u32, f32)>> {
+        Err(Error::internal("no draft model loaded"))
+    }
+    fn pieces(&mut self, _: &[u32]) -> Result<Vec<String>> {
+        Err(Error::internal("no draft model loaded"))
+    }
+    fn release(&mut self, _: &str) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Stands in for the verifier where none is loaded (draft mode: never called).
+pub struct NoVerifier;
+
+impl Verifier for NoVerifier {
+    fn open(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> Result<()> {
+        Err(Error::internal("no target model loaded"))
+    }
+    fn verify(&mut self, _: &str, _: &VerifyPlan) -> Result<VerifyOutput> {
+        Err(Error::internal("no target model loaded"))
+    }
+    fn extend(
+        &mut self,
+        _: &str,
+        _: u32,
+        _: usize,
+        _: Option<&SegmenterConfig>,
+    ) -> Result<ExtendOutput> {
+        Err(Error::internal("no target model loaded"))
+    }
+    fn truncate(&mut self, _: &str, _: usize) -> Result<()> {
+        Err(Error::internal("no target model loaded"))
+    }
+    fn release(&mut self, _: &str) -> Result<()> {
+        Ok(())
+    }
 }

@@ -8,6 +8,7 @@ pub mod mask;
 pub mod plan;
 pub mod policy;
 pub mod segmenter;
+pub mod speculative;
 
 pub use driver::{
     DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
@@ -18,3 +19,4 @@ pub use mask::{BlockMask, MaskRow};
 pub use plan::VerifyPlan;
 pub use policy::{AcceptPolicy, Acceptance, JudgeScore, RowScore, Verdict, VerifyOutput, decide};
 pub use segmenter::SegmenterConfig;
+pub use speculative::{SampleCheck, SampledRow};

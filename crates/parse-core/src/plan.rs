@@ -18,6 +18,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::mask::{BlockMask, MaskRow};
+use crate::speculative::SampleCheck;
 
 /// A packed verification block.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +34,8 @@ pub struct VerifyPlan {
     pub boundaries: Vec<usize>,
     /// Last row of each suffix copy, one per boundary (empty when no suffix is used).
     pub suffix_rows: Vec<usize>,
+    /// Stochastic acceptance (token-level speculation at temperature > 0); `None` for greedy and PARSE verdicts.
+    pub sample: Option<SampleCheck>,
 }
 
 impl VerifyPlan {
@@ -93,7 +96,20 @@ impl VerifyPlan {
             draft: draft.to_vec(),
             boundaries: boundaries.to_vec(),
             suffix_rows,
+            sample: None,
         })
+    }
+
+    /// Asks the verifier for stochastic acceptance (see `speculative`); one entry per draft token.
+    pub fn with_sample_check(mut self, check: SampleCheck) -> Result<Self> {
+        let l = self.draft.len();
+        if check.draft_probs.len() != l || check.uniforms.len() != l {
+            return Err(Error::invalid(format!(
+                "sample check needs {l} draft probabilities and uniforms"
+            )));
+        }
+        self.sample = Some(check);
+        Ok(self)
     }
 
     /// Rows whose logits the verdicts need: the draft rows, then the suffix ends.

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::plan::VerifyPlan;
+use crate::speculative::SampledRow;
 
 /// The target's view of one draft row.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,6 +38,8 @@ pub struct VerifyOutput {
     pub rows: Vec<RowScore>,
     /// One per suffix copy (empty without a suffix).
     pub judge: Vec<JudgeScore>,
+    /// The answer to the plan's sample check (`None` when the plan had none).
+    pub sampled: Option<SampledRow>,
 }
 
 /// How segments are scored.
@@ -180,6 +183,7 @@ mod tests {
                 })
                 .collect(),
             judge: vec![],
+            sampled: None,
         }
     }
 

@@ -106,7 +106,11 @@ impl Verifier for FakeVerifier {
             })
             .collect();
         cache.extend(&plan.tokens);
-        Ok(VerifyOutput { rows, judge })
+        Ok(VerifyOutput {
+            rows,
+            judge,
+            sampled: None,
+        })
     }
     fn extend(
         &mut self,
@@ -169,6 +173,11 @@ impl Drafter for FakeDrafter {
         }
         c.done |= ctx.last() == Some(&EOS);
         Ok(c)
+    }
+    fn distribution(&mut self, _: &str, _: usize) -> parse_core::Result<Vec<(u32, f32)>> {
+        Err(parse_core::Error::invalid(
+            "greedy fake keeps no distributions",
+        ))
     }
     fn pieces(&mut self, tokens: &[u32]) -> parse_core::Result<Vec<String>> {
         Ok(tokens.iter().map(|t| piece(*t)).collect())
@@ -332,7 +341,7 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
                 temperature: 0.7,
                 ..Default::default()
             },
-            ..request(Mode::TokenSpec, 0.1, Verdict::Likelihood, &[1], 5)
+            ..request(Mode::Parse, 0.1, Verdict::Likelihood, &[1], 5)
         },
     ] {
         let err = generate(&mut d, &mut v, &bad, &mut |_, _| true).unwrap_err();

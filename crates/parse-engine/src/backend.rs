@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, SamplingParams, Verifier};
 use parse_core::policy::{JudgeScore, RowScore, VerifyOutput};
 use parse_core::segmenter::{self, SegmenterConfig};
+use parse_core::speculative::{self, SampledRow};
 use parse_core::{Error as CoreError, Result as CoreResult, VerifyPlan};
 
 use crate::engine::Engine;
 use crate::generate::PREFILL_CHUNK;
-use crate::sampling::{Sampler, argmax};
+use crate::sampling::{Sampler, argmax, distribution};
 
 /// Probability of `token` under softmax(`logits`) at temperature 1.
 pub fn token_prob(logits: &[f32], token: u32) -> f32 {
@@ -20,6 +21,15 @@ pub fn token_prob(logits: &[f32], token: u32) -> f32 {
         Some(v) => (((*v - max) as f64).exp() / sum) as f32,
         None => 0.0,
     }
+}
+
+/// The request's sampling distribution over `logits` as `(token, probability)`, zero entries dropped.
+fn sparse_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f32)> {
+    distribution(logits, params)
+        .into_iter()
+        .map(|(t, p)| (t, p as f32))
+        .filter(|x| x.1 > 0.0)
+        .collect()
 }
 
 fn pieces_of(engine: &Engine, tokens: &[u32]) -> CoreResult<Vec<String>> {
@@ -108,6 +118,30 @@ impl Verifier for EngineVerifier<'_> {
                 }
             })
             .collect();
+        let sampled = match &plan.sample {
+            None => None,
+            Some(check) => {
+                let params = self
+                    .samplers
+                    .get(session)
+                    .ok_or_else(|| CoreError::invalid(format!("unknown session `{session}`")))?
+                    .params()
+                    .clone();
+                let mut dists: Vec<Vec<(u32, f32)>> = Vec::new();
+                let accepted = speculative::first_rejection(check, |i| {
+                    let d = sparse_distribution(logits.row(i), &params);
+                    let p = d.iter().find(|x| x.0 == plan.draft[i]).map_or(0.0, |x| x.1);
+                    dists.push(d);
+                    Ok(p)
+                })?;
+                let dist = if accepted < dists.len() {
+                    dists.swap_remove(accepted)
+                } else {
+                    sparse_distribution(logits.row(accepted), &params)
+                };
+                Some(SampledRow { accepted, dist })
+            }
+        };
         let mut judge = Vec::new();
         if !plan.suffix_rows.is_empty() {
             let (yes, no) = self.yes_no.ok_or_else(|| {
@@ -121,7 +155,11 @@ impl Verifier for EngineVerifier<'_> {
                 });
             }
         }
-        Ok(VerifyOutput { rows, judge })
+        Ok(VerifyOutput {
+            rows,
+            judge,
+            sampled,
+        })
     }
 
     fn extend(
@@ -190,6 +228,8 @@ struct DraftState {
     cursor: usize,
     sampler: Sampler,
     done: bool,
+    /// The distributions the current draft's tokens were drawn from (stochastic sampling only).
+    dists: Vec<Vec<(u32, f32)>>,
 }
 
 /// The draft model as a [`Drafter`]. Its cache follows the accepted context: a new draft keeps the longest common
@@ -229,6 +269,7 @@ impl Drafter for EngineDrafter<'_> {
                     cursor: 0,
                     sampler,
                     done: false,
+                    dists: Vec::new(),
                 },
             );
         }
@@ -243,7 +284,10 @@ impl Drafter for EngineDrafter<'_> {
             .take_while(|(a, b)| a == b)
             .count();
         st.done = false;
-        if common == context.len() && !st.next.is_empty() {
+        st.dists.clear();
+        let stochastic = !st.sampler.params().is_greedy();
+        // Replaying tokens drafted earlier is only done greedily: a sampled replay would need their distributions.
+        if common == context.len() && !st.next.is_empty() && !stochastic {
             // The context is a prefix of what the draft already computed: replay the rest.
             st.cursor = context.len();
             return Ok(());
@@ -266,6 +310,7 @@ impl Drafter for EngineDrafter<'_> {
             .get_mut(session)
             .ok_or_else(|| CoreError::invalid(format!("unknown draft session `{session}`")))?;
         let mut chunk = DraftChunk::default();
+        let stochastic = !st.sampler.params().is_greedy();
         while chunk.tokens.len() < max && !st.done {
             if st.cursor < st.kv.len() {
                 let t = st.kv[st.cursor];
@@ -278,7 +323,21 @@ impl Drafter for EngineDrafter<'_> {
                 st.done = true;
                 break;
             }
-            let t = st.sampler.sample(&st.next);
+            let t = if stochastic {
+                let (t, d) = st.sampler.sample_with_distribution(&st.next);
+                let d: Vec<(u32, f32)> = d
+                    .into_iter()
+                    .map(|(t, p)| (t, p as f32))
+                    .filter(|x| x.1 > 0.0)
+                    .collect();
+                chunk
+                    .probs
+                    .push(d.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+                st.dists.push(d);
+                t
+            } else {
+                st.sampler.sample(&st.next)
+            };
             chunk.tokens.push(t);
             if self.engine.tokenizer().is_eos(t) {
                 st.done = true;
@@ -292,6 +351,18 @@ impl Drafter for EngineDrafter<'_> {
         chunk.done = st.done;
         chunk.pieces = pieces_of(self.engine, &chunk.tokens)?;
         Ok(chunk)
+    }
+
+    fn distribution(&mut self, session: &str, index: usize) -> CoreResult<Vec<(u32, f32)>> {
+        let st = self
+            .states
+            .get(session)
+            .ok_or_else(|| CoreError::invalid(format!("unknown draft session `{session}`")))?;
+        st.dists.get(index).cloned().ok_or_else(|| {
+            CoreError::invalid(format!(
+                "no sampled draft token {index} in session `{session}` (greedy drafts keep none)"
+            ))
+        })
     }
 
     fn pieces(&mut self, tokens: &[u32]) -> CoreResult<Vec<String>> {

@@ -164,6 +164,27 @@ fn check_limits(
             },
         );
         assert_eq!(ts.tokens, want_target, "token-spec, {prompt:?}");
+        // Stochastic token-spec with top-k 1: every distribution is a point mass, so lossless speculative sampling
+        // must reproduce greedy decoding exactly (this runs the sampled verification path end to end).
+        let sampled = run(
+            target,
+            draft,
+            &GenerationRequest {
+                mode: Mode::TokenSpec,
+                sampling: parse_core::SamplingParams {
+                    temperature: 0.8,
+                    top_k: 1,
+                    top_p: 1.0,
+                    seed: 7,
+                },
+                ..base.clone()
+            },
+        );
+        assert_eq!(
+            sampled.tokens, want_target,
+            "sampled token-spec, {prompt:?}"
+        );
+        assert!(sampled.stats.verify_passes > 0);
         for &verdict in verdicts {
             for mode in [Mode::Parse, Mode::ParseTokenSpec] {
                 let r = request(target, prompt, mode, 1.5, verdict, max);

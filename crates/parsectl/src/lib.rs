@@ -64,7 +64,7 @@ pub enum Mode {
     Target,
     /// The draft model alone.
     Draft,
-    /// Classic draft-model speculative decoding (greedy, lossless).
+    /// Classic draft-model speculative decoding (lossless; greedy or sampled).
     TokenSpec,
     /// Parallel prefix verification of whole draft segments.
     Parse,
@@ -310,8 +310,12 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
         let mut drafter = draft.as_mut().map(EngineDrafter::new);
         let result = match (&mut drafter, &mut verifier) {
             (Some(d), Some(v)) => parse_core::generate(d, v, &req, &mut sink),
-            (None, Some(v)) => parse_core::generate(&mut NoDrafter, v, &req, &mut sink),
-            (Some(d), None) => parse_core::generate(d, &mut NoVerifier, &req, &mut sink),
+            (None, Some(v)) => {
+                parse_core::generate(&mut parse_core::driver::NoDrafter, v, &req, &mut sink)
+            }
+            (Some(d), None) => {
+                parse_core::generate(d, &mut parse_core::driver::NoVerifier, &req, &mut sink)
+            }
             (None, None) => Err(parse_core::Error::invalid("no model")),
         };
         result.map_err(CliError::Core)?
@@ -350,53 +354,4 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
         );
     }
     Ok(())
-}
-
-/// Stands in for the drafter in target mode (never called).
-struct NoDrafter;
-
-impl parse_core::Drafter for NoDrafter {
-    fn begin(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
-        Err(parse_core::Error::internal("no draft model loaded"))
-    }
-    fn next(&mut self, _: &str, _: usize) -> parse_core::Result<parse_core::DraftChunk> {
-        Err(parse_core::Error::internal("no draft model loaded"))
-    }
-    fn pieces(&mut self, _: &[u32]) -> parse_core::Result<Vec<String>> {
-        Err(parse_core::Error::internal("no draft model loaded"))
-    }
-    fn release(&mut self, _: &str) -> parse_core::Result<()> {
-        Ok(())
-    }
-}
-
-/// Stands in for the verifier in draft mode (never called).
-struct NoVerifier;
-
-impl parse_core::Verifier for NoVerifier {
-    fn open(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
-        Err(parse_core::Error::internal("no target model loaded"))
-    }
-    fn verify(
-        &mut self,
-        _: &str,
-        _: &parse_core::VerifyPlan,
-    ) -> parse_core::Result<parse_core::VerifyOutput> {
-        Err(parse_core::Error::internal("no target model loaded"))
-    }
-    fn extend(
-        &mut self,
-        _: &str,
-        _: u32,
-        _: usize,
-        _: Option<&parse_core::SegmenterConfig>,
-    ) -> parse_core::Result<parse_core::ExtendOutput> {
-        Err(parse_core::Error::internal("no target model loaded"))
-    }
-    fn truncate(&mut self, _: &str, _: usize) -> parse_core::Result<()> {
-        Err(parse_core::Error::internal("no target model loaded"))
-    }
-    fn release(&mut self, _: &str) -> parse_core::Result<()> {
-        Ok(())
-    }
 }
