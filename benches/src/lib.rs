@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+pub mod plot;
+
 /// The model cache directory: `$PARSE_MODEL_DIR`, else `~/.cache/parse/models`.
 pub fn model_dir() -> PathBuf {
     match std::env::var_os("PARSE_MODEL_DIR") {

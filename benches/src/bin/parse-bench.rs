@@ -6,7 +6,8 @@
 //! per output token, token and segment acceptance, and quality against the same run's `target` mode: HumanEval
 //! pass@1 (each record's `test` run in a `python3` subprocess with a timeout), ASDiv exact numeric answer, and for
 //! MT-Bench / XSum the share of outputs identical to the target's and their mean common-prefix fraction. Writes
-//! `<out-dir>/<suite>.json` and `<out-dir>/<suite>.md`.
+//! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md` and `<out-dir>/<suite>.png` (speed-up against quality, one line
+//! per mode and verdict over the tau sweep, target mode as the cross-hair).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,6 +16,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use parse_bench::model_dir;
+use parse_bench::plot::{Series, scatter_png};
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Stats, Verdict,
 };
@@ -399,6 +401,53 @@ fn main() -> Result<()> {
         serde_json::to_string_pretty(&report)?,
     )?;
     std::fs::write(args.out_dir.join(format!("{}.md", args.suite)), &md)?;
+    let png = args.out_dir.join(format!("{}.png", args.suite));
+    plot(&png, &args.suite, quality_name, &rows, base_q)?;
     println!("{md}");
     Ok(())
+}
+
+/// One line per (mode, verdict) over its tau values; single-setting modes as single points.
+fn plot(
+    path: &std::path::Path,
+    suite: &str,
+    quality: &str,
+    rows: &[Value],
+    base_q: f64,
+) -> Result<()> {
+    let mut series: Vec<Series> = Vec::new();
+    for r in rows.iter().skip(1) {
+        let mode = r["mode"].as_str().unwrap_or_default();
+        let sweeps = mode.starts_with("parse");
+        let name = if sweeps {
+            format!("{mode} {}", r["verdict"].as_str().unwrap_or_default())
+        } else {
+            mode.to_string()
+        };
+        let label = if sweeps {
+            format!("tau={}", r["tau"].as_f64().unwrap_or(f64::NAN) as f32)
+        } else {
+            String::new()
+        };
+        let point = (
+            r["quality"].as_f64().unwrap_or(f64::NAN) * 100.0,
+            r["speedup_vs_target"].as_f64().unwrap_or(f64::NAN),
+            label,
+        );
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![point],
+            }),
+        }
+    }
+    scatter_png(
+        path,
+        &format!("{suite}: speed-up vs {quality}"),
+        &format!("{quality} (%)"),
+        "x target tok/s",
+        &series,
+        (base_q * 100.0, 1.0),
+    )
 }
