@@ -1,6 +1,7 @@
 //! The engine behind the PARSE loop's traits: [`EngineVerifier`] runs the target, [`EngineDrafter`] the draft, both
 //! in process. The gRPC workers wrap the same types.
 
+use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
 use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, SamplingParams, Verifier};
@@ -67,16 +68,16 @@ fn prefill(
     Ok(last)
 }
 
-/// The target model as a [`Verifier`].
-pub struct EngineVerifier<'a> {
-    engine: &'a mut Engine,
+/// The target model as a [`Verifier`], over a borrowed (`&mut Engine`, in process) or owned engine (a worker).
+pub struct EngineVerifier<E: BorrowMut<Engine>> {
+    engine: E,
     samplers: HashMap<String, Sampler>,
     yes_no: Option<(u32, u32)>,
 }
 
-impl<'a> EngineVerifier<'a> {
-    pub fn new(engine: &'a mut Engine) -> Self {
-        let tok = engine.tokenizer();
+impl<E: BorrowMut<Engine>> EngineVerifier<E> {
+    pub fn new(engine: E) -> Self {
+        let tok = engine.borrow().tokenizer();
         let yes_no = tok.token_to_id("Yes").zip(tok.token_to_id("No"));
         EngineVerifier {
             engine,
@@ -86,17 +87,32 @@ impl<'a> EngineVerifier<'a> {
     }
 }
 
-impl Verifier for EngineVerifier<'_> {
+impl<E: BorrowMut<Engine>> EngineVerifier<E> {
+    pub fn engine(&self) -> &Engine {
+        self.engine.borrow()
+    }
+
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        self.engine.borrow_mut()
+    }
+}
+
+impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
     fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
         if prompt.is_empty() {
             return Err(CoreError::invalid("empty prompt"));
         }
         let sampler = Sampler::new(sampling.clone())?;
-        self.engine.open_session(session)?;
+        self.engine.borrow_mut().open_session(session)?;
         if prompt.len() > 1
-            && let Err(e) = prefill(self.engine, session, &prompt[..prompt.len() - 1], false)
+            && let Err(e) = prefill(
+                self.engine.borrow_mut(),
+                session,
+                &prompt[..prompt.len() - 1],
+                false,
+            )
         {
-            let _ = self.engine.release(session);
+            let _ = self.engine.borrow_mut().release(session);
             return Err(e.into());
         }
         self.samplers.insert(session.to_string(), sampler);
@@ -105,9 +121,13 @@ impl Verifier for EngineVerifier<'_> {
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {
         let readout = plan.readout();
-        let logits =
-            self.engine
-                .forward(session, &plan.tokens, &plan.positions, &plan.mask, &readout)?;
+        let logits = self.engine.borrow_mut().forward(
+            session,
+            &plan.tokens,
+            &plan.positions,
+            &plan.mask,
+            &readout,
+        )?;
         let l = plan.draft.len();
         let rows = (0..=l)
             .map(|t| {
@@ -171,16 +191,19 @@ impl Verifier for EngineVerifier<'_> {
     ) -> CoreResult<ExtendOutput> {
         let mut out = ExtendOutput::default();
         let mut all_pieces = match segment {
-            Some(_) => pieces_of(self.engine, &[pending])?,
+            Some(_) => pieces_of(self.engine.borrow(), &[pending])?,
             None => Vec::new(),
         };
         let mut last = pending;
-        let limit = self.engine.model().config().max_context;
+        let limit = self.engine.borrow().model().config().max_context;
         while out.tokens.len() < max.max(1) {
-            if self.engine.session_len(session)? + 1 >= limit {
+            if self.engine.borrow_mut().session_len(session)? + 1 >= limit {
                 break;
             }
-            let logits = self.engine.forward_causal(session, &[last], &[0])?;
+            let logits = self
+                .engine
+                .borrow_mut()
+                .forward_causal(session, &[last], &[0])?;
             let sampler = self
                 .samplers
                 .get_mut(session)
@@ -188,11 +211,11 @@ impl Verifier for EngineVerifier<'_> {
             let t = sampler.sample(logits.row(0));
             out.tokens.push(t);
             last = t;
-            if self.engine.tokenizer().is_eos(t) {
+            if self.engine.borrow().tokenizer().is_eos(t) {
                 break;
             }
             if let Some(cfg) = segment {
-                let p = pieces_of(self.engine, &[t])?;
+                let p = pieces_of(self.engine.borrow(), &[t])?;
                 all_pieces.extend(p.iter().cloned());
                 out.pieces.extend(p);
                 if segmenter::first_segment_end(&all_pieces, cfg).is_some() {
@@ -209,12 +232,12 @@ impl Verifier for EngineVerifier<'_> {
     }
 
     fn truncate(&mut self, session: &str, len: usize) -> CoreResult<()> {
-        Ok(self.engine.truncate(session, len)?)
+        Ok(self.engine.borrow_mut().truncate(session, len)?)
     }
 
     fn release(&mut self, session: &str) -> CoreResult<()> {
         self.samplers.remove(session);
-        self.engine.release(session)?;
+        self.engine.borrow_mut().release(session)?;
         Ok(())
     }
 }
@@ -232,15 +255,16 @@ struct DraftState {
     dists: Vec<Vec<(u32, f32)>>,
 }
 
-/// The draft model as a [`Drafter`]. Its cache follows the accepted context: a new draft keeps the longest common
-/// prefix, and draft tokens computed past an accepted cut are reused instead of recomputed.
-pub struct EngineDrafter<'a> {
-    engine: &'a mut Engine,
+/// The draft model as a [`Drafter`], over a borrowed or owned engine. Its cache follows the accepted context: a new
+/// draft keeps the longest common prefix, and draft tokens computed past an accepted cut are reused instead of
+/// recomputed.
+pub struct EngineDrafter<E: BorrowMut<Engine>> {
+    engine: E,
     states: HashMap<String, DraftState>,
 }
 
-impl<'a> EngineDrafter<'a> {
-    pub fn new(engine: &'a mut Engine) -> Self {
+impl<E: BorrowMut<Engine>> EngineDrafter<E> {
+    pub fn new(engine: E) -> Self {
         EngineDrafter {
             engine,
             states: HashMap::new(),
@@ -248,7 +272,18 @@ impl<'a> EngineDrafter<'a> {
     }
 }
 
-impl Drafter for EngineDrafter<'_> {
+impl<E: BorrowMut<Engine>> EngineDrafter<E> {
+    pub fn engine(&self) -> &Engine {
+        self.engine.borrow()
+    }
+
+    /// Sessions with draft state.
+    pub fn sessions(&self) -> impl Iterator<Item = &str> {
+        self.states.keys().map(|s| s.as_str())
+    }
+}
+
+impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
     fn begin(
         &mut self,
         session: &str,
@@ -259,7 +294,7 @@ impl Drafter for EngineDrafter<'_> {
             return Err(CoreError::invalid("empty context"));
         }
         if !self.states.contains_key(session) {
-            self.engine.open_session(session)?;
+            self.engine.borrow_mut().open_session(session)?;
             let sampler = Sampler::new(sampling.clone())?;
             self.states.insert(
                 session.to_string(),
@@ -294,9 +329,9 @@ impl Drafter for EngineDrafter<'_> {
         }
         // Recompute from the common prefix, keeping at least the last context token to get its logits.
         let keep = common.min(context.len() - 1);
-        self.engine.truncate(session, keep)?;
+        self.engine.borrow_mut().truncate(session, keep)?;
         st.kv.truncate(keep);
-        let logits = prefill(self.engine, session, &context[keep..], true)?;
+        let logits = prefill(self.engine.borrow_mut(), session, &context[keep..], true)?;
         st.kv.extend_from_slice(&context[keep..]);
         st.next = logits.ok_or_else(|| CoreError::internal("prefill returned no logits"))?;
         st.cursor = context.len();
@@ -304,7 +339,7 @@ impl Drafter for EngineDrafter<'_> {
     }
 
     fn next(&mut self, session: &str, max: usize) -> CoreResult<DraftChunk> {
-        let limit = self.engine.model().config().max_context;
+        let limit = self.engine.borrow().model().config().max_context;
         let st = self
             .states
             .get_mut(session)
@@ -316,7 +351,7 @@ impl Drafter for EngineDrafter<'_> {
                 let t = st.kv[st.cursor];
                 st.cursor += 1;
                 chunk.tokens.push(t);
-                st.done = self.engine.tokenizer().is_eos(t);
+                st.done = self.engine.borrow().tokenizer().is_eos(t);
                 continue;
             }
             if st.kv.len() + 1 >= limit {
@@ -339,17 +374,20 @@ impl Drafter for EngineDrafter<'_> {
                 st.sampler.sample(&st.next)
             };
             chunk.tokens.push(t);
-            if self.engine.tokenizer().is_eos(t) {
+            if self.engine.borrow().tokenizer().is_eos(t) {
                 st.done = true;
                 break;
             }
-            let logits = self.engine.forward_causal(session, &[t], &[0])?;
+            let logits = self
+                .engine
+                .borrow_mut()
+                .forward_causal(session, &[t], &[0])?;
             st.next = logits.row(0).to_vec();
             st.kv.push(t);
             st.cursor = st.kv.len();
         }
         chunk.done = st.done;
-        chunk.pieces = pieces_of(self.engine, &chunk.tokens)?;
+        chunk.pieces = pieces_of(self.engine.borrow(), &chunk.tokens)?;
         Ok(chunk)
     }
 
@@ -366,12 +404,12 @@ impl Drafter for EngineDrafter<'_> {
     }
 
     fn pieces(&mut self, tokens: &[u32]) -> CoreResult<Vec<String>> {
-        pieces_of(self.engine, tokens)
+        pieces_of(self.engine.borrow(), tokens)
     }
 
     fn release(&mut self, session: &str) -> CoreResult<()> {
         if self.states.remove(session).is_some() {
-            self.engine.release(session)?;
+            self.engine.borrow_mut().release(session)?;
         }
         Ok(())
     }

@@ -34,7 +34,7 @@ impl Message {
 }
 
 /// The supported chat layouts.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ChatTemplate {
     ChatMl { default_system: Option<String> },
     Llama3,
@@ -235,6 +235,48 @@ impl Tokenizer {
             add_bos,
             template,
         }
+    }
+
+    /// The whole tokenizer (vocabulary, special tokens, chat layout) as one JSON document, so that a router can
+    /// tokenize for workers without reading model files.
+    pub fn to_portable(&self) -> Result<String> {
+        let inner = self
+            .inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        serde_json::to_string(&serde_json::json!({
+            "tokenizer": inner,
+            "eos": self.eos,
+            "bos": self.bos,
+            "add_bos": self.add_bos,
+            "template": self.template,
+        }))
+        .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// The inverse of [`Tokenizer::to_portable`].
+    pub fn from_portable(text: &str) -> Result<Self> {
+        #[derive(serde::Deserialize)]
+        struct Portable {
+            tokenizer: String,
+            eos: Vec<u32>,
+            bos: Option<u32>,
+            add_bos: bool,
+            template: ChatTemplate,
+        }
+        let p: Portable = serde_json::from_str(text)
+            .map_err(|e| Error::Tokenizer(format!("portable tokenizer: {e}")))?;
+        let inner: tokenizers::Tokenizer = p
+            .tokenizer
+            .parse()
+            .map_err(|e: tokenizers::Error| Error::Tokenizer(e.to_string()))?;
+        Ok(Tokenizer {
+            inner,
+            eos: p.eos,
+            bos: p.bos,
+            add_bos: p.add_bos,
+            template: p.template,
+        })
     }
 
     /// Token ids of `text`, special tokens written in the text included, with no BOS/EOS added.

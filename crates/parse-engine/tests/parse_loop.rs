@@ -135,8 +135,8 @@ fn plain_greedy(e: &mut Engine, prompt: &[u32], max: usize) -> Vec<u32> {
 
 fn run(target: &mut Engine, draft: &mut Engine, req: &GenerationRequest) -> parse_core::Outcome {
     let out = {
-        let mut v = EngineVerifier::new(target);
-        let mut d = EngineDrafter::new(draft);
+        let mut v = EngineVerifier::new(&mut *target);
+        let mut d = EngineDrafter::new(&mut *draft);
         parse_core::generate(&mut d, &mut v, req, &mut |_, _| true).unwrap()
     };
     assert_eq!(target.sessions().count(), 0, "target session left open");

@@ -1,4 +1,5 @@
-//! The operator CLI. `generate --local` runs a model in process; later commands talk to a cluster.
+//! The operator CLI. `generate --local` runs the models in process; `generate --router ADDR` asks a cluster through
+//! the client SDK, with the same output and `--json` contract.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -31,6 +32,8 @@ pub enum CliError {
     Engine(#[from] parse_engine::Error),
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Remote(#[from] parse_client::ClientError),
 }
 
 impl CliError {
@@ -40,6 +43,7 @@ impl CliError {
                 EXIT_USAGE
             }
             CliError::Engine(parse_engine::Error::ContextExceeded { .. }) => EXIT_USAGE,
+            CliError::Remote(parse_client::ClientError::InvalidArgument(_)) => EXIT_USAGE,
             _ => EXIT_FAILURE,
         }
     }
@@ -146,8 +150,14 @@ impl ModelArgs {
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
     /// Run the models in this process.
-    #[arg(long, required = true)]
+    #[arg(long, conflicts_with = "router", required_unless_present = "router")]
     pub local: bool,
+    /// Ask a PARSE router at host:port instead.
+    #[arg(long, env = "PARSE_ROUTER")]
+    pub router: Option<String>,
+    /// Seconds the cluster may take (sent as the gRPC deadline; --router only).
+    #[arg(long)]
+    pub timeout_s: Option<f64>,
     #[arg(long, value_enum, default_value_t = Mode::Target)]
     pub mode: Mode,
     #[arg(long, default_value_t = 256)]
@@ -210,6 +220,9 @@ fn load(path: PathBuf, tokenizer: &Option<PathBuf>) -> Result<Engine, CliError> 
 fn generate(args: &GenerateArgs) -> Result<(), CliError> {
     if args.prompt.trim().is_empty() {
         return Err(CliError::Usage("empty prompt".into()));
+    }
+    if let Some(addr) = &args.router {
+        return generate_remote(addr, args);
     }
     let mode: parse_core::Mode = args.mode.into();
     let uses_target = args.mode != Mode::Draft;
@@ -337,7 +350,7 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
             "finish_reason": finish,
             "stats": outcome.stats,
         });
-        println!("{v}");
+        let _ = writeln!(stdout, "{v}");
     } else {
         let s = &outcome.stats;
         println!();
@@ -354,4 +367,141 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
         );
     }
     Ok(())
+}
+
+/// `generate --router`: the same request through the client SDK.
+fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
+    use parse_client::{Client, ClientOptions, Event};
+    use tokio_stream::StreamExt;
+
+    if args.max_new_tokens == 0 || args.max_new_tokens > u32::MAX as usize {
+        return Err(CliError::Usage("max-new-tokens must be at least 1".into()));
+    }
+    let timeout = match args.timeout_s {
+        Some(t) if !(t.is_finite() && t > 0.0) => {
+            return Err(CliError::Usage(
+                "timeout-s must be a positive number".into(),
+            ));
+        }
+        Some(t) => Some(std::time::Duration::from_secs_f64(t)),
+        None => None,
+    };
+    let mode = parse_core::Mode::from(args.mode).as_str().to_string();
+    let req = parse_client::GenerateRequest {
+        prompt: args.prompt.clone(),
+        system: args.system.clone().unwrap_or_default(),
+        max_new_tokens: args.max_new_tokens as u32,
+        sampling: Some(parse_client::Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k as u32,
+            top_p: Some(args.top_p),
+            seed: args.seed,
+        }),
+        mode,
+        tau: Some(args.tau),
+        verdict: match args.verdict {
+            VerdictArg::Likelihood => "likelihood".into(),
+            VerdictArg::Judge => "judge".into(),
+        },
+        exact_floor: Some(!args.no_exact_floor),
+        segmenter: Some(parse_client::Segmenter {
+            min_tokens: Some(args.min_segment_tokens as u32),
+            max_tokens: Some(args.max_segment_tokens as u32),
+            ..Default::default()
+        }),
+        stop: args.stop.clone(),
+        draft_segments: args.draft_segments as u32,
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut client = Client::connect_with(
+            addr,
+            ClientOptions {
+                request_timeout: timeout,
+                ..Default::default()
+            },
+        )
+        .await?;
+        let mut stream = client.generate_stream(req).await?;
+        let mut stdout = std::io::stdout();
+        let mut text = String::new();
+        let mut token_ids: Vec<u32> = Vec::new();
+        let mut finished = None;
+        while let Some(ev) = stream.next().await {
+            match ev? {
+                Event::Delta(d) => {
+                    if !args.json {
+                        let _ = stdout.write_all(d.text.as_bytes());
+                        let _ = stdout.flush();
+                    }
+                    text.push_str(&d.text);
+                    token_ids.extend(d.token_ids);
+                }
+                Event::Finished(f) => finished = Some(f),
+            }
+        }
+        let f = finished.ok_or_else(|| {
+            CliError::Remote(parse_client::ClientError::Unavailable(
+                "the stream ended without a result".into(),
+            ))
+        })?;
+        let s = f.stats.unwrap_or_default();
+        if args.json {
+            let v = json!({
+                "text": text,
+                "token_ids": token_ids,
+                "finish_reason": f.finish_reason,
+                "request_id": f.request_id,
+                "stats": stats_json(&s),
+            });
+            // A closed stdout (`| head`) is not an error of the generation.
+            let _ = writeln!(stdout, "{v}");
+        } else {
+            println!();
+            eprintln!(
+                "[{} | output {} tok | {:.1} tok/s | target passes/token {:.2} | draft accepted {}/{} | segments {}/{} | finish {}]",
+                s.mode,
+                s.output_tokens,
+                s.tokens_per_s,
+                s.target_passes_per_token,
+                s.draft_tokens_accepted,
+                s.draft_tokens_proposed,
+                s.segments_accepted,
+                s.segments_proposed,
+                f.finish_reason,
+            );
+        }
+        Ok(())
+    })
+}
+
+/// The wire stats under the same keys as the local `--json` output, plus the cluster's failover figures.
+pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
+    json!({
+        "mode": s.mode,
+        "prompt_tokens": s.prompt_tokens,
+        "output_tokens": s.output_tokens,
+        "draft_tokens_proposed": s.draft_tokens_proposed,
+        "draft_tokens_accepted": s.draft_tokens_accepted,
+        "segments_proposed": s.segments_proposed,
+        "segments_accepted": s.segments_accepted,
+        "target_passes": s.target_passes,
+        "verify_passes": s.verify_passes,
+        "extend_passes": s.extend_passes,
+        "target_positions": s.target_positions,
+        "target_passes_per_token": s.target_passes_per_token,
+        "target_positions_per_token": s.target_positions_per_token,
+        "draft_ms": s.draft_ms,
+        "verify_ms": s.verify_ms,
+        "extend_ms": s.extend_ms,
+        "prefill_ms": s.prefill_ms,
+        "total_ms": s.total_ms,
+        "tokens_per_s": s.tokens_per_s,
+        "draft_failovers": s.draft_failovers,
+        "target_failovers": s.target_failovers,
+        "fell_back_to_target": s.fell_back_to_target,
+    })
 }

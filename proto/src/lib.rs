@@ -1,0 +1,361 @@
+//! The `parse.v1` gRPC API and its conversions to and from `parse-core` types, shared by the router, the workers and
+//! the client SDK.
+//!
+//! Conversions from the wire validate what they read (lengths, ranges) and answer with `parse_core::Error`s of kind
+//! `InvalidInput`, which servers return as INVALID_ARGUMENT.
+
+use parse_core::plan::check_boundaries;
+use parse_core::policy::{JudgeScore, RowScore, VerifyOutput};
+use parse_core::speculative::{SampleCheck, SampledRow};
+use parse_core::{
+    BlockMask, Error as CoreError, ErrorKind, MaskRow, SamplingParams, SegmenterConfig, Stats,
+    VerifyPlan,
+};
+use tonic::{Code, Status};
+
+pub mod serve;
+
+#[allow(clippy::all)]
+pub mod v1 {
+    tonic::include_proto!("parse.v1");
+}
+
+/// The encoded descriptors of `parse.v1`, for server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("parse_v1_descriptor");
+
+/// A core error as a gRPC status (INTERNAL details are logged by the caller, not returned).
+pub fn status_from_core(e: CoreError) -> Status {
+    let code = match e.kind {
+        ErrorKind::InvalidInput => Code::InvalidArgument,
+        ErrorKind::ResourceExhausted => Code::ResourceExhausted,
+        ErrorKind::Unavailable => Code::Unavailable,
+        ErrorKind::Cancelled => Code::Cancelled,
+        ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
+        ErrorKind::Internal => Code::Internal,
+    };
+    Status::new(code, e.message)
+}
+
+/// A gRPC status as a core error. Transport failures (UNAVAILABLE, UNKNOWN from a dropped connection) become
+/// `Unavailable`, which the router treats as a lost worker.
+pub fn core_from_status(s: &Status) -> CoreError {
+    let kind = match s.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition | Code::NotFound => {
+            ErrorKind::InvalidInput
+        }
+        Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+        Code::Unavailable | Code::Unknown | Code::Aborted => ErrorKind::Unavailable,
+        Code::Cancelled => ErrorKind::Cancelled,
+        Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
+        _ => ErrorKind::Internal,
+    };
+    CoreError::new(kind, s.message().to_string())
+}
+
+fn usize_of(v: u32) -> usize {
+    v as usize
+}
+
+impl From<&SamplingParams> for v1::Sampling {
+    fn from(p: &SamplingParams) -> Self {
+        v1::Sampling {
+            temperature: p.temperature,
+            top_k: p.top_k as u32,
+            top_p: Some(p.top_p),
+            seed: p.seed,
+        }
+    }
+}
+
+/// Sampling from the wire (absent: greedy).
+pub fn sampling_from(s: Option<&v1::Sampling>) -> Result<SamplingParams, CoreError> {
+    let p = match s {
+        None => SamplingParams::default(),
+        Some(s) => SamplingParams {
+            temperature: s.temperature,
+            top_k: usize_of(s.top_k),
+            top_p: s.top_p.unwrap_or(1.0),
+            seed: s.seed,
+        },
+    };
+    p.validate()?;
+    Ok(p)
+}
+
+impl From<&SegmenterConfig> for v1::Segmenter {
+    fn from(c: &SegmenterConfig) -> Self {
+        v1::Segmenter {
+            min_tokens: Some(c.min_tokens as u32),
+            max_tokens: Some(c.max_tokens as u32),
+            lines: Some(c.lines),
+            sentences: Some(c.sentences),
+            statements: Some(c.statements),
+        }
+    }
+}
+
+/// Segmenter settings from the wire: unset fields keep `base`'s values.
+pub fn segmenter_from(
+    s: Option<&v1::Segmenter>,
+    base: &SegmenterConfig,
+) -> Result<SegmenterConfig, CoreError> {
+    let mut c = base.clone();
+    if let Some(s) = s {
+        if let Some(v) = s.min_tokens {
+            c.min_tokens = usize_of(v);
+        }
+        if let Some(v) = s.max_tokens {
+            c.max_tokens = usize_of(v);
+        }
+        if let Some(v) = s.lines {
+            c.lines = v;
+        }
+        if let Some(v) = s.sentences {
+            c.sentences = v;
+        }
+        if let Some(v) = s.statements {
+            c.statements = v;
+        }
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+/// A plan on the wire.
+pub fn verify_request(session: &str, plan: &VerifyPlan) -> v1::VerifyRequest {
+    v1::VerifyRequest {
+        session: session.to_string(),
+        tokens: plan.tokens.clone(),
+        positions: plan.positions.clone(),
+        mask: plan
+            .mask
+            .rows()
+            .iter()
+            .map(|r| v1::MaskRow {
+                cached: r.cached as u32,
+                spans: r
+                    .spans
+                    .iter()
+                    .flat_map(|s| [s.start as u32, s.end as u32])
+                    .collect(),
+            })
+            .collect(),
+        draft: plan.draft.clone(),
+        boundaries: plan.boundaries.iter().map(|b| *b as u32).collect(),
+        suffix_rows: plan.suffix_rows.iter().map(|b| *b as u32).collect(),
+        sample: plan.sample.as_ref().map(|c| v1::SampleCheck {
+            draft_probs: c.draft_probs.clone(),
+            uniforms: c.uniforms.clone(),
+        }),
+    }
+}
+
+/// A plan from the wire, checked for internal consistency (the engine checks the mask against its cache).
+pub fn plan_from(r: &v1::VerifyRequest) -> Result<VerifyPlan, CoreError> {
+    let n = r.tokens.len();
+    let l = r.draft.len();
+    if n == 0 || l == 0 || r.positions.len() != n || r.mask.len() != n || n < l + 1 {
+        return Err(CoreError::invalid(format!(
+            "inconsistent plan: {n} tokens, {} positions, {} mask rows, draft of {l}",
+            r.positions.len(),
+            r.mask.len()
+        )));
+    }
+    let mut rows = Vec::with_capacity(n);
+    for m in &r.mask {
+        if m.spans.len() % 2 != 0 {
+            return Err(CoreError::invalid("mask spans come in start/end pairs"));
+        }
+        rows.push(MaskRow {
+            cached: usize_of(m.cached),
+            spans: m
+                .spans
+                .chunks(2)
+                .map(|p| usize_of(p[0])..usize_of(p[1]))
+                .collect(),
+        });
+    }
+    let boundaries: Vec<usize> = r.boundaries.iter().map(|b| usize_of(*b)).collect();
+    check_boundaries(&boundaries, l)?;
+    let suffix_rows: Vec<usize> = r.suffix_rows.iter().map(|b| usize_of(*b)).collect();
+    if suffix_rows.iter().any(|s| *s >= n || *s <= l) {
+        return Err(CoreError::invalid("suffix rows outside the block"));
+    }
+    if r.tokens[1..=l] != r.draft[..] {
+        return Err(CoreError::invalid(
+            "the draft must follow the pending token in the block",
+        ));
+    }
+    let plan = VerifyPlan {
+        tokens: r.tokens.clone(),
+        positions: r.positions.clone(),
+        mask: BlockMask::from_rows(rows),
+        draft_rows: 0..l + 1,
+        draft: r.draft.clone(),
+        boundaries,
+        suffix_rows,
+        sample: None,
+    };
+    match &r.sample {
+        None => Ok(plan),
+        Some(c) => plan.with_sample_check(SampleCheck {
+            draft_probs: c.draft_probs.clone(),
+            uniforms: c.uniforms.clone(),
+        }),
+    }
+}
+
+impl From<&VerifyOutput> for v1::VerifyResponse {
+    fn from(o: &VerifyOutput) -> Self {
+        v1::VerifyResponse {
+            rows: o
+                .rows
+                .iter()
+                .map(|r| v1::RowScore {
+                    argmax: r.argmax,
+                    prob: r.prob,
+                })
+                .collect(),
+            judge: o
+                .judge
+                .iter()
+                .map(|j| v1::JudgeScore {
+                    yes: j.yes,
+                    no: j.no,
+                })
+                .collect(),
+            sampled: o.sampled.as_ref().map(|s| v1::SampledRow {
+                accepted: s.accepted as u32,
+                tokens: s.dist.iter().map(|x| x.0).collect(),
+                probs: s.dist.iter().map(|x| x.1).collect(),
+            }),
+        }
+    }
+}
+
+/// A verifier's answer from the wire.
+pub fn verify_output_from(r: v1::VerifyResponse) -> Result<VerifyOutput, CoreError> {
+    let sampled = match r.sampled {
+        None => None,
+        Some(s) => Some(SampledRow {
+            accepted: usize_of(s.accepted),
+            dist: dist_from(s.tokens, s.probs)?,
+        }),
+    };
+    Ok(VerifyOutput {
+        rows: r
+            .rows
+            .into_iter()
+            .map(|x| RowScore {
+                argmax: x.argmax,
+                prob: x.prob,
+            })
+            .collect(),
+        judge: r
+            .judge
+            .into_iter()
+            .map(|j| JudgeScore {
+                yes: j.yes,
+                no: j.no,
+            })
+            .collect(),
+        sampled,
+    })
+}
+
+/// A sparse distribution from parallel token/probability lists.
+pub fn dist_from(tokens: Vec<u32>, probs: Vec<f32>) -> Result<Vec<(u32, f32)>, CoreError> {
+    if tokens.len() != probs.len() {
+        return Err(CoreError::internal(
+            "distribution with unequal token and probability lists",
+        ));
+    }
+    Ok(tokens.into_iter().zip(probs).collect())
+}
+
+impl From<&Stats> for v1::Stats {
+    fn from(s: &Stats) -> Self {
+        let u = |x: usize| x as u32;
+        v1::Stats {
+            mode: s.mode.clone(),
+            prompt_tokens: u(s.prompt_tokens),
+            output_tokens: u(s.output_tokens),
+            draft_tokens_proposed: u(s.draft_tokens_proposed),
+            draft_tokens_accepted: u(s.draft_tokens_accepted),
+            segments_proposed: u(s.segments_proposed),
+            segments_accepted: u(s.segments_accepted),
+            target_passes: u(s.target_passes),
+            verify_passes: u(s.verify_passes),
+            extend_passes: u(s.extend_passes),
+            target_positions: u(s.target_positions),
+            target_passes_per_token: s.target_passes_per_token,
+            target_positions_per_token: s.target_positions_per_token,
+            draft_ms: s.draft_ms,
+            verify_ms: s.verify_ms,
+            extend_ms: s.extend_ms,
+            prefill_ms: s.prefill_ms,
+            total_ms: s.total_ms,
+            tokens_per_s: s.tokens_per_s,
+            draft_failovers: 0,
+            target_failovers: 0,
+            fell_back_to_target: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_round_trip_and_bad_plans_are_refused() {
+        let plan = VerifyPlan::build(5, 9, &[20, 21, 22], &[2, 3], Some(&[7, 8]))
+            .unwrap()
+            .with_sample_check(SampleCheck {
+                draft_probs: vec![0.5; 3],
+                uniforms: vec![0.1; 3],
+            })
+            .unwrap();
+        let wire = verify_request("s", &plan);
+        assert_eq!(plan_from(&wire).unwrap(), plan);
+        let mut bad = wire.clone();
+        bad.positions.pop();
+        assert_eq!(plan_from(&bad).unwrap_err().kind, ErrorKind::InvalidInput);
+        let mut bad = wire.clone();
+        bad.boundaries = vec![1];
+        assert!(plan_from(&bad).is_err());
+        let mut bad = wire.clone();
+        bad.mask[0].spans.push(1);
+        assert!(plan_from(&bad).is_err());
+        let mut bad = wire;
+        bad.draft[0] = 99;
+        assert!(plan_from(&bad).is_err());
+    }
+
+    #[test]
+    fn status_codes_by_meaning() {
+        let s = status_from_core(CoreError::invalid("no"));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert_eq!(core_from_status(&s).kind, ErrorKind::InvalidInput);
+        assert_eq!(
+            core_from_status(&Status::unavailable("gone")).kind,
+            ErrorKind::Unavailable
+        );
+        let seg = segmenter_from(
+            Some(&v1::Segmenter {
+                min_tokens: Some(2),
+                ..Default::default()
+            }),
+            &SegmenterConfig::default(),
+        )
+        .unwrap();
+        assert_eq!((seg.min_tokens, seg.max_tokens), (2, 48));
+        assert!(
+            sampling_from(Some(&v1::Sampling {
+                temperature: -1.0,
+                ..Default::default()
+            }))
+            .is_err()
+        );
+    }
+}

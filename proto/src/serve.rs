@@ -1,0 +1,46 @@
+//! What every server does alike: `grpc.health.v1` and server reflection beside its own services, a bound listener
+//! (port 0 picks a free one), and shutdown on a signal.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
+
+/// Server reflection for `parse.v1` and `grpc.health.v1`, so grpcurl works without the .proto files.
+pub fn reflection_service()
+-> Result<ServerReflectionServer<impl ServerReflection>, tonic_reflection::server::Error> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+}
+
+/// Binds `addr` and returns the listener with the address it got.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}

@@ -1,0 +1,60 @@
+//! `parse-draft-worker --model FILE [--listen ADDR]`: serves a draft model.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use parse_draft_worker::{DraftWorker, DraftWorkerConfig, serve};
+use parse_engine::{Engine, EngineConfig};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "PARSE draft worker: a draft model behind parse.v1.Drafter"
+)]
+struct Args {
+    /// The draft model (GGUF, or a directory with safetensors and config.json).
+    #[arg(long, env = "PARSE_DRAFT_MODEL")]
+    model: PathBuf,
+    /// A tokenizer.json to use instead of the model's own.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[arg(long, env = "PARSE_DRAFT_LISTEN", default_value = "127.0.0.1:50061")]
+    listen: SocketAddr,
+    /// Drafts streaming at once before RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 64)]
+    max_streams: usize,
+    /// Seconds before an idle session is released.
+    #[arg(long, default_value_t = 300)]
+    session_ttl_s: u64,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 4096)]
+    kv_mib: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let mut cfg = EngineConfig::new(&args.model);
+    cfg.tokenizer = args.tokenizer.clone();
+    cfg.kv_capacity_bytes = args.kv_mib << 20;
+    let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    let worker = DraftWorker::new(
+        engine,
+        DraftWorkerConfig {
+            max_streams: args.max_streams,
+            session_ttl: Duration::from_secs(args.session_ttl_s),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| anyhow::anyhow!(e.message))?;
+    let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
+    tracing::info!(%addr, model = %args.model.display(), "draft worker serving");
+    serve(worker, listener, parse_proto::serve::shutdown_signal()).await
+}

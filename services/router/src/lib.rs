@@ -1,0 +1,509 @@
+//! The router: the public `parse.v1.Generation` API. It tokenizes (with the tokenizer the target worker ships),
+//! runs the one PARSE loop from `parse-core` against gRPC-backed drafter and verifier ([`remote`]), streams text as
+//! output is accepted, and stops the loop when the client goes away or the deadline passes; sessions on both
+//! workers are released on every path. At most `max_in_flight` requests run at once; beyond that it answers
+//! RESOURCE_EXHAUSTED.
+
+pub mod pool;
+pub mod remote;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parse_core::{
+    AcceptPolicy, DraftWindow, Error as CoreError, ErrorKind, GenerationRequest, Mode, Source,
+    Verdict,
+};
+use parse_engine::generate::StopFilter;
+use parse_engine::tokenizer::StreamDecoder;
+use parse_engine::{Message, Tokenizer};
+use parse_proto::v1::generation_server::{Generation, GenerationServer};
+use parse_proto::v1::verifier_client::VerifierClient;
+use parse_proto::v1::{
+    Finished, GenerateRequest, GenerateResponse, GenerateStreamResponse, GetModelInfoRequest,
+    TextDelta, TokenSource, generate_stream_response::Event,
+};
+use parse_proto::{sampling_from, segmenter_from, status_from_core};
+use tokio::sync::{OnceCell, Semaphore, mpsc};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::pool::Pool;
+use crate::remote::{CallCtx, RemoteDrafter, RemoteVerifier};
+
+/// Router settings.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub drafts: Vec<String>,
+    pub targets: Vec<String>,
+    /// Requests running at once.
+    pub max_in_flight: usize,
+    /// Largest `max_new_tokens` a request may ask for.
+    pub max_new_tokens_limit: usize,
+    pub default_mode: Mode,
+    pub default_policy: AcceptPolicy,
+    pub connect_timeout: Duration,
+    /// How often lost workers are probed.
+    pub probe_every: Duration,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            drafts: Vec::new(),
+            targets: Vec::new(),
+            max_in_flight: 64,
+            max_new_tokens_limit: 4096,
+            default_mode: Mode::Parse,
+            default_policy: AcceptPolicy::default(),
+            connect_timeout: Duration::from_secs(2),
+            probe_every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What the router knows of the model pair.
+struct ModelCtx {
+    tokenizer: Arc<Tokenizer>,
+    max_context: usize,
+    judge_suffix: Vec<u32>,
+}
+
+/// The `Generation` service.
+#[derive(Clone)]
+pub struct Router {
+    cfg: Arc<RouterConfig>,
+    drafts: Arc<Pool>,
+    targets: Arc<Pool>,
+    model: Arc<OnceCell<Arc<ModelCtx>>>,
+    in_flight: Arc<Semaphore>,
+}
+
+type Sender = mpsc::Sender<Result<GenerateStreamResponse, Status>>;
+
+/// Reads the `grpc-timeout` header (the client's deadline).
+fn deadline_of<T>(req: &Request<T>) -> Option<Instant> {
+    let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    let d = match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    Some(Instant::now() + d)
+}
+
+fn source_of(s: Source) -> TokenSource {
+    match s {
+        Source::Draft => TokenSource::Draft,
+        Source::Target => TokenSource::Target,
+    }
+}
+
+impl Router {
+    pub fn new(cfg: RouterConfig) -> anyhow::Result<Self> {
+        if cfg.targets.is_empty() {
+            anyhow::bail!("the router needs at least one target worker (--target ADDR)");
+        }
+        let drafts = Arc::new(Pool::new("draft", &cfg.drafts, cfg.connect_timeout)?);
+        let targets = Arc::new(Pool::new("target", &cfg.targets, cfg.connect_timeout)?);
+        Ok(Router {
+            in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            cfg: Arc::new(cfg),
+            drafts,
+            targets,
+            model: Arc::new(OnceCell::new()),
+        })
+    }
+
+    pub fn into_server(self) -> GenerationServer<Self> {
+        GenerationServer::new(self)
+    }
+
+    /// Starts the probes that bring lost workers back.
+    pub fn spawn_probers(&self) -> Vec<tokio::task::JoinHandle<()>> {
+        vec![
+            self.drafts.spawn_prober(self.cfg.probe_every),
+            self.targets.spawn_prober(self.cfg.probe_every),
+        ]
+    }
+
+    /// The model pair's tokenizer and limits, asked of the target workers once.
+    async fn model(&self) -> Result<Arc<ModelCtx>, Status> {
+        self.model
+            .get_or_try_init(|| async {
+                let mut last = Status::unavailable("no target worker");
+                for w in self.targets.workers() {
+                    let mut c =
+                        VerifierClient::new(w.channel.clone()).max_decoding_message_size(256 << 20);
+                    let mut req = Request::new(GetModelInfoRequest {});
+                    req.set_timeout(Duration::from_secs(10));
+                    match c.get_model_info(req).await {
+                        Ok(r) => {
+                            let info = r.into_inner();
+                            let tok =
+                                Tokenizer::from_portable(&info.tokenizer_json).map_err(|e| {
+                                    Status::internal(format!("tokenizer from {}: {e}", w.addr))
+                                })?;
+                            let judge_suffix = tok.judge_suffix().unwrap_or_default();
+                            return Ok(Arc::new(ModelCtx {
+                                tokenizer: Arc::new(tok),
+                                max_context: info.max_context as usize,
+                                judge_suffix,
+                            }));
+                        }
+                        Err(s) => {
+                            last = Status::unavailable(format!("{}: {}", w.addr, s.message()))
+                        }
+                    }
+                }
+                Err(last)
+            })
+            .await
+            .cloned()
+    }
+
+    /// Checks a request and turns it into the loop's request.
+    fn build(
+        &self,
+        m: &ModelCtx,
+        r: &GenerateRequest,
+        session: &str,
+    ) -> Result<(GenerationRequest, Vec<String>), CoreError> {
+        let messages: Vec<Message> = if r.messages.is_empty() {
+            if r.prompt.is_empty() {
+                return Err(CoreError::invalid(
+                    "empty prompt: give `prompt` or `messages`",
+                ));
+            }
+            let mut v = Vec::new();
+            if !r.system.is_empty() {
+                v.push(Message::new("system", &r.system));
+            }
+            v.push(Message::new("user", &r.prompt));
+            v
+        } else {
+            if !r.prompt.is_empty() {
+                return Err(CoreError::invalid(
+                    "give either `prompt` or `messages`, not both",
+                ));
+            }
+            for msg in &r.messages {
+                if !matches!(msg.role.as_str(), "system" | "user" | "assistant") {
+                    return Err(CoreError::invalid(format!(
+                        "unknown role `{}` (system, user, assistant)",
+                        msg.role
+                    )));
+                }
+            }
+            r.messages
+                .iter()
+                .map(|x| Message::new(&x.role, &x.content))
+                .collect()
+        };
+        let max_new = r.max_new_tokens as usize;
+        if max_new == 0 || max_new > self.cfg.max_new_tokens_limit {
+            return Err(CoreError::invalid(format!(
+                "max_new_tokens must be 1..={}, got {}",
+                self.cfg.max_new_tokens_limit, r.max_new_tokens
+            )));
+        }
+        let prompt = m
+            .tokenizer
+            .encode_chat(&messages)
+            .map_err(CoreError::from)?;
+        if prompt.len() >= m.max_context {
+            return Err(CoreError::invalid(format!(
+                "the prompt has {} tokens; the model's context is {}",
+                prompt.len(),
+                m.max_context
+            )));
+        }
+        let mode = if r.mode.is_empty() {
+            self.cfg.default_mode
+        } else {
+            r.mode.parse()?
+        };
+        let mut policy = self.cfg.default_policy;
+        if let Some(t) = r.tau {
+            policy.tau = t;
+        }
+        if !r.verdict.is_empty() {
+            policy.verdict = r.verdict.parse::<Verdict>()?;
+        }
+        if let Some(f) = r.exact_floor {
+            policy.exact_floor = f;
+        }
+        let mut window = DraftWindow::default();
+        if r.draft_segments > 0 {
+            window.initial_segments = r.draft_segments as usize;
+            window.max_segments = window.max_segments.max(window.initial_segments);
+        }
+        for s in &r.stop {
+            if s.is_empty() {
+                return Err(CoreError::invalid("empty stop string"));
+            }
+        }
+        let req = GenerationRequest {
+            session: session.to_string(),
+            prompt,
+            max_new_tokens: max_new,
+            mode,
+            sampling: sampling_from(r.sampling.as_ref())?,
+            policy,
+            segmenter: segmenter_from(r.segmenter.as_ref(), &Default::default())?,
+            window,
+            eos: m.tokenizer.eos_ids().to_vec(),
+            judge_suffix: m.judge_suffix.clone(),
+        };
+        req.validate()?;
+        if matches!(
+            mode,
+            Mode::Draft | Mode::TokenSpec | Mode::Parse | Mode::ParseTokenSpec
+        ) && self.drafts.is_empty()
+        {
+            return Err(CoreError::invalid(format!(
+                "mode {} needs a draft worker and the router has none",
+                mode.as_str()
+            )));
+        }
+        Ok((req, r.stop.clone()))
+    }
+
+    /// Runs one request, sending deltas and the final message to `tx`. Returns when the loop has finished and
+    /// released its sessions.
+    async fn run(
+        &self,
+        r: GenerateRequest,
+        deadline: Option<Instant>,
+        tx: Sender,
+    ) -> Result<(), Status> {
+        let permit = self.in_flight.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "router busy: {} requests in flight",
+                self.cfg.max_in_flight
+            ))
+        })?;
+        let m = self.model().await?;
+        let request_id = if r.request_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            r.request_id.clone()
+        };
+        let session = format!("{request_id}/{}", uuid::Uuid::new_v4().simple());
+        let (req, stop) = self.build(&m, &r, &session).map_err(status_from_core)?;
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let ctx = CallCtx {
+            handle: tokio::runtime::Handle::current(),
+            cancelled: cancelled.clone(),
+            deadline,
+        };
+        let drafts = self.drafts.clone();
+        let targets = self.targets.clone();
+        let span =
+            tracing::info_span!("generate", request_id = %request_id, mode = req.mode.as_str());
+        let task = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let _enter = span.enter();
+            let tok = m.tokenizer.clone();
+            let mut drafter = RemoteDrafter::new(drafts, ctx.clone(), tok.clone(), 256);
+            let mut verifier = RemoteVerifier::new(targets, ctx.clone());
+            let mut decoder = StreamDecoder::new();
+            let mut filter = StopFilter::new(stop);
+            let mut failure: Option<CoreError> = None;
+            let mut sink = |tokens: &[u32], source: Source| -> bool {
+                let mut text = String::new();
+                let mut stopped = false;
+                for &t in tokens {
+                    match decoder.push(&tok, t) {
+                        Ok(Some(d)) => {
+                            let (out, hit) = filter.push(&d);
+                            text.push_str(&out);
+                            if hit {
+                                stopped = true;
+                                break;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            failure = Some(e.into());
+                            return false;
+                        }
+                    }
+                }
+                let delta = GenerateStreamResponse {
+                    event: Some(Event::Delta(TextDelta {
+                        text,
+                        token_ids: tokens.to_vec(),
+                        source: source_of(source) as i32,
+                    })),
+                };
+                if tx.blocking_send(Ok(delta)).is_err() {
+                    // The client went away: stop the loop (it releases the sessions) and every pending call.
+                    cancelled.store(true, Ordering::Relaxed);
+                    return false;
+                }
+                !stopped && ctx.deadline.is_none_or(|d| Instant::now() < d)
+            };
+            let result = if req.mode == Mode::Target {
+                parse_core::generate(
+                    &mut parse_core::driver::NoDrafter,
+                    &mut verifier,
+                    &req,
+                    &mut sink,
+                )
+            } else if req.mode == Mode::Draft {
+                parse_core::generate(
+                    &mut drafter,
+                    &mut parse_core::driver::NoVerifier,
+                    &req,
+                    &mut sink,
+                )
+            } else {
+                parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink)
+            };
+            let result = match (result, failure) {
+                (Ok(o), None) => Ok(o),
+                (Ok(_), Some(e)) | (Err(e), _) => Err(e),
+            };
+            let mut outcome = match result {
+                Ok(o) => o,
+                Err(e) => {
+                    if e.kind == ErrorKind::Internal {
+                        tracing::error!("{}", e.message);
+                    }
+                    let _ = tx.blocking_send(Err(status_from_core(e)));
+                    return;
+                }
+            };
+            if ctx.deadline.is_some_and(|d| Instant::now() >= d)
+                && outcome.finish_reason == parse_core::FinishReason::Stop
+            {
+                let _ = tx.blocking_send(Err(Status::deadline_exceeded("deadline exceeded")));
+                return;
+            }
+            let tail = filter.flush();
+            if !tail.is_empty() {
+                let _ = tx.blocking_send(Ok(GenerateStreamResponse {
+                    event: Some(Event::Delta(TextDelta {
+                        text: tail,
+                        token_ids: vec![],
+                        source: TokenSource::Unspecified as i32,
+                    })),
+                }));
+            }
+            let mut stats = parse_proto::v1::Stats::from(&outcome.stats);
+            stats.draft_failovers = drafter.failovers as u32;
+            stats.target_failovers = verifier.failovers as u32;
+            stats.fell_back_to_target = drafter.fell_back;
+            outcome.stats.mode = req.mode.as_str().to_string();
+            tracing::info!(
+                output_tokens = outcome.stats.output_tokens,
+                finish = outcome.finish_reason.as_str(),
+                target_passes_per_token = outcome.stats.target_passes_per_token,
+                "done"
+            );
+            let _ = tx.blocking_send(Ok(GenerateStreamResponse {
+                event: Some(Event::Finished(Finished {
+                    request_id,
+                    finish_reason: outcome.finish_reason.as_str().to_string(),
+                    stats: Some(stats),
+                })),
+            }));
+        });
+        task.await
+            .map_err(|e| Status::internal(format!("generation task: {e}")))
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateStreamResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Generation for Router {
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<GenerateResponse>, Status> {
+        let deadline = deadline_of(&request);
+        let r = request.into_inner();
+        let (tx, mut rx) = mpsc::channel(64);
+        let router = self.clone();
+        // The loop runs in its own task; if this handler is dropped (client gone), `rx` goes with it and the loop
+        // stops at its next output.
+        let run = tokio::spawn(async move { router.run(r, deadline, tx).await });
+        let mut text = String::new();
+        let mut token_ids = Vec::new();
+        let mut finished = None;
+        while let Some(msg) = rx.recv().await {
+            match msg?.event {
+                Some(Event::Delta(d)) => {
+                    text.push_str(&d.text);
+                    token_ids.extend(d.token_ids);
+                }
+                Some(Event::Finished(f)) => finished = Some(f),
+                None => {}
+            }
+        }
+        run.await
+            .map_err(|e| Status::internal(format!("generation task: {e}")))??;
+        let f = finished.ok_or_else(|| Status::internal("generation ended without a result"))?;
+        Ok(Response::new(GenerateResponse {
+            request_id: f.request_id,
+            text,
+            token_ids,
+            finish_reason: f.finish_reason,
+            stats: f.stats,
+        }))
+    }
+
+    type GenerateStreamStream = GenStream;
+
+    async fn generate_stream(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        let deadline = deadline_of(&request);
+        let r = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let router = self.clone();
+        let err_tx = tx.clone();
+        tokio::spawn(async move {
+            if let Err(s) = router.run(r, deadline, tx).await {
+                let _ = err_tx.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Serves the router on `listener` until `shutdown` resolves.
+pub async fn serve(
+    router: Router,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<GenerationServer<Router>>().await;
+    let probers = router.spawn_probers();
+    let result = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(parse_proto::serve::reflection_service()?)
+        .add_service(router.into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    for p in probers {
+        p.abort();
+    }
+    Ok(result?)
+}

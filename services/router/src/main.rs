@@ -1,0 +1,71 @@
+//! `parse-router --target ADDR... [--draft ADDR...] [--listen ADDR]`: the Generation API in front of the workers.
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+use parse_core::{AcceptPolicy, Mode, Verdict};
+use parse_router::{Router, RouterConfig, serve};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "PARSE router: parse.v1.Generation in front of draft and target workers"
+)]
+struct Args {
+    #[arg(long, env = "PARSE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Draft worker addresses (host:port), repeatable or comma-separated.
+    #[arg(long = "draft", env = "PARSE_DRAFT_WORKERS", value_delimiter = ',')]
+    drafts: Vec<String>,
+    /// Target worker addresses (host:port), repeatable or comma-separated.
+    #[arg(
+        long = "target",
+        env = "PARSE_TARGET_WORKERS",
+        value_delimiter = ',',
+        required = true
+    )]
+    targets: Vec<String>,
+    /// Requests running at once before RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 64)]
+    max_in_flight: usize,
+    #[arg(long, default_value_t = 4096)]
+    max_new_tokens_limit: usize,
+    /// Mode of requests that name none.
+    #[arg(long, default_value = "parse")]
+    default_mode: String,
+    #[arg(long, default_value_t = 1e-3)]
+    default_tau: f32,
+    #[arg(long, default_value = "likelihood")]
+    default_verdict: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let err = |e: parse_core::Error| anyhow::anyhow!(e.message);
+    let default_mode: Mode = args.default_mode.parse().map_err(err)?;
+    let verdict: Verdict = args.default_verdict.parse().map_err(err)?;
+    let policy = AcceptPolicy {
+        verdict,
+        tau: args.default_tau,
+        ..Default::default()
+    };
+    policy.validate().map_err(err)?;
+    let router = Router::new(RouterConfig {
+        drafts: args.drafts.clone(),
+        targets: args.targets.clone(),
+        max_in_flight: args.max_in_flight,
+        max_new_tokens_limit: args.max_new_tokens_limit,
+        default_mode,
+        default_policy: policy,
+        ..Default::default()
+    })?;
+    let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
+    tracing::info!(%addr, drafts = ?args.drafts, targets = ?args.targets, "router serving");
+    serve(router, listener, parse_proto::serve::shutdown_signal()).await
+}

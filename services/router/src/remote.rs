@@ -1,0 +1,446 @@
+//! gRPC-backed [`Drafter`] and [`Verifier`] for the one PARSE loop, with failover.
+//!
+//! The loop is synchronous and runs on a blocking thread; each call here blocks on the runtime's handle.
+//!
+//! - Draft worker lost: the current draft ends early (the loop verifies what it got), the next draft starts on
+//!   another worker; with none left the drafter returns empty drafts, so the loop finishes with the target alone
+//!   (`fell_back_to_target`).
+//! - Target worker lost: the verifier keeps a mirror of the session's cache (prompt, verified blocks, truncations,
+//!   extensions), re-prefills it on another worker and retries the call.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
+use parse_core::policy::VerifyOutput;
+use parse_core::{Error, ErrorKind, Result, SamplingParams, SegmenterConfig, VerifyPlan};
+use parse_engine::Tokenizer;
+use parse_proto::v1::drafter_client::DrafterClient;
+use parse_proto::v1::verifier_client::VerifierClient;
+use parse_proto::v1::{
+    DistributionRequest, DraftRequest, DraftResponse, ExtendRequest, OpenSessionRequest,
+    ReleaseRequest, TruncateRequest,
+};
+use parse_proto::{core_from_status, dist_from, verify_output_from, verify_request};
+use tokio::runtime::Handle;
+use tonic::Streaming;
+
+use crate::pool::{Lease, Pool};
+
+/// Limits and cancellation shared by both sides of one request.
+#[derive(Clone)]
+pub struct CallCtx {
+    pub handle: Handle,
+    /// Set when the client went away.
+    pub cancelled: Arc<AtomicBool>,
+    pub deadline: Option<Instant>,
+}
+
+impl CallCtx {
+    fn check(&self) -> Result<()> {
+        if self.cancelled.load(Ordering::Relaxed) {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "the client cancelled the request",
+            ));
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Error::new(ErrorKind::DeadlineExceeded, "deadline exceeded"));
+        }
+        Ok(())
+    }
+
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(d) = self.deadline {
+            r.set_timeout(d.saturating_duration_since(Instant::now()));
+        }
+        r
+    }
+}
+
+fn is_lost(e: &Error) -> bool {
+    e.kind == ErrorKind::Unavailable
+}
+
+/// The draft side of one request.
+pub struct RemoteDrafter {
+    pool: Arc<Pool>,
+    ctx: CallCtx,
+    tokenizer: Arc<Tokenizer>,
+    lease: Option<Lease>,
+    lost: Vec<String>,
+    stream: Option<Streaming<DraftResponse>>,
+    context: Vec<u32>,
+    sampling: SamplingParams,
+    /// Tokens one Draft stream may produce.
+    max_tokens: u32,
+    done: bool,
+    pub failovers: usize,
+    pub fell_back: bool,
+}
+
+impl RemoteDrafter {
+    pub fn new(pool: Arc<Pool>, ctx: CallCtx, tokenizer: Arc<Tokenizer>, max_tokens: u32) -> Self {
+        RemoteDrafter {
+            pool,
+            ctx,
+            tokenizer,
+            lease: None,
+            lost: Vec::new(),
+            stream: None,
+            context: Vec::new(),
+            sampling: SamplingParams::default(),
+            max_tokens: max_tokens.max(1),
+            done: false,
+            failovers: 0,
+            fell_back: false,
+        }
+    }
+
+    fn client(&self) -> Option<DrafterClient<tonic::transport::Channel>> {
+        self.lease.as_ref().map(|l| {
+            DrafterClient::new(l.worker.channel.clone())
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20)
+        })
+    }
+
+    /// Drops the current worker after a transport failure; the next draft goes elsewhere.
+    fn lose_worker(&mut self, e: &Error) {
+        if let Some(l) = self.lease.take() {
+            tracing::warn!(addr = %l.worker.addr, "draft worker lost: {}", e.message);
+            l.worker.mark_failed();
+            self.lost.push(l.worker.addr.clone());
+            self.failovers += 1;
+        }
+        self.stream = None;
+    }
+
+    fn ensure_worker(&mut self) {
+        if self.lease.is_none() && !self.fell_back {
+            self.lease = self.pool.pick(&self.lost);
+            if self.lease.is_none() {
+                tracing::warn!("no draft worker left: finishing with the target alone");
+                self.fell_back = true;
+            }
+        }
+    }
+}
+
+impl Drafter for RemoteDrafter {
+    fn begin(&mut self, _session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()> {
+        self.ctx.check()?;
+        // Dropping the previous stream cancels its producer on the worker.
+        self.stream = None;
+        self.context = context.to_vec();
+        self.sampling = sampling.clone();
+        self.done = false;
+        Ok(())
+    }
+
+    fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
+        self.ctx.check()?;
+        let mut chunk = DraftChunk::default();
+        if self.done || max == 0 {
+            chunk.done = self.done;
+            return Ok(chunk);
+        }
+        self.ensure_worker();
+        let Some(mut client) = self.client() else {
+            // No draft worker: an empty, finished draft makes the loop go on with the target.
+            self.done = true;
+            chunk.done = true;
+            return Ok(chunk);
+        };
+        if self.stream.is_none() {
+            let req = self.ctx.request(DraftRequest {
+                session: session.to_string(),
+                context: self.context.clone(),
+                sampling: Some((&self.sampling).into()),
+                max_tokens: self.max_tokens,
+            });
+            match self.ctx.handle.block_on(client.draft(req)) {
+                Ok(r) => self.stream = Some(r.into_inner()),
+                Err(s) => {
+                    let e = core_from_status(&s);
+                    if is_lost(&e) {
+                        self.lose_worker(&e);
+                        self.done = true;
+                        chunk.done = true;
+                        return Ok(chunk);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        while chunk.tokens.len() < max {
+            let Some(stream) = self.stream.as_mut() else {
+                break;
+            };
+            match self.ctx.handle.block_on(stream.message()) {
+                Ok(Some(m)) => {
+                    chunk.tokens.extend(m.tokens);
+                    chunk.pieces.extend(m.pieces);
+                    chunk.probs.extend(m.probs);
+                    if m.done {
+                        self.done = true;
+                        break;
+                    }
+                }
+                // The stream ended at the worker's max_tokens: this draft is over.
+                Ok(None) => {
+                    self.done = true;
+                    self.stream = None;
+                    break;
+                }
+                Err(s) => {
+                    let e = core_from_status(&s);
+                    if is_lost(&e) {
+                        // Keep what arrived; the loop verifies it and the next draft uses another worker.
+                        self.lose_worker(&e);
+                        self.done = true;
+                        break;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.context.extend(&chunk.tokens);
+        chunk.done = self.done;
+        Ok(chunk)
+    }
+
+    fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
+        self.ctx.check()?;
+        let mut client = self
+            .client()
+            .ok_or_else(|| Error::new(ErrorKind::Unavailable, "the draft worker was lost"))?;
+        let req = self.ctx.request(DistributionRequest {
+            session: session.to_string(),
+            index: index as u32,
+        });
+        let r = self
+            .ctx
+            .handle
+            .block_on(client.distribution(req))
+            .map_err(|s| core_from_status(&s))?
+            .into_inner();
+        dist_from(r.tokens, r.probs)
+    }
+
+    fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>> {
+        tokens
+            .iter()
+            .map(|t| self.tokenizer.decode(&[*t], false).map_err(Error::from))
+            .collect()
+    }
+
+    fn release(&mut self, session: &str) -> Result<()> {
+        self.stream = None;
+        if let Some(mut client) = self.client() {
+            // Release even when the request itself was cancelled: no deadline on the cleanup.
+            let req = tonic::Request::new(ReleaseRequest {
+                session: session.to_string(),
+            });
+            if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
+                // A lost worker frees its sessions with its process; a live one expires them after its TTL.
+                tracing::warn!("draft release failed: {}", s.message());
+            }
+        }
+        self.lease = None;
+        Ok(())
+    }
+}
+
+/// The target side of one request.
+pub struct RemoteVerifier {
+    pool: Arc<Pool>,
+    ctx: CallCtx,
+    lease: Option<Lease>,
+    lost: Vec<String>,
+    /// What the session's cache holds, to rebuild it on another worker.
+    cache: Vec<u32>,
+    sampling: SamplingParams,
+    opened: bool,
+    pub failovers: usize,
+}
+
+impl RemoteVerifier {
+    pub fn new(pool: Arc<Pool>, ctx: CallCtx) -> Self {
+        RemoteVerifier {
+            pool,
+            ctx,
+            lease: None,
+            lost: Vec::new(),
+            cache: Vec::new(),
+            sampling: SamplingParams::default(),
+            opened: false,
+            failovers: 0,
+        }
+    }
+
+    fn client(&mut self) -> Result<VerifierClient<tonic::transport::Channel>> {
+        if self.lease.is_none() {
+            self.lease = self.pool.pick(&self.lost);
+        }
+        let l = self
+            .lease
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::Unavailable, "no target worker available"))?;
+        Ok(VerifierClient::new(l.worker.channel.clone())
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20))
+    }
+
+    /// Opens the session on the current worker with the mirrored cache.
+    fn reopen(&mut self, session: &str) -> Result<()> {
+        let mut client = self.client()?;
+        let mut prompt = self.cache.clone();
+        // `OpenSession` caches all but the last token; the last one here is a placeholder.
+        prompt.push(0);
+        let req = self.ctx.request(OpenSessionRequest {
+            session: session.to_string(),
+            prompt,
+            sampling: Some((&self.sampling).into()),
+        });
+        self.ctx
+            .handle
+            .block_on(client.open_session(req))
+            .map_err(|s| core_from_status(&s))?;
+        Ok(())
+    }
+
+    /// Runs `call` on the current worker; when that worker is lost, moves the session to another and retries.
+    fn with_failover<T>(
+        &mut self,
+        session: &str,
+        mut call: impl FnMut(
+            &CallCtx,
+            &mut VerifierClient<tonic::transport::Channel>,
+        ) -> std::result::Result<T, tonic::Status>,
+    ) -> Result<T> {
+        loop {
+            self.ctx.check()?;
+            let mut client = self.client()?;
+            match call(&self.ctx, &mut client) {
+                Ok(v) => return Ok(v),
+                Err(s) => {
+                    let e = core_from_status(&s);
+                    if !is_lost(&e) {
+                        return Err(e);
+                    }
+                    if let Some(l) = self.lease.take() {
+                        tracing::warn!(addr = %l.worker.addr, "target worker lost: {}", e.message);
+                        l.worker.mark_failed();
+                        self.lost.push(l.worker.addr.clone());
+                    }
+                    self.failovers += 1;
+                    if self.opened {
+                        // Re-prefill the accepted context elsewhere, then retry.
+                        let mut tries = 0;
+                        loop {
+                            match self.reopen(session) {
+                                Ok(()) => break,
+                                Err(e) if is_lost(&e) && tries < 8 => {
+                                    tries += 1;
+                                    if let Some(l) = self.lease.take() {
+                                        l.worker.mark_failed();
+                                        self.lost.push(l.worker.addr.clone());
+                                    }
+                                }
+                                Err(e) => return Err(e),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Verifier for RemoteVerifier {
+    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("empty prompt"));
+        }
+        self.sampling = sampling.clone();
+        let wire_sampling = Some(sampling.into());
+        self.with_failover(session, |ctx, c| {
+            let req = ctx.request(OpenSessionRequest {
+                session: session.to_string(),
+                prompt: prompt.to_vec(),
+                sampling: wire_sampling,
+            });
+            ctx.handle.block_on(c.open_session(req))
+        })?;
+        self.cache = prompt[..prompt.len() - 1].to_vec();
+        self.opened = true;
+        Ok(())
+    }
+
+    fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput> {
+        let wire = verify_request(session, plan);
+        let r = self.with_failover(session, |ctx, c| {
+            ctx.handle.block_on(c.verify(ctx.request(wire.clone())))
+        })?;
+        self.cache.extend(&plan.tokens);
+        verify_output_from(r.into_inner())
+    }
+
+    fn extend(
+        &mut self,
+        session: &str,
+        pending: u32,
+        max: usize,
+        segment: Option<&SegmenterConfig>,
+    ) -> Result<ExtendOutput> {
+        let req = ExtendRequest {
+            session: session.to_string(),
+            pending,
+            max_tokens: max.clamp(1, u32::MAX as usize) as u32,
+            segment: segment.map(Into::into),
+        };
+        let r = self
+            .with_failover(session, |ctx, c| {
+                ctx.handle.block_on(c.extend(ctx.request(req.clone())))
+            })?
+            .into_inner();
+        if r.tokens.is_empty() {
+            return Err(Error::internal("the target worker extended by no token"));
+        }
+        self.cache.push(pending);
+        self.cache.extend(&r.tokens[..r.tokens.len() - 1]);
+        Ok(ExtendOutput {
+            tokens: r.tokens,
+            pieces: r.pieces,
+        })
+    }
+
+    fn truncate(&mut self, session: &str, len: usize) -> Result<()> {
+        self.with_failover(session, |ctx, c| {
+            ctx.handle.block_on(c.truncate(ctx.request(TruncateRequest {
+                session: session.to_string(),
+                len: len as u32,
+            })))
+        })?;
+        self.cache.truncate(len);
+        Ok(())
+    }
+
+    fn release(&mut self, session: &str) -> Result<()> {
+        if let Some(l) = &self.lease {
+            let mut client = VerifierClient::new(l.worker.channel.clone());
+            let req = tonic::Request::new(ReleaseRequest {
+                session: session.to_string(),
+            });
+            if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
+                tracing::warn!("target release failed: {}", s.message());
+            }
+        }
+        self.lease = None;
+        self.opened = false;
+        Ok(())
+    }
+}

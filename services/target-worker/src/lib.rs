@@ -1,0 +1,297 @@
+//! The target worker: one target model behind `parse.v1.Verifier` (tensor-parallel groups come later; this is the
+//! world-size-1 leader).
+//!
+//! Every call runs in a blocking task under the engine lock. At most `max_queue` calls may wait or run at once;
+//! beyond that the worker answers RESOURCE_EXHAUSTED instead of queueing without limit. Sessions idle for longer
+//! than the TTL are released.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _};
+use parse_engine::Engine;
+use parse_engine::backend::EngineVerifier;
+use parse_proto::v1::verifier_server::{Verifier, VerifierServer};
+use parse_proto::v1::{
+    ExtendRequest, ExtendResponse, GetModelInfoRequest, GetModelInfoResponse, OpenSessionRequest,
+    OpenSessionResponse, ReleaseRequest, ReleaseResponse, TruncateRequest, TruncateResponse,
+    VerifyRequest, VerifyResponse,
+};
+use parse_proto::{plan_from, sampling_from, segmenter_from, status_from_core};
+use tokio::sync::Semaphore;
+use tonic::{Request, Response, Status};
+
+/// Limits of a target worker.
+#[derive(Debug, Clone)]
+pub struct TargetWorkerConfig {
+    /// Calls running or waiting at once.
+    pub max_queue: usize,
+    /// Idle sessions are released after this long.
+    pub session_ttl: Duration,
+    /// Tokens one `Extend` may decode.
+    pub max_extend: u32,
+}
+
+impl Default for TargetWorkerConfig {
+    fn default() -> Self {
+        TargetWorkerConfig {
+            max_queue: 256,
+            session_ttl: Duration::from_secs(300),
+            max_extend: 4096,
+        }
+    }
+}
+
+struct Inner {
+    verifier: EngineVerifier<Engine>,
+    last_used: HashMap<String, Instant>,
+}
+
+/// The `Verifier` service.
+#[derive(Clone)]
+pub struct TargetWorker {
+    inner: Arc<Mutex<Inner>>,
+    queue: Arc<Semaphore>,
+    cfg: TargetWorkerConfig,
+    info: GetModelInfoResponse,
+}
+
+fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn check_session(s: &str) -> Result<(), Status> {
+    if s.is_empty() || s.len() > 256 {
+        return Err(Status::invalid_argument(
+            "session id must be 1 to 256 bytes",
+        ));
+    }
+    Ok(())
+}
+
+impl TargetWorker {
+    pub fn new(engine: Engine, cfg: TargetWorkerConfig) -> Result<Self, CoreError> {
+        let info = parse_draft_worker::model_info(&engine)?;
+        Ok(TargetWorker {
+            inner: Arc::new(Mutex::new(Inner {
+                verifier: EngineVerifier::new(engine),
+                last_used: HashMap::new(),
+            })),
+            queue: Arc::new(Semaphore::new(cfg.max_queue)),
+            cfg,
+            info,
+        })
+    }
+
+    pub fn into_server(self) -> VerifierServer<Self> {
+        VerifierServer::new(self)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    /// Sessions with a KV cache (tests and admin).
+    pub fn open_sessions(&self) -> usize {
+        lock(&self.inner).verifier.engine().sessions().count()
+    }
+
+    /// Releases sessions idle for longer than the TTL; returns how many.
+    pub fn expire_idle(&self) -> usize {
+        let mut g = lock(&self.inner);
+        let ttl = self.cfg.session_ttl;
+        let old: Vec<String> = g
+            .last_used
+            .iter()
+            .filter(|(_, t)| t.elapsed() > ttl)
+            .map(|(s, _)| s.clone())
+            .collect();
+        for s in &old {
+            g.last_used.remove(s);
+            if let Err(e) = g.verifier.release(s) {
+                tracing::warn!(session = %s, "releasing an idle session: {}", e.message);
+            }
+        }
+        if !old.is_empty() {
+            tracing::info!(count = old.len(), "released idle target sessions");
+        }
+        old.len()
+    }
+
+    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+        let w = self.clone();
+        tokio::spawn(async move {
+            let every = (w.cfg.session_ttl / 4).max(Duration::from_millis(50));
+            loop {
+                tokio::time::sleep(every).await;
+                let w2 = w.clone();
+                let _ = tokio::task::spawn_blocking(move || w2.expire_idle()).await;
+            }
+        })
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), Status> {
+        let vocab = self.info.vocab_size;
+        if tokens.iter().any(|t| *t >= vocab) {
+            return Err(Status::invalid_argument(format!(
+                "token ids must be below the vocabulary size {vocab}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the verifier in a blocking task, within the queue bound, marking `session` used.
+    async fn call<T: Send + 'static>(
+        &self,
+        session: String,
+        f: impl FnOnce(&mut EngineVerifier<Engine>) -> Result<T, CoreError> + Send + 'static,
+    ) -> Result<T, Status> {
+        check_session(&session)?;
+        let permit = self.queue.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "target worker busy: {} calls queued",
+                self.cfg.max_queue
+            ))
+        })?;
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let mut g = lock(&inner);
+            let out = f(&mut g.verifier);
+            if g.verifier.engine().sessions().len(&session).is_ok() {
+                g.last_used.insert(session, Instant::now());
+            } else {
+                g.last_used.remove(&session);
+            }
+            out
+        })
+        .await
+        .map_err(|e| Status::internal(format!("target task: {e}")))?
+        .map_err(|e| {
+            if e.kind == parse_core::ErrorKind::Internal {
+                tracing::error!("{}", e.message);
+            }
+            status_from_core(e)
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Verifier for TargetWorker {
+    async fn open_session(
+        &self,
+        request: Request<OpenSessionRequest>,
+    ) -> Result<Response<OpenSessionResponse>, Status> {
+        let r = request.into_inner();
+        self.check_tokens(&r.prompt)?;
+        let max = self.info.max_context as usize;
+        if r.prompt.len() >= max {
+            return Err(Status::invalid_argument(format!(
+                "prompt of {} tokens does not fit the model's context of {max}",
+                r.prompt.len()
+            )));
+        }
+        let sampling = sampling_from(r.sampling.as_ref()).map_err(status_from_core)?;
+        let session = r.session.clone();
+        self.call(session.clone(), move |v| {
+            v.open(&session, &r.prompt, &sampling)
+        })
+        .await?;
+        Ok(Response::new(OpenSessionResponse {}))
+    }
+
+    async fn verify(
+        &self,
+        request: Request<VerifyRequest>,
+    ) -> Result<Response<VerifyResponse>, Status> {
+        let r = request.into_inner();
+        self.check_tokens(&r.tokens)?;
+        let plan = plan_from(&r).map_err(status_from_core)?;
+        let session = r.session;
+        let out = self
+            .call(session.clone(), move |v| v.verify(&session, &plan))
+            .await?;
+        Ok(Response::new(VerifyResponse::from(&out)))
+    }
+
+    async fn extend(
+        &self,
+        request: Request<ExtendRequest>,
+    ) -> Result<Response<ExtendResponse>, Status> {
+        let r = request.into_inner();
+        self.check_tokens(&[r.pending])?;
+        if r.max_tokens == 0 || r.max_tokens > self.cfg.max_extend {
+            return Err(Status::invalid_argument(format!(
+                "max_tokens must be 1..={}",
+                self.cfg.max_extend
+            )));
+        }
+        let segment: Option<SegmenterConfig> = match &r.segment {
+            None => None,
+            Some(s) => Some(
+                segmenter_from(Some(s), &SegmenterConfig::default()).map_err(status_from_core)?,
+            ),
+        };
+        let session = r.session;
+        let out = self
+            .call(session.clone(), move |v| {
+                v.extend(&session, r.pending, r.max_tokens as usize, segment.as_ref())
+            })
+            .await?;
+        Ok(Response::new(ExtendResponse {
+            tokens: out.tokens,
+            pieces: out.pieces,
+        }))
+    }
+
+    async fn truncate(
+        &self,
+        request: Request<TruncateRequest>,
+    ) -> Result<Response<TruncateResponse>, Status> {
+        let r = request.into_inner();
+        let session = r.session;
+        self.call(session.clone(), move |v| {
+            v.truncate(&session, r.len as usize)
+        })
+        .await?;
+        Ok(Response::new(TruncateResponse {}))
+    }
+
+    async fn release(
+        &self,
+        request: Request<ReleaseRequest>,
+    ) -> Result<Response<ReleaseResponse>, Status> {
+        let session = request.into_inner().session;
+        self.call(session.clone(), move |v| v.release(&session))
+            .await?;
+        Ok(Response::new(ReleaseResponse {}))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<GetModelInfoRequest>,
+    ) -> Result<Response<GetModelInfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+}
+
+/// Serves a target worker on `listener` until `shutdown` resolves.
+pub async fn serve(
+    worker: TargetWorker,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<VerifierServer<TargetWorker>>().await;
+    let reaper = worker.spawn_reaper();
+    let result = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(parse_proto::serve::reflection_service()?)
+        .add_service(worker.into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    reaper.abort();
+    Ok(result?)
+}
