@@ -1,1 +1,337 @@
+//! The cluster on 127.0.0.1:0 with tiny random models: the remote loop equals the in-process loop in every mode,
+//! streams are complete and ordered, sessions are freed on cancellation, lost workers are survived, bad input gets
+//! INVALID_ARGUMENT and overload RESOURCE_EXHAUSTED.
 
+use std::time::Duration;
+
+use parse_client::{Client, ClientError, Event, GenerateRequest, Sampling, Stats};
+use parse_core::{
+    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SamplingParams, SegmenterConfig,
+};
+use parse_draft_worker::DraftWorkerConfig;
+use parse_engine::Message;
+use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_router::RouterConfig;
+use parse_target_worker::TargetWorkerConfig;
+use parse_tests::*;
+use tokio::runtime::Runtime;
+use tokio_stream::StreamExt;
+
+const PROMPT: &str = "Write a function that adds two numbers.";
+
+fn client_rt() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+struct Cluster {
+    router: Server<parse_router::Router>,
+    drafts: Vec<Server<parse_draft_worker::DraftWorker>>,
+    targets: Vec<Server<parse_target_worker::TargetWorker>>,
+}
+
+fn cluster(n_drafts: usize, n_targets: usize, max_in_flight: usize) -> Cluster {
+    let drafts: Vec<_> = (0..n_drafts)
+        .map(|_| draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default()))
+        .collect();
+    let targets: Vec<_> = (0..n_targets)
+        .map(|_| target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default()))
+        .collect();
+    let router = router_server(RouterConfig {
+        drafts: drafts.iter().map(|s| s.endpoint()).collect(),
+        targets: targets.iter().map(|s| s.endpoint()).collect(),
+        max_in_flight,
+        ..Default::default()
+    });
+    Cluster {
+        router,
+        drafts,
+        targets,
+    }
+}
+
+fn req(mode: &str, max: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompt: PROMPT.into(),
+        max_new_tokens: max,
+        mode: mode.into(),
+        ..Default::default()
+    }
+}
+
+fn in_process(mode: Mode, max: usize, sampling: SamplingParams) -> Vec<u32> {
+    let (mut target, mut draft) = (tiny_engine(TARGET_SEED), tiny_engine(DRAFT_SEED));
+    let tok = target.tokenizer().clone();
+    let r = GenerationRequest {
+        session: "local".into(),
+        prompt: tok.encode_chat(&[Message::new("user", PROMPT)]).unwrap(),
+        max_new_tokens: max,
+        mode,
+        sampling,
+        policy: AcceptPolicy::default(),
+        segmenter: SegmenterConfig::default(),
+        window: DraftWindow::default(),
+        eos: tok.eos_ids().to_vec(),
+        judge_suffix: tok.judge_suffix().unwrap(),
+    };
+    let mut v = EngineVerifier::new(&mut target);
+    let mut d = EngineDrafter::new(&mut draft);
+    parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true)
+        .unwrap()
+        .tokens
+}
+
+/// The counters of two runs' stats (timings differ run to run).
+fn counters(s: &Stats) -> [u32; 9] {
+    [
+        s.prompt_tokens,
+        s.output_tokens,
+        s.draft_tokens_proposed,
+        s.draft_tokens_accepted,
+        s.segments_proposed,
+        s.segments_accepted,
+        s.verify_passes,
+        s.extend_passes,
+        s.target_positions,
+    ]
+}
+
+#[test]
+fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
+    let c = cluster(1, 1, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    };
+    let cases = [
+        ("target", SamplingParams::default()),
+        ("draft", SamplingParams::default()),
+        ("token-spec", SamplingParams::default()),
+        ("parse", SamplingParams::default()),
+        ("parse+token-spec", SamplingParams::default()),
+        ("token-spec", sampled.clone()),
+        ("target", sampled),
+    ];
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        for (mode, sampling) in cases {
+            let want = in_process(mode.parse().unwrap(), 40, sampling.clone());
+            let mut r = req(mode, 40);
+            r.sampling = Some(Sampling {
+                temperature: sampling.temperature,
+                top_k: sampling.top_k as u32,
+                top_p: Some(sampling.top_p),
+                seed: sampling.seed,
+            });
+            let unary = client.generate(r.clone()).await.unwrap();
+            assert_eq!(
+                unary.token_ids, want,
+                "{mode} {sampling:?}: remote differs from in-process"
+            );
+            let mut stream = client.generate_stream(r).await.unwrap();
+            let (mut tokens, mut text, mut fin) = (Vec::new(), String::new(), None);
+            while let Some(ev) = stream.next().await {
+                match ev.unwrap() {
+                    Event::Delta(d) => {
+                        assert!(fin.is_none(), "delta after the final message");
+                        tokens.extend(d.token_ids);
+                        text.push_str(&d.text);
+                    }
+                    Event::Finished(f) => fin = Some(f),
+                }
+            }
+            let fin = fin.expect("a final message");
+            assert_eq!(tokens, unary.token_ids, "{mode}: stream tokens");
+            assert_eq!(text, unary.text, "{mode}: stream text");
+            assert_eq!(fin.finish_reason, unary.finish_reason);
+            assert_eq!(
+                counters(fin.stats.as_ref().unwrap()),
+                counters(unary.stats.as_ref().unwrap()),
+                "{mode}: stream stats equal the unary call's"
+            );
+        }
+    });
+    assert_eq!(c.drafts[0].worker.open_sessions(), 0);
+    assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
+
+#[test]
+fn cancelling_a_stream_frees_sessions_on_both_workers() {
+    let c = cluster(1, 1, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let mut stream = client.generate_stream(req("parse", 400)).await.unwrap();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(matches!(first, Event::Delta(_)));
+        assert!(c.targets[0].worker.open_sessions() == 1);
+        drop(stream);
+    });
+    assert!(
+        eventually(Duration::from_secs(20), || c.targets[0]
+            .worker
+            .open_sessions()
+            == 0
+            && c.drafts[0].worker.open_sessions() == 0),
+        "sessions left after the client went away: target {}, draft {}",
+        c.targets[0].worker.open_sessions(),
+        c.drafts[0].worker.open_sessions()
+    );
+}
+
+#[test]
+fn a_killed_draft_worker_still_yields_a_complete_answer() {
+    let mut c = cluster(1, 1, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    let (tokens, stats) = rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let mut stream = client.generate_stream(req("parse", 300)).await.unwrap();
+        let mut tokens = Vec::new();
+        let mut stats = None;
+        let mut killed = false;
+        while let Some(ev) = stream.next().await {
+            match ev.expect("the request survives the draft worker") {
+                Event::Delta(d) => {
+                    tokens.extend(d.token_ids);
+                    if !killed {
+                        c.drafts[0].kill();
+                        killed = true;
+                    }
+                }
+                Event::Finished(f) => stats = f.stats,
+            }
+        }
+        (tokens, stats.expect("final stats"))
+    });
+    assert_eq!(tokens.len(), 300, "complete answer");
+    assert_eq!(stats.output_tokens, 300);
+    assert!(
+        stats.fell_back_to_target && stats.draft_failovers >= 1,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_killed_target_worker_is_replaced_by_another() {
+    let mut c = cluster(1, 2, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    let want = in_process(Mode::Parse, 300, SamplingParams::default());
+    let (tokens, stats) = rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let mut stream = client.generate_stream(req("parse", 300)).await.unwrap();
+        let mut tokens = Vec::new();
+        let mut stats = None;
+        let mut killed = false;
+        while let Some(ev) = stream.next().await {
+            match ev.expect("the request survives the target worker") {
+                Event::Delta(d) => {
+                    tokens.extend(d.token_ids);
+                    if !killed {
+                        let busy = c
+                            .targets
+                            .iter()
+                            .position(|t| t.worker.open_sessions() > 0)
+                            .expect("one target holds the session");
+                        c.targets[busy].kill();
+                        killed = true;
+                    }
+                }
+                Event::Finished(f) => stats = f.stats,
+            }
+        }
+        (tokens, stats.expect("final stats"))
+    });
+    assert!(stats.target_failovers >= 1, "{stats:?}");
+    // Greedy and batch-invariant: the re-prefilled session continues exactly as the in-process run.
+    assert_eq!(tokens, want);
+}
+
+#[test]
+fn bad_input_gets_invalid_argument_and_the_cluster_stays_healthy() {
+    let c = cluster(1, 1, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    let long_prompt = "word ".repeat(TINY_CONTEXT + 50);
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let bad = [
+            GenerateRequest {
+                prompt: String::new(),
+                ..req("parse", 8)
+            },
+            req("parse", 0),
+            req("parse", 1_000_000),
+            GenerateRequest {
+                tau: Some(f32::NAN),
+                ..req("parse", 8)
+            },
+            GenerateRequest {
+                tau: Some(-0.5),
+                ..req("parse", 8)
+            },
+            req("warp-speed", 8),
+            GenerateRequest {
+                prompt: long_prompt,
+                ..req("parse", 8)
+            },
+            GenerateRequest {
+                verdict: "vibes".into(),
+                ..req("parse", 8)
+            },
+            GenerateRequest {
+                sampling: Some(Sampling {
+                    temperature: 0.7,
+                    ..Default::default()
+                }),
+                ..req("parse", 8)
+            },
+        ];
+        for r in bad {
+            let what = format!(
+                "{:?} {:?} {} {:?}",
+                r.mode,
+                r.tau,
+                r.max_new_tokens,
+                r.prompt.len()
+            );
+            match client.generate(r.clone()).await {
+                Err(ClientError::InvalidArgument(m)) => assert!(!m.is_empty()),
+                other => panic!("{what}: expected INVALID_ARGUMENT, got {other:?}"),
+            }
+            let mut s = client.generate_stream(r).await.unwrap();
+            match s.next().await {
+                Some(Err(ClientError::InvalidArgument(_))) => {}
+                other => panic!("{what}: stream: expected INVALID_ARGUMENT, got {other:?}"),
+            }
+        }
+        let ok = client.generate(req("parse", 8)).await.unwrap();
+        assert_eq!(ok.token_ids.len(), 8);
+    });
+}
+
+#[test]
+fn an_overloaded_router_answers_resource_exhausted() {
+    let c = cluster(1, 1, 1);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let mut first = client.generate_stream(req("parse", 400)).await.unwrap();
+        assert!(matches!(first.next().await, Some(Ok(Event::Delta(_)))));
+        match client.generate(req("parse", 8)).await {
+            Err(e @ ClientError::ResourceExhausted(_)) => assert!(e.is_retryable()),
+            other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
+        }
+        drop(first);
+    });
+}

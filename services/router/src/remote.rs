@@ -60,8 +60,11 @@ impl CallCtx {
     }
 }
 
-fn is_lost(e: &Error) -> bool {
+/// Whether a worker call failed because the worker (or the connection to it) is gone. A dropped HTTP/2
+/// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled.
+fn is_lost(ctx: &CallCtx, e: &Error) -> bool {
     e.kind == ErrorKind::Unavailable
+        || (e.kind == ErrorKind::Cancelled && !ctx.cancelled.load(Ordering::Relaxed))
 }
 
 /// The draft side of one request.
@@ -165,7 +168,7 @@ impl Drafter for RemoteDrafter {
                 Ok(r) => self.stream = Some(r.into_inner()),
                 Err(s) => {
                     let e = core_from_status(&s);
-                    if is_lost(&e) {
+                    if is_lost(&self.ctx, &e) {
                         self.lose_worker(&e);
                         self.done = true;
                         chunk.done = true;
@@ -197,7 +200,7 @@ impl Drafter for RemoteDrafter {
                 }
                 Err(s) => {
                     let e = core_from_status(&s);
-                    if is_lost(&e) {
+                    if is_lost(&self.ctx, &e) {
                         // Keep what arrived; the loop verifies it and the next draft uses another worker.
                         self.lose_worker(&e);
                         self.done = true;
@@ -328,7 +331,7 @@ impl RemoteVerifier {
                 Ok(v) => return Ok(v),
                 Err(s) => {
                     let e = core_from_status(&s);
-                    if !is_lost(&e) {
+                    if !is_lost(&self.ctx, &e) {
                         return Err(e);
                     }
                     if let Some(l) = self.lease.take() {
@@ -343,7 +346,7 @@ impl RemoteVerifier {
                         loop {
                             match self.reopen(session) {
                                 Ok(()) => break,
-                                Err(e) if is_lost(&e) && tries < 8 => {
+                                Err(e) if is_lost(&self.ctx, &e) && tries < 8 => {
                                     tries += 1;
                                     if let Some(l) = self.lease.take() {
                                         l.worker.mark_failed();
