@@ -4,15 +4,27 @@
 use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
-use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
+use tonic_reflection::server::{v1, v1alpha};
 
-/// Server reflection for `parse.v1` and `grpc.health.v1`, so grpcurl works without the .proto files.
-pub fn reflection_service()
--> Result<ServerReflectionServer<impl ServerReflection>, tonic_reflection::server::Error> {
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
+}
+
+/// Server reflection (`grpc.reflection.v1`) for `parse.v1` and `grpc.health.v1`, so grpcurl works without the
+/// .proto files.
+pub fn reflection_service()
+-> Result<v1::ServerReflectionServer<impl v1::ServerReflection>, tonic_reflection::server::Error> {
+    reflection_builder().build_v1()
+}
+
+/// The same under `grpc.reflection.v1alpha`, which older clients (grpcurl before 1.9) ask for.
+pub fn reflection_service_v1alpha() -> Result<
+    v1alpha::ServerReflectionServer<impl v1alpha::ServerReflection>,
+    tonic_reflection::server::Error,
+> {
+    reflection_builder().build_v1alpha()
 }
 
 /// Binds `addr` and returns the listener with the address it got.

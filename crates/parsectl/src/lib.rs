@@ -34,6 +34,8 @@ pub enum CliError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Remote(#[from] parse_client::ClientError),
+    #[error("{0}")]
+    Unhealthy(String),
 }
 
 impl CliError {
@@ -60,6 +62,20 @@ pub struct Cli {
 pub enum Command {
     /// Generate a reply to one prompt.
     Generate(GenerateArgs),
+    /// Check a server's gRPC health (grpc.health.v1), optionally waiting until it serves.
+    Health(HealthArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// host:port of a router or worker.
+    pub addr: String,
+    /// Keep trying for this many seconds before giving up.
+    #[arg(long, default_value_t = 0.0)]
+    pub wait_s: f64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -208,6 +224,7 @@ pub struct GenerateArgs {
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Generate(args) => generate(&args),
+        Command::Health(args) => health(&args),
     }
 }
 
@@ -504,4 +521,74 @@ pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
         "target_failovers": s.target_failovers,
         "fell_back_to_target": s.fell_back_to_target,
     })
+}
+
+/// `health`: SERVING exits 0; anything else (unreachable, NOT_SERVING) exits 1 once the wait is over.
+fn health(args: &HealthArgs) -> Result<(), CliError> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    if !(args.wait_s.is_finite() && args.wait_s >= 0.0) {
+        return Err(CliError::Usage("wait-s must be a number >= 0".into()));
+    }
+    let uri = if args.addr.contains("://") {
+        args.addr.clone()
+    } else {
+        format!("http://{}", args.addr)
+    };
+    let endpoint = tonic::transport::Endpoint::from_shared(uri)
+        .map_err(|e| CliError::Usage(format!("bad address {}: {e}", args.addr)))?
+        .connect_timeout(std::time::Duration::from_secs(2));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(args.wait_s);
+    let status = rt.block_on(async {
+        loop {
+            let answer = match endpoint.connect().await {
+                Ok(ch) => {
+                    let mut req = tonic::Request::new(HealthCheckRequest {
+                        service: String::new(),
+                    });
+                    req.set_timeout(std::time::Duration::from_secs(2));
+                    match HealthClient::new(ch).check(req).await {
+                        Ok(r) => match ServingStatus::try_from(r.into_inner().status) {
+                            Ok(ServingStatus::Serving) => Ok("SERVING".to_string()),
+                            Ok(s) => Err(s.as_str_name().to_string()),
+                            Err(_) => Err("UNKNOWN".to_string()),
+                        },
+                        Err(s) => Err(format!("{:?}: {}", s.code(), s.message())),
+                    }
+                }
+                Err(e) => Err(format!("unreachable: {e}")),
+            };
+            if answer.is_ok() || std::time::Instant::now() >= deadline {
+                return answer;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    });
+    let mut stdout = std::io::stdout();
+    let (ok, text) = match &status {
+        Ok(s) => (true, s.clone()),
+        Err(s) => (false, s.clone()),
+    };
+    if args.json {
+        let _ = writeln!(
+            stdout,
+            "{}",
+            json!({"addr": args.addr, "serving": ok, "status": text})
+        );
+    } else {
+        let _ = writeln!(stdout, "{}: {text}", args.addr);
+    }
+    if ok {
+        Ok(())
+    } else {
+        Err(CliError::Unhealthy(format!(
+            "{} is not serving: {text}",
+            args.addr
+        )))
+    }
 }

@@ -1,6 +1,6 @@
 //! The draft worker: one draft model behind `parse.v1.Drafter`.
 //!
-//! `Draft` streams tokens one message per token; the engine lock is taken per token, so a stream whose caller is busy
+//! `Draft` streams tokens one message per token (`max_tokens` 0 only prepares the session: prefill); the engine lock is taken per token, so a stream whose caller is busy
 //! (verifying) blocks nobody. A new `Draft` for a session supersedes the previous one (its producer stops before its
 //! next step), and a dropped stream stops its producer at the next send. Sessions idle for longer than the TTL are
 //! released. At most `max_streams` drafts run at once; beyond that the worker answers RESOURCE_EXHAUSTED.
@@ -178,9 +178,9 @@ impl Drafter for DraftWorker {
         if r.context.is_empty() {
             return Err(Status::invalid_argument("empty context"));
         }
-        if r.max_tokens == 0 || r.max_tokens > self.cfg.max_tokens_per_draft {
+        if r.max_tokens > self.cfg.max_tokens_per_draft {
             return Err(Status::invalid_argument(format!(
-                "max_tokens must be 1..={}",
+                "max_tokens must be 0..={} (0: prepare the session for the context, stream nothing)",
                 self.cfg.max_tokens_per_draft
             )));
         }
@@ -220,6 +220,10 @@ impl Drafter for DraftWorker {
         .await
         .map_err(|e| Status::internal(format!("draft task: {e}")))??;
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
+        if r.max_tokens == 0 {
+            // Prefill only: the stream ends at once.
+            return Ok(Response::new(Box::pin(ReceiverStream::new(rx))));
+        }
         let session = r.session;
         let max = r.max_tokens as usize;
         tokio::task::spawn_blocking(move || {
@@ -318,6 +322,7 @@ pub async fn serve(
     let result = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(parse_proto::serve::reflection_service()?)
+        .add_service(parse_proto::serve::reflection_service_v1alpha()?)
         .add_service(worker.into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

@@ -77,6 +77,12 @@ pub struct RemoteDrafter {
     stream: Option<Streaming<DraftResponse>>,
     context: Vec<u32>,
     sampling: SamplingParams,
+    /// Tokens received since `begin`, and how many of them came before the current worker stream began (the
+    /// worker numbers its draft distributions from its own begin).
+    received: usize,
+    stream_base: usize,
+    /// Whether the prompt was sent to a worker yet.
+    prefilled: bool,
     /// Tokens one Draft stream may produce.
     max_tokens: u32,
     done: bool,
@@ -95,6 +101,9 @@ impl RemoteDrafter {
             stream: None,
             context: Vec::new(),
             sampling: SamplingParams::default(),
+            received: 0,
+            stream_base: 0,
+            prefilled: false,
             max_tokens: max_tokens.max(1),
             done: false,
             failovers: 0,
@@ -133,52 +142,87 @@ impl RemoteDrafter {
 }
 
 impl Drafter for RemoteDrafter {
-    fn begin(&mut self, _session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()> {
+    fn begin(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()> {
         self.ctx.check()?;
         // Dropping the previous stream cancels its producer on the worker.
         self.stream = None;
         self.context = context.to_vec();
         self.sampling = sampling.clone();
         self.done = false;
+        self.received = 0;
+        self.stream_base = 0;
+        if !self.prefilled {
+            // The first begin processes the prompt now (a stream of no tokens), so that the loop counts it as
+            // prefill, as in process; later begins extend the worker's cache inside the first `next`.
+            self.prefilled = true;
+            self.ensure_worker();
+            if let Some(mut client) = self.client() {
+                let req = self.ctx.request(DraftRequest {
+                    session: session.to_string(),
+                    context: self.context.clone(),
+                    sampling: Some((&self.sampling).into()),
+                    max_tokens: 0,
+                });
+                let drained = self.ctx.handle.block_on(async {
+                    let mut s = client.draft(req).await?.into_inner();
+                    while s.message().await?.is_some() {}
+                    Ok::<(), tonic::Status>(())
+                });
+                if let Err(s) = drained {
+                    let e = core_from_status(&s);
+                    if !is_lost(&self.ctx, &e) {
+                        return Err(e);
+                    }
+                    self.lose_worker(&e);
+                }
+            }
+        }
         Ok(())
     }
 
     fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
         self.ctx.check()?;
         let mut chunk = DraftChunk::default();
-        if self.done || max == 0 {
-            chunk.done = self.done;
-            return Ok(chunk);
-        }
-        self.ensure_worker();
-        let Some(mut client) = self.client() else {
-            // No draft worker: an empty, finished draft makes the loop go on with the target.
-            self.done = true;
-            chunk.done = true;
-            return Ok(chunk);
-        };
-        if self.stream.is_none() {
-            let req = self.ctx.request(DraftRequest {
-                session: session.to_string(),
-                context: self.context.clone(),
-                sampling: Some((&self.sampling).into()),
-                max_tokens: self.max_tokens,
-            });
-            match self.ctx.handle.block_on(client.draft(req)) {
-                Ok(r) => self.stream = Some(r.into_inner()),
-                Err(s) => {
-                    let e = core_from_status(&s);
-                    if is_lost(&self.ctx, &e) {
-                        self.lose_worker(&e);
-                        self.done = true;
-                        chunk.done = true;
-                        return Ok(chunk);
+        // A stream that ends without a token while this call still wants some means the worker has nothing more.
+        let mut fresh_stream_empty = false;
+        while chunk.tokens.len() < max && !self.done && !fresh_stream_empty {
+            self.ensure_worker();
+            let Some(mut client) = self.client() else {
+                // No draft worker: an empty, finished draft makes the loop go on with the target.
+                self.done = true;
+                break;
+            };
+            let fresh = self.stream.is_none();
+            if fresh {
+                // Ask for what this call still wants: a worker drafting ahead of the loop would spend CPU on
+                // tokens a rejection throws away. The worker keeps its cache, so a continuation costs one round
+                // trip.
+                let want = (max - chunk.tokens.len()) as u32;
+                let mut context = self.context.clone();
+                context.extend(&chunk.tokens);
+                let req = self.ctx.request(DraftRequest {
+                    session: session.to_string(),
+                    context,
+                    sampling: Some((&self.sampling).into()),
+                    max_tokens: want.min(self.max_tokens),
+                });
+                match self.ctx.handle.block_on(client.draft(req)) {
+                    Ok(r) => {
+                        self.stream = Some(r.into_inner());
+                        self.stream_base = self.received + chunk.tokens.len();
                     }
-                    return Err(e);
+                    Err(s) => {
+                        let e = core_from_status(&s);
+                        if is_lost(&self.ctx, &e) {
+                            // The loop verifies what it has; the next draft goes to another worker.
+                            self.lose_worker(&e);
+                            self.done = true;
+                            break;
+                        }
+                        return Err(e);
+                    }
                 }
             }
-        }
-        while chunk.tokens.len() < max {
             let Some(stream) = self.stream.as_mut() else {
                 break;
             };
@@ -189,19 +233,16 @@ impl Drafter for RemoteDrafter {
                     chunk.probs.extend(m.probs);
                     if m.done {
                         self.done = true;
-                        break;
                     }
                 }
-                // The stream ended at the worker's max_tokens: this draft is over.
+                // The stream delivered what it was asked for; a continuation follows if this call wants more.
                 Ok(None) => {
-                    self.done = true;
                     self.stream = None;
-                    break;
+                    fresh_stream_empty = fresh;
                 }
                 Err(s) => {
                     let e = core_from_status(&s);
                     if is_lost(&self.ctx, &e) {
-                        // Keep what arrived; the loop verifies it and the next draft uses another worker.
                         self.lose_worker(&e);
                         self.done = true;
                         break;
@@ -211,6 +252,7 @@ impl Drafter for RemoteDrafter {
             }
         }
         self.context.extend(&chunk.tokens);
+        self.received += chunk.tokens.len();
         chunk.done = self.done;
         Ok(chunk)
     }
@@ -220,9 +262,15 @@ impl Drafter for RemoteDrafter {
         let mut client = self
             .client()
             .ok_or_else(|| Error::new(ErrorKind::Unavailable, "the draft worker was lost"))?;
+        // The loop reads a sampled draft with one `next` call, so one worker stream holds every index it asks for.
+        let local = index.checked_sub(self.stream_base).ok_or_else(|| {
+            Error::internal(format!(
+                "draft token {index} came from an earlier stream than the current one"
+            ))
+        })?;
         let req = self.ctx.request(DistributionRequest {
             session: session.to_string(),
-            index: index as u32,
+            index: local as u32,
         });
         let r = self
             .ctx

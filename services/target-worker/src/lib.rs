@@ -286,6 +286,7 @@ pub async fn serve(
     let result = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(parse_proto::serve::reflection_service()?)
+        .add_service(parse_proto::serve::reflection_service_v1alpha()?)
         .add_service(worker.into_server())
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

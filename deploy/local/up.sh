@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Starts a local PARSE cluster on loopback: a target worker, a draft worker and the router, with the default model
+# pair (fetched on first use). Waits until all three report SERVING over grpc.health.v1, prints the endpoints, and
+# keeps pids and logs under the run directory; deploy/local/down.sh stops exactly these processes.
+#
+#   deploy/local/up.sh [--run-dir DIR] [--no-build]
+#
+# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
+# Models (env): PARSE_MODEL_DIR (~/.cache/parse/models), PARSE_TARGET_MODEL, PARSE_DRAFT_MODEL (override the files).
+# Binaries: built with cargo into target/release unless --no-build; PARSE_BIN_DIR points elsewhere.
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+run_dir="${PARSE_RUN_DIR:-$repo/.cache/local-cluster}"
+build=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --run-dir) run_dir="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "up.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+router_port="${PARSE_ROUTER_PORT:-50051}"
+draft_port="${PARSE_DRAFT_PORT:-50061}"
+target_port="${PARSE_TARGET_PORT:-50071}"
+model_dir="${PARSE_MODEL_DIR:-$HOME/.cache/parse/models}"
+target_model="${PARSE_TARGET_MODEL:-$model_dir/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
+draft_model="${PARSE_DRAFT_MODEL:-$model_dir/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
+bin="${PARSE_BIN_DIR:-$repo/target/release}"
+
+if [ -e "$run_dir/pids" ] && [ -s "$run_dir/pids" ]; then
+  echo "up.sh: a cluster from $run_dir seems to be running; run deploy/local/down.sh first" >&2
+  exit 1
+fi
+mkdir -p "$run_dir/logs"
+: > "$run_dir/pids"
+
+if [ ! -f "$target_model" ] || [ ! -f "$draft_model" ]; then
+  echo "up.sh: fetching the default model pair into $model_dir" >&2
+  PARSE_MODEL_DIR="$model_dir" python3 "$repo/deploy/models/fetch.py"
+fi
+if [ "$build" = 1 ]; then
+  (cd "$repo" && cargo build --release -q -p parse-router -p parse-draft-worker -p parse-target-worker -p parsectl)
+fi
+
+fail() {
+  echo "up.sh: $1" >&2
+  for f in "$run_dir"/logs/*.log; do echo "--- $f" >&2; tail -n 20 "$f" >&2; done
+  "$repo/deploy/local/down.sh" --run-dir "$run_dir" >&2 || true
+  exit 1
+}
+
+start() { # name, command...
+  local name="$1"; shift
+  setsid "$@" > "$run_dir/logs/$name.log" 2>&1 < /dev/null &
+  echo "$name $! $1" >> "$run_dir/pids"
+}
+
+wait_healthy() { # name, addr
+  "$bin/parsectl" health "$2" --wait-s "${PARSE_UP_TIMEOUT_S:-180}" > /dev/null 2>&1 \
+    || fail "$1 at $2 did not become healthy"
+}
+
+start target-worker "$bin/parse-target-worker" --model "$target_model" --listen "127.0.0.1:$target_port"
+start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port"
+wait_healthy target-worker "127.0.0.1:$target_port"
+wait_healthy draft-worker "127.0.0.1:$draft_port"
+start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
+  --target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port"
+wait_healthy router "127.0.0.1:$router_port"
+
+cat <<MSG
+PARSE local cluster is up (run dir $run_dir)
+  router          127.0.0.1:$router_port   (parse.v1.Generation)
+  draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
+  target worker   127.0.0.1:$target_port   ($(basename "$target_model"))
+  logs            $run_dir/logs
+Try: $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
+Stop: deploy/local/down.sh
+MSG
