@@ -61,7 +61,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Generate a reply to one prompt.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Check a server's gRPC health (grpc.health.v1), optionally waiting until it serves.
     Health(HealthArgs),
 }
