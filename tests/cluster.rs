@@ -289,6 +289,10 @@ fn bad_input_gets_invalid_argument_and_the_cluster_stays_healthy() {
                 ..req("parse", 8)
             },
             GenerateRequest {
+                request_id: "x".repeat(200),
+                ..req("parse", 8)
+            },
+            GenerateRequest {
                 sampling: Some(Sampling {
                     temperature: 0.7,
                     ..Default::default()

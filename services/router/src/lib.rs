@@ -292,6 +292,11 @@ impl Router {
                 self.cfg.max_in_flight
             ))
         })?;
+        if r.request_id.len() > 128 {
+            return Err(Status::invalid_argument(
+                "request_id is longer than 128 bytes",
+            ));
+        }
         let m = self.model().await?;
         let request_id = if r.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
@@ -374,7 +379,7 @@ impl Router {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             };
-            let mut outcome = match result {
+            let outcome = match result {
                 Ok(o) => o,
                 Err(e) => {
                     if e.kind == ErrorKind::Internal {
@@ -404,7 +409,6 @@ impl Router {
             stats.draft_failovers = drafter.failovers as u32;
             stats.target_failovers = verifier.failovers as u32;
             stats.fell_back_to_target = drafter.fell_back;
-            outcome.stats.mode = req.mode.as_str().to_string();
             tracing::info!(
                 output_tokens = outcome.stats.output_tokens,
                 finish = outcome.finish_reason.as_str(),
