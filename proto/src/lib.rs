@@ -52,6 +52,16 @@ pub fn core_from_status(s: &Status) -> CoreError {
     CoreError::new(kind, s.message().to_string())
 }
 
+/// A session id as the workers accept it.
+pub fn check_session(s: &str) -> Result<(), Status> {
+    if s.is_empty() || s.len() > 256 {
+        return Err(Status::invalid_argument(
+            "session id must be 1 to 256 bytes",
+        ));
+    }
+    Ok(())
+}
+
 fn usize_of(v: u32) -> usize {
     v as usize
 }

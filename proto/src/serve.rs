@@ -56,3 +56,37 @@ pub async fn shutdown_signal() {
     }
     tracing::info!("shutting down");
 }
+
+/// Serves `service` with `grpc.health.v1` (reporting it serving) and reflection on `listener` until `shutdown`
+/// resolves: the one server set-up of the router and the workers.
+pub async fn run<S>(
+    service: S,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<S>().await;
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_service()?)
+        .add_service(reflection_service_v1alpha()?)
+        .add_service(service)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}

@@ -18,7 +18,7 @@ use parse_proto::v1::{
     DistributionRequest, DistributionResponse, DraftRequest, DraftResponse, GetModelInfoRequest,
     GetModelInfoResponse, ReleaseRequest, ReleaseResponse,
 };
-use parse_proto::{sampling_from, status_from_core};
+use parse_proto::{check_session, sampling_from, status_from_core};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -152,15 +152,6 @@ impl DraftWorker {
             }
         })
     }
-}
-
-fn check_session(s: &str) -> Result<(), Status> {
-    if s.is_empty() || s.len() > 256 {
-        return Err(Status::invalid_argument(
-            "session id must be 1 to 256 bytes",
-        ));
-    }
-    Ok(())
 }
 
 type DraftStream = Pin<Box<dyn Stream<Item = Result<DraftResponse, Status>> + Send>>;
@@ -316,19 +307,8 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<DrafterServer<DraftWorker>>().await;
     let reaper = worker.spawn_reaper();
-    let result = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(parse_proto::serve::reflection_service()?)
-        .add_service(parse_proto::serve::reflection_service_v1alpha()?)
-        .add_service(worker.into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await;
+    let result = parse_proto::serve::run(worker.into_server(), listener, shutdown).await;
     reaper.abort();
-    Ok(result?)
+    result.map_err(|e| anyhow::anyhow!(e))
 }

@@ -494,21 +494,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<GenerationServer<Router>>().await;
     let probers = router.spawn_probers();
-    let result = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(parse_proto::serve::reflection_service()?)
-        .add_service(parse_proto::serve::reflection_service_v1alpha()?)
-        .add_service(router.into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await;
+    let result = parse_proto::serve::run(router.into_server(), listener, shutdown).await;
     for p in probers {
         p.abort();
     }
-    Ok(result?)
+    result.map_err(|e| anyhow::anyhow!(e))
 }

@@ -18,7 +18,7 @@ use parse_proto::v1::{
     OpenSessionResponse, ReleaseRequest, ReleaseResponse, TruncateRequest, TruncateResponse,
     VerifyRequest, VerifyResponse,
 };
-use parse_proto::{plan_from, sampling_from, segmenter_from, status_from_core};
+use parse_proto::{check_session, plan_from, sampling_from, segmenter_from, status_from_core};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
@@ -59,15 +59,6 @@ pub struct TargetWorker {
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn check_session(s: &str) -> Result<(), Status> {
-    if s.is_empty() || s.len() > 256 {
-        return Err(Status::invalid_argument(
-            "session id must be 1 to 256 bytes",
-        ));
-    }
-    Ok(())
 }
 
 impl TargetWorker {
@@ -280,19 +271,8 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<VerifierServer<TargetWorker>>().await;
     let reaper = worker.spawn_reaper();
-    let result = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(parse_proto::serve::reflection_service()?)
-        .add_service(parse_proto::serve::reflection_service_v1alpha()?)
-        .add_service(worker.into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await;
+    let result = parse_proto::serve::run(worker.into_server(), listener, shutdown).await;
     reaper.abort();
-    Ok(result?)
+    result.map_err(|e| anyhow::anyhow!(e))
 }
