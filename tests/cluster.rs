@@ -34,8 +34,17 @@ struct Cluster {
 }
 
 fn cluster(n_drafts: usize, n_targets: usize, max_in_flight: usize) -> Cluster {
+    cluster_with(DRAFT_SEED, n_drafts, n_targets, max_in_flight)
+}
+
+fn cluster_with(
+    draft_seed: u64,
+    n_drafts: usize,
+    n_targets: usize,
+    max_in_flight: usize,
+) -> Cluster {
     let drafts: Vec<_> = (0..n_drafts)
-        .map(|_| draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default()))
+        .map(|_| draft_server(tiny_engine(draft_seed), DraftWorkerConfig::default()))
         .collect();
     let targets: Vec<_> = (0..n_targets)
         .map(|_| target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default()))
@@ -160,6 +169,27 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     });
     assert_eq!(c.drafts[0].worker.open_sessions(), 0);
     assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
+
+#[test]
+fn the_next_draft_is_written_while_the_target_verifies() {
+    // The draft worker serves the target's own weights: every draft is accepted whole, so each one after the first
+    // was begun during the previous verification, and the output is the target's greedy output.
+    let c = cluster_with(TARGET_SEED, 1, 1, 8);
+    let rt = client_rt();
+    let want = in_process(Mode::Target, 300, SamplingParams::default());
+    let r = rt.block_on(async {
+        let mut client = Client::connect(&c.router.endpoint()).await.unwrap();
+        client.generate(req("parse", 300)).await.unwrap()
+    });
+    let stats = r.stats.unwrap();
+    assert_eq!(r.token_ids, want);
+    assert_eq!(stats.draft_tokens_accepted, stats.draft_tokens_proposed);
+    assert!(
+        stats.verify_passes >= 3 && stats.draft_prefetch_hits + 1 >= stats.verify_passes,
+        "drafts taken from a stream begun during verification: {stats:?}"
+    );
+    assert_eq!(stats.draft_prefetch_misses, 0, "{stats:?}");
 }
 
 #[test]

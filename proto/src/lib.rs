@@ -309,6 +309,8 @@ impl From<&Stats> for v1::Stats {
             draft_failovers: 0,
             target_failovers: 0,
             fell_back_to_target: false,
+            draft_prefetch_hits: 0,
+            draft_prefetch_misses: 0,
         }
     }
 }

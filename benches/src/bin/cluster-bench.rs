@@ -154,6 +154,7 @@ fn main() -> Result<()> {
 
     let (mut remote_tokens, mut remote_gen_ms, mut remote_wall_ms) = (0usize, 0.0, 0.0);
     let mut identical = 0;
+    let (mut hits, mut misses, mut verifies) = (0, 0, 0);
     for (i, text) in texts.iter().enumerate() {
         let t = Instant::now();
         let r = client_rt.block_on(
@@ -165,6 +166,11 @@ fn main() -> Result<()> {
         let s = r.stats.unwrap_or_default();
         remote_tokens += s.output_tokens as usize;
         remote_gen_ms += s.total_ms - s.prefill_ms;
+        (hits, misses, verifies) = (
+            hits + s.draft_prefetch_hits,
+            misses + s.draft_prefetch_misses,
+            verifies + s.verify_passes,
+        );
         identical += usize::from(r.token_ids == local_outputs[i]);
         eprint!(".");
     }
@@ -202,7 +208,8 @@ fn main() -> Result<()> {
         "prompts": texts.len(),
         "max_new_tokens": args.max_new_tokens,
         "in_process": {"output_tokens": local_tokens, "tokens_per_s_after_prefill": local_tps, "wall_s": local_wall_ms / 1e3},
-        "remote": {"output_tokens": remote_tokens, "tokens_per_s_after_prefill": remote_tps, "wall_s": remote_wall_ms / 1e3},
+        "remote": {"output_tokens": remote_tokens, "tokens_per_s_after_prefill": remote_tps, "wall_s": remote_wall_ms / 1e3,
+            "verify_passes": verifies, "draft_prefetch_hits": hits, "draft_prefetch_misses": misses},
         "remote_over_in_process_tokens_per_s": remote_tps / local_tps,
         "remote_over_in_process_wall": remote_wall_ms / local_wall_ms,
         "outputs_identical": identical,

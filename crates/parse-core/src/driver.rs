@@ -225,6 +225,19 @@ pub trait Drafter {
     /// Texts of tokens (the draft and target share a tokenizer in token-level modes).
     fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>>;
     fn release(&mut self, session: &str) -> Result<()>;
+    /// A hint, given before a verification: the next `begin` is likely to continue `context` (the draft just
+    /// written, if it is accepted whole), with `sampling`, for about `tokens` tokens. A drafter on its own machine
+    /// may start writing it now, while the target verifies; a later `begin` with another context must discard that
+    /// work. It must not change what `begin`/`next` return. In process it does nothing.
+    fn prefetch(
+        &mut self,
+        _session: &str,
+        _context: &[u32],
+        _sampling: &SamplingParams,
+        _tokens: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Tokens a verifier decoded on its own.
@@ -640,6 +653,23 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // The draft had nothing to say: the target writes a segment.
                 self.extend_segment()?;
                 continue;
+            }
+            // While the target verifies this draft, the drafter may already write the next one on the guess that
+            // this one is accepted whole (the likely case once the window has grown): PARSE verifies finished
+            // segments while the draft streams on. Not when the draft ends the output.
+            let after = self.remaining().saturating_sub(draft.len());
+            if after > 0 && !draft.iter().any(|t| self.req.eos.contains(t)) {
+                let mut context = self.context();
+                context.extend(&draft);
+                let ahead = (2 * draft.len())
+                    .clamp(8, self.req.window.max_tokens)
+                    .min(after);
+                self.d.prefetch(
+                    &self.req.session,
+                    &context,
+                    &SamplingParams::default(),
+                    ahead,
+                )?;
             }
             let (_, full) = self.verify(&draft, &bs, false, false)?;
             if full {

@@ -520,6 +520,8 @@ pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
         "draft_failovers": s.draft_failovers,
         "target_failovers": s.target_failovers,
         "fell_back_to_target": s.fell_back_to_target,
+        "draft_prefetch_hits": s.draft_prefetch_hits,
+        "draft_prefetch_misses": s.draft_prefetch_misses,
     })
 }
 

@@ -409,6 +409,8 @@ impl Router {
             stats.draft_failovers = drafter.failovers as u32;
             stats.target_failovers = verifier.failovers as u32;
             stats.fell_back_to_target = drafter.fell_back;
+            stats.draft_prefetch_hits = drafter.prefetch_hits as u32;
+            stats.draft_prefetch_misses = drafter.prefetch_misses as u32;
             tracing::info!(
                 output_tokens = outcome.stats.output_tokens,
                 finish = outcome.finish_reason.as_str(),

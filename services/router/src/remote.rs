@@ -24,6 +24,8 @@ use parse_proto::v1::{
 };
 use parse_proto::{core_from_status, dist_from, verify_output_from, verify_request};
 use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
 use tonic::Streaming;
 
 use crate::pool::{Lease, Pool};
@@ -67,6 +69,40 @@ fn is_lost(ctx: &CallCtx, e: &Error) -> bool {
         || (e.kind == ErrorKind::Cancelled && !ctx.cancelled.load(Ordering::Relaxed))
 }
 
+/// A Draft stream the loop reads: the call's own, or one opened ahead by `prefetch` and read into a buffer by a
+/// task on the runtime (dropping it aborts the task, which cancels the worker's producer).
+enum DraftStream {
+    Direct(Streaming<DraftResponse>),
+    Ahead(
+        mpsc::UnboundedReceiver<std::result::Result<DraftResponse, tonic::Status>>,
+        AbortHandle,
+    ),
+}
+
+impl DraftStream {
+    async fn message(&mut self) -> std::result::Result<Option<DraftResponse>, tonic::Status> {
+        match self {
+            DraftStream::Direct(s) => s.message().await,
+            DraftStream::Ahead(rx, _) => rx.recv().await.transpose(),
+        }
+    }
+}
+
+impl Drop for DraftStream {
+    fn drop(&mut self) {
+        if let DraftStream::Ahead(_, task) = self {
+            task.abort();
+        }
+    }
+}
+
+/// A draft opened ahead of its `begin`.
+struct Prefetch {
+    context: Vec<u32>,
+    sampling: SamplingParams,
+    stream: DraftStream,
+}
+
 /// The draft side of one request.
 pub struct RemoteDrafter {
     pool: Arc<Pool>,
@@ -74,7 +110,8 @@ pub struct RemoteDrafter {
     tokenizer: Arc<Tokenizer>,
     lease: Option<Lease>,
     lost: Vec<String>,
-    stream: Option<Streaming<DraftResponse>>,
+    stream: Option<DraftStream>,
+    prefetch: Option<Prefetch>,
     context: Vec<u32>,
     sampling: SamplingParams,
     /// Tokens received since `begin`, and how many of them came before the current worker stream began (the
@@ -88,6 +125,10 @@ pub struct RemoteDrafter {
     done: bool,
     pub failovers: usize,
     pub fell_back: bool,
+    /// Drafts that were already under way when the loop asked for them (opened during the previous verification),
+    /// and prefetches thrown away because the verification cut the draft short.
+    pub prefetch_hits: usize,
+    pub prefetch_misses: usize,
 }
 
 impl RemoteDrafter {
@@ -99,6 +140,7 @@ impl RemoteDrafter {
             lease: None,
             lost: Vec::new(),
             stream: None,
+            prefetch: None,
             context: Vec::new(),
             sampling: SamplingParams::default(),
             received: 0,
@@ -108,6 +150,8 @@ impl RemoteDrafter {
             done: false,
             failovers: 0,
             fell_back: false,
+            prefetch_hits: 0,
+            prefetch_misses: 0,
         }
     }
 
@@ -128,6 +172,7 @@ impl RemoteDrafter {
             self.failovers += 1;
         }
         self.stream = None;
+        self.prefetch = None;
     }
 
     fn ensure_worker(&mut self) {
@@ -151,6 +196,16 @@ impl Drafter for RemoteDrafter {
         self.done = false;
         self.received = 0;
         self.stream_base = 0;
+        if let Some(p) = self.prefetch.take() {
+            if p.context == context && p.sampling == *sampling {
+                // The draft the worker began during the verification: its tokens continue exactly this context.
+                self.stream = Some(p.stream);
+                self.prefetch_hits += 1;
+            } else {
+                // Dropped: the worker's producer is cancelled, and this begin's Draft call rewinds its cache.
+                self.prefetch_misses += 1;
+            }
+        }
         if !self.prefilled {
             // The first begin processes the prompt now (a stream of no tokens), so that the loop counts it as
             // prefill, as in process; later begins extend the worker's cache inside the first `next`.
@@ -208,7 +263,7 @@ impl Drafter for RemoteDrafter {
                 });
                 match self.ctx.handle.block_on(client.draft(req)) {
                     Ok(r) => {
-                        self.stream = Some(r.into_inner());
+                        self.stream = Some(DraftStream::Direct(r.into_inner()));
                         self.stream_base = self.received + chunk.tokens.len();
                     }
                     Err(s) => {
@@ -288,8 +343,62 @@ impl Drafter for RemoteDrafter {
             .collect()
     }
 
+    fn prefetch(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+    ) -> Result<()> {
+        self.ctx.check()?;
+        // The current stream drafts past the loop's cut; the worker serves one stream per session, and this one
+        // replaces it.
+        self.stream = None;
+        self.prefetch = None;
+        let Some(mut client) = self.client() else {
+            return Ok(());
+        };
+        let req = self.ctx.request(DraftRequest {
+            session: session.to_string(),
+            context: context.to_vec(),
+            sampling: Some(sampling.into()),
+            max_tokens: (tokens as u32).clamp(1, self.max_tokens),
+        });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = self.ctx.handle.spawn(async move {
+            let mut stream = match client.draft(req).await {
+                Ok(r) => r.into_inner(),
+                Err(s) => {
+                    let _ = tx.send(Err(s));
+                    return;
+                }
+            };
+            loop {
+                match stream.message().await {
+                    Ok(Some(m)) => {
+                        if tx.send(Ok(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(s) => {
+                        let _ = tx.send(Err(s));
+                        return;
+                    }
+                }
+            }
+        });
+        self.prefetch = Some(Prefetch {
+            context: context.to_vec(),
+            sampling: sampling.clone(),
+            stream: DraftStream::Ahead(rx, task.abort_handle()),
+        });
+        Ok(())
+    }
+
     fn release(&mut self, session: &str) -> Result<()> {
         self.stream = None;
+        self.prefetch = None;
         if let Some(mut client) = self.client() {
             // Release even when the request itself was cancelled: no deadline on the cleanup.
             let req = tonic::Request::new(ReleaseRequest {
