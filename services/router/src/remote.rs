@@ -72,7 +72,7 @@ fn is_lost(ctx: &CallCtx, e: &Error) -> bool {
 /// A Draft stream the loop reads: the call's own, or one opened ahead by `prefetch` and read into a buffer by a
 /// task on the runtime (dropping it aborts the task, which cancels the worker's producer).
 enum DraftStream {
-    Direct(Streaming<DraftResponse>),
+    Direct(Box<Streaming<DraftResponse>>),
     Ahead(
         mpsc::UnboundedReceiver<std::result::Result<DraftResponse, tonic::Status>>,
         AbortHandle,
@@ -263,7 +263,7 @@ impl Drafter for RemoteDrafter {
                 });
                 match self.ctx.handle.block_on(client.draft(req)) {
                     Ok(r) => {
-                        self.stream = Some(DraftStream::Direct(r.into_inner()));
+                        self.stream = Some(DraftStream::Direct(Box::new(r.into_inner())));
                         self.stream_base = self.received + chunk.tokens.len();
                     }
                     Err(s) => {
