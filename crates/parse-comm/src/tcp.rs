@@ -1,0 +1,554 @@
+//! The TCP ring backend.
+//!
+//! Rank `r` listens on `addrs[r]`, connects to rank `r + 1` and accepts rank `r - 1` (mod the world size); the
+//! connections stay open for the communicator's life. A frame is a little-endian `u64` length and its bytes. Each
+//! rank has a writer thread for its outgoing connection, so that in every ring step all ranks send and receive at
+//! the same time (sending first and then receiving would deadlock once a message outgrows the socket buffers).
+
+use std::io::{ErrorKind as IoKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::{Comm, CommError, CommErrorKind, Result};
+
+const MAGIC: &[u8; 8] = b"PARSETP1";
+/// The largest frame a peer may announce (a corrupt length must not allocate without bound).
+const MAX_FRAME: u64 = 1 << 32;
+
+/// How to form a TCP group.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    pub rank: usize,
+    /// Every rank's listen address, in rank order.
+    pub addrs: Vec<String>,
+    /// How long to wait for the neighbours to come up.
+    pub rendezvous_timeout: Duration,
+    /// How long one receive may wait inside a collective before the peer counts as hung.
+    pub op_timeout: Duration,
+}
+
+impl TcpConfig {
+    pub fn new(rank: usize, addrs: Vec<String>) -> Self {
+        TcpConfig {
+            rank,
+            addrs,
+            rendezvous_timeout: Duration::from_secs(120),
+            op_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct Ring {
+    /// From the previous rank.
+    prev: TcpStream,
+    /// Frames to the next rank, written by the writer thread.
+    send: Sender<Vec<u8>>,
+}
+
+/// A ring of TCP connections (see the module docs).
+pub struct TcpComm {
+    rank: usize,
+    world: usize,
+    ring: Mutex<Ring>,
+    /// Set on the first failure: the ring is out of step from then on.
+    broken: Arc<Mutex<Option<CommError>>>,
+    /// Clones of both sockets, to shut them down on drop (and in `kill`).
+    sockets: Vec<TcpStream>,
+    writer: Option<JoinHandle<()>>,
+    op_timeout: Duration,
+}
+
+fn io_error(peer: usize, what: &str, e: &std::io::Error) -> CommError {
+    match e.kind() {
+        IoKind::WouldBlock | IoKind::TimedOut => CommError::new(
+            CommErrorKind::Timeout,
+            format!("tensor-parallel rank {peer} did not answer in time ({what})"),
+        ),
+        _ => CommError::new(
+            CommErrorKind::PeerLost,
+            format!("tensor-parallel rank {peer} is gone ({what}: {e})"),
+        ),
+    }
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            CommError::new(
+                CommErrorKind::Rendezvous,
+                format!("cannot resolve `{addr}`"),
+            )
+        })
+}
+
+impl TcpComm {
+    /// Binds this rank's address and forms the ring.
+    pub fn connect(cfg: &TcpConfig) -> Result<Self> {
+        let addr = cfg.addrs.get(cfg.rank).ok_or_else(|| {
+            CommError::new(
+                CommErrorKind::Invalid,
+                format!(
+                    "rank {} is outside a group of {} addresses",
+                    cfg.rank,
+                    cfg.addrs.len()
+                ),
+            )
+        })?;
+        let listener = TcpListener::bind(resolve(addr)?).map_err(|e| {
+            CommError::new(
+                CommErrorKind::Rendezvous,
+                format!("cannot listen on {addr}: {e}"),
+            )
+        })?;
+        Self::with_listener(cfg, listener)
+    }
+
+    /// Forms the ring on an already bound listener (tests bind port 0 first).
+    pub fn with_listener(cfg: &TcpConfig, listener: TcpListener) -> Result<Self> {
+        let world = cfg.addrs.len();
+        let rank = cfg.rank;
+        if world == 0 || rank >= world {
+            return Err(CommError::new(
+                CommErrorKind::Invalid,
+                format!("rank {rank} is outside a group of {world}"),
+            ));
+        }
+        if world == 1 {
+            return Err(CommError::new(
+                CommErrorKind::Invalid,
+                "a TCP group needs at least 2 ranks (use the local backend for 1)",
+            ));
+        }
+        let deadline = Instant::now() + cfg.rendezvous_timeout;
+        let (next_rank, prev_rank) = ((rank + 1) % world, (rank + world - 1) % world);
+        let next_addr = resolve(&cfg.addrs[next_rank])?;
+        // Connect to the next rank (it may not be listening yet), then take the previous rank's connection.
+        let mut next = loop {
+            match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("rank {next_rank} at {next_addr} not up yet: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => {
+                    return Err(CommError::new(
+                        CommErrorKind::Rendezvous,
+                        format!("rank {next_rank} at {next_addr} did not come up: {e}"),
+                    ));
+                }
+            }
+        };
+        let mut hello = MAGIC.to_vec();
+        hello.extend((world as u32).to_le_bytes());
+        hello.extend((rank as u32).to_le_bytes());
+        next.write_all(&hello)
+            .map_err(|e| io_error(next_rank, "handshake", &e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::new(CommErrorKind::Rendezvous, format!("listener: {e}")))?;
+        let mut prev = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == IoKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    return Err(CommError::new(
+                        CommErrorKind::Rendezvous,
+                        format!("rank {prev_rank} did not connect: {e}"),
+                    ));
+                }
+            }
+        };
+        prev.set_nonblocking(false)
+            .and_then(|_| prev.set_read_timeout(Some(cfg.rendezvous_timeout)))
+            .map_err(|e| io_error(prev_rank, "handshake", &e))?;
+        let mut got = [0u8; 16];
+        prev.read_exact(&mut got)
+            .map_err(|e| io_error(prev_rank, "handshake", &e))?;
+        let their_world = u32::from_le_bytes(got[8..12].try_into().unwrap_or_default()) as usize;
+        let their_rank = u32::from_le_bytes(got[12..16].try_into().unwrap_or_default()) as usize;
+        if &got[..8] != MAGIC || their_world != world || their_rank != prev_rank {
+            return Err(CommError::new(
+                CommErrorKind::Rendezvous,
+                format!(
+                    "expected rank {prev_rank} of {world}, a peer introduced itself as rank {their_rank} of \
+                     {their_world}"
+                ),
+            ));
+        }
+        for s in [&prev, &next] {
+            s.set_nodelay(true)
+                .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?;
+        }
+        prev.set_read_timeout(Some(cfg.op_timeout))
+            .map_err(|e| io_error(prev_rank, "setup", &e))?;
+        next.set_write_timeout(Some(cfg.op_timeout))
+            .map_err(|e| io_error(next_rank, "setup", &e))?;
+        let sockets = vec![
+            prev.try_clone()
+                .map_err(|e| io_error(prev_rank, "setup", &e))?,
+            next.try_clone()
+                .map_err(|e| io_error(next_rank, "setup", &e))?,
+        ];
+        let broken = Arc::new(Mutex::new(None));
+        let (send, rx) = mpsc::channel::<Vec<u8>>();
+        let writer_broken = broken.clone();
+        let writer = std::thread::Builder::new()
+            .name(format!("tp-send-{rank}"))
+            .spawn(move || {
+                for frame in rx {
+                    let r = next
+                        .write_all(&(frame.len() as u64).to_le_bytes())
+                        .and_then(|_| next.write_all(&frame));
+                    if let Err(e) = r {
+                        let err = io_error(next_rank, "send", &e);
+                        if let Ok(mut b) = writer_broken.lock() {
+                            b.get_or_insert(err);
+                        }
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?;
+        tracing::info!(rank, world, "tensor-parallel ring formed");
+        Ok(TcpComm {
+            rank,
+            world,
+            ring: Mutex::new(Ring { prev, send }),
+            broken,
+            sockets,
+            writer: Some(writer),
+            op_timeout: cfg.op_timeout,
+        })
+    }
+
+    /// Closes both connections as a crashed process would (tests use it to play a dead rank).
+    pub fn kill(&self) {
+        for s in &self.sockets {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The error that broke the ring, if one did.
+    pub fn broken(&self) -> Option<CommError> {
+        self.broken.lock().ok().and_then(|b| b.clone())
+    }
+
+    fn prev_rank(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Records the first failure and returns it (a failed send may have been recorded by the writer first).
+    fn fail(&self, e: CommError) -> CommError {
+        match self.broken.lock() {
+            Ok(mut b) => b.get_or_insert(e).clone(),
+            Err(_) => e,
+        }
+    }
+
+    /// Runs one collective on the ring, marking the communicator broken on failure.
+    fn with_ring<T>(&self, f: impl FnOnce(&mut RingOps<'_>) -> Result<T>) -> Result<T> {
+        if let Some(e) = self.broken() {
+            return Err(e);
+        }
+        let mut ring = self.ring.lock().map_err(|_| {
+            CommError::new(CommErrorKind::Protocol, "a collective panicked earlier")
+        })?;
+        let mut ops = RingOps {
+            ring: &mut ring,
+            prev_rank: self.prev_rank(),
+            broken: &self.broken,
+        };
+        let r = f(&mut ops);
+        r.map_err(|e| self.fail(e))
+    }
+
+    fn chunk(&self, len: usize, i: usize) -> std::ops::Range<usize> {
+        (i * len / self.world)..((i + 1) * len / self.world)
+    }
+}
+
+struct RingOps<'a> {
+    ring: &'a mut Ring,
+    prev_rank: usize,
+    broken: &'a Mutex<Option<CommError>>,
+}
+
+impl RingOps<'_> {
+    fn send(&mut self, bytes: Vec<u8>) -> Result<()> {
+        if self.ring.send.send(bytes).is_err() {
+            let e = self.broken.lock().ok().and_then(|b| b.clone());
+            return Err(e.unwrap_or_else(|| {
+                CommError::new(CommErrorKind::PeerLost, "the sending connection is closed")
+            }));
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>> {
+        let mut len = [0u8; 8];
+        self.ring
+            .prev
+            .read_exact(&mut len)
+            .map_err(|e| io_error(self.prev_rank, "receive", &e))?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_FRAME {
+            return Err(CommError::new(
+                CommErrorKind::Protocol,
+                format!("a frame of {len} bytes"),
+            ));
+        }
+        let mut buf = vec![0u8; len as usize];
+        self.ring
+            .prev
+            .read_exact(&mut buf)
+            .map_err(|e| io_error(self.prev_rank, "receive", &e))?;
+        Ok(buf)
+    }
+
+    fn send_f32(&mut self, v: &[f32]) -> Result<()> {
+        self.send(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
+    fn recv_f32(&mut self, expect: usize) -> Result<Vec<f32>> {
+        let b = self.recv()?;
+        if b.len() != expect * 4 {
+            return Err(CommError::new(
+                CommErrorKind::Protocol,
+                format!("expected {expect} floats, got {} bytes", b.len()),
+            ));
+        }
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+impl Comm for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let (n, r, len) = (self.world, self.rank, buf.len());
+        self.with_ring(|ops| {
+            // Reduce-scatter: after n - 1 steps rank r holds the full sum of chunk r + 1.
+            for s in 0..n - 1 {
+                let out = self.chunk(len, (r + n - s) % n);
+                ops.send_f32(&buf[out])?;
+                let inc = self.chunk(len, (r + 2 * n - s - 1) % n);
+                let got = ops.recv_f32(inc.len())?;
+                for (a, b) in buf[inc].iter_mut().zip(got) {
+                    *a += b;
+                }
+            }
+            // All-gather of the summed chunks.
+            for s in 0..n - 1 {
+                let out = self.chunk(len, (r + 1 + n - s) % n);
+                ops.send_f32(&buf[out])?;
+                let inc = self.chunk(len, (r + n - s) % n);
+                let got = ops.recv_f32(inc.len())?;
+                buf[inc].copy_from_slice(&got);
+            }
+            Ok(())
+        })
+    }
+
+    fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
+        let (n, r, len) = (self.world, self.rank, local.len());
+        let mut out = vec![0f32; n * len];
+        out[r * len..(r + 1) * len].copy_from_slice(local);
+        self.with_ring(|ops| {
+            for s in 0..n - 1 {
+                let o = (r + n - s) % n;
+                ops.send_f32(&out[o * len..(o + 1) * len])?;
+                let i = (r + 2 * n - s - 1) % n;
+                let got = ops.recv_f32(len)?;
+                out[i * len..(i + 1) * len].copy_from_slice(&got);
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn broadcast(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        if root >= self.world {
+            return Err(CommError::new(
+                CommErrorKind::Invalid,
+                format!("broadcast root {root} in a group of {}", self.world),
+            ));
+        }
+        let last = (root + self.world - 1) % self.world;
+        let rank = self.rank;
+        self.with_ring(|ops| {
+            if rank != root {
+                *buf = ops.recv()?;
+            }
+            if rank != last {
+                ops.send(buf.clone())?;
+            }
+            Ok(())
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut one = [0f32];
+        self.all_reduce_sum(&mut one)
+    }
+}
+
+impl TcpComm {
+    /// Waits for `root`'s next broadcast without the operation timeout (a follower idles here between steps);
+    /// a peer that goes away still ends the wait at once.
+    pub fn broadcast_wait(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        {
+            let ring = self.ring.lock().map_err(|_| {
+                CommError::new(CommErrorKind::Protocol, "a collective panicked earlier")
+            })?;
+            let _ = ring.prev.set_read_timeout(None);
+        }
+        let r = self.broadcast(buf, root);
+        if let Ok(ring) = self.ring.lock() {
+            let _ = ring.prev.set_read_timeout(Some(self.op_timeout));
+        }
+        r
+    }
+}
+
+impl Drop for TcpComm {
+    fn drop(&mut self) {
+        if let Ok(mut ring) = self.ring.lock() {
+            // Closing the channel lets the writer deliver what is queued (the peers may still be reading this
+            // rank's last frames) and end; a hung peer ends it by the write timeout.
+            let (dead, _) = mpsc::channel();
+            ring.send = dead;
+        }
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+        self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group of `n` on loopback; rank `r`'s closure runs on its own thread.
+    fn group<T: Send + 'static>(
+        n: usize,
+        f: impl Fn(TcpComm) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<String> = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let f = Arc::new(f);
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let (f, addrs) = (f.clone(), addrs.clone());
+                std::thread::spawn(move || {
+                    let mut cfg = TcpConfig::new(r, addrs);
+                    cfg.op_timeout = Duration::from_secs(5);
+                    f(TcpComm::with_listener(&cfg, l).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn collectives_agree_on_every_rank() {
+        for n in [2, 3, 4] {
+            let out = group(n, |c| {
+                let r = c.rank() as f32;
+                // Lengths below, at and above the world size, and one large enough to outgrow socket buffers.
+                let mut sums = Vec::new();
+                for len in [1usize, 3, 7, 1 << 20] {
+                    let mut v: Vec<f32> = (0..len).map(|i| r * 1000.0 + i as f32).collect();
+                    c.all_reduce_sum(&mut v).unwrap();
+                    sums.push(v);
+                }
+                let gathered = c.all_gather(&[r, r + 0.5]).unwrap();
+                let mut b = if c.rank() == 1 {
+                    b"hello".to_vec()
+                } else {
+                    vec![]
+                };
+                c.broadcast(&mut b, 1).unwrap();
+                c.barrier().unwrap();
+                (sums, gathered, b)
+            });
+            let ranks: f32 = (0..n).map(|r| r as f32 * 1000.0).sum();
+            for (sums, gathered, b) in &out {
+                for v in sums {
+                    for (i, x) in v.iter().enumerate() {
+                        assert_eq!(*x, ranks + (n * i) as f32, "n={n} i={i}");
+                    }
+                }
+                let want: Vec<f32> = (0..n).flat_map(|r| [r as f32, r as f32 + 0.5]).collect();
+                assert_eq!(gathered, &want);
+                assert_eq!(b, b"hello");
+            }
+            // Bitwise the same sums everywhere.
+            assert!(out.windows(2).all(|w| w[0].0 == w[1].0));
+        }
+    }
+
+    #[test]
+    fn a_dead_peer_fails_the_collective_at_once_and_for_good() {
+        let out = group(3, |c| {
+            if c.rank() == 2 {
+                c.kill();
+                return None;
+            }
+            let t = Instant::now();
+            let mut v = vec![1.0f32; 1000];
+            let e = c.all_reduce_sum(&mut v).unwrap_err();
+            let again = c.barrier().unwrap_err();
+            Some((e.kind, again.kind, t.elapsed()))
+        });
+        for (kind, again, took) in out.into_iter().flatten() {
+            // Rank 0 reads from the dead rank 2 (PeerLost); rank 1 waits on rank 0, which stops sending: it sees
+            // the loss as a timeout or, once rank 0 drops, as PeerLost. Neither hangs.
+            assert!(
+                matches!(kind, CommErrorKind::PeerLost | CommErrorKind::Timeout),
+                "{kind:?}"
+            );
+            assert_eq!(kind, again);
+            assert!(took < Duration::from_secs(8), "{took:?}");
+        }
+    }
+
+    #[test]
+    fn a_wrong_group_is_refused_at_rendezvous() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut cfg = TcpConfig::new(
+            0,
+            vec![l.local_addr().unwrap().to_string(), "127.0.0.1:1".into()],
+        );
+        cfg.rendezvous_timeout = Duration::from_millis(300);
+        let e = TcpComm::with_listener(&cfg, l).err().unwrap();
+        assert_eq!(e.kind, CommErrorKind::Rendezvous);
+        let one = TcpConfig::new(0, vec!["127.0.0.1:0".into()]);
+        assert_eq!(
+            TcpComm::connect(&one).err().unwrap().kind,
+            CommErrorKind::Invalid
+        );
+    }
+}
