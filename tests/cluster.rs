@@ -369,3 +369,112 @@ fn an_overloaded_router_answers_resource_exhausted() {
         drop(first);
     });
 }
+
+/// `grpc.health.v1` status of the whole server at `addr`.
+async fn health(addr: &str) -> i32 {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = tonic_health::pb::health_client::HealthClient::new(channel);
+    c.check(tonic_health::pb::HealthCheckRequest {
+        service: String::new(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+}
+
+#[test]
+fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_group() {
+    use parse_engine::tp::Layout;
+    use std::sync::Arc;
+    let mut comms = parse_comm::loopback_group(2, Duration::from_secs(5))
+        .unwrap()
+        .into_iter()
+        .map(Arc::new);
+    let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+    let follower_comm = c1.clone();
+    let follower = std::thread::spawn(move || {
+        tiny_engine(TARGET_SEED)
+            .into_tensor_parallel(c1, Layout::Exact)
+            .unwrap()
+            .follow()
+    });
+    let leader = tiny_engine(TARGET_SEED)
+        .into_tensor_parallel(c0, Layout::Exact)
+        .unwrap();
+    let tp = target_server(
+        leader,
+        TargetWorkerConfig {
+            heartbeat: Duration::from_millis(200),
+            ..Default::default()
+        },
+    );
+    let plain = target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default());
+    let draft = draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default());
+    // Idle workers tie on outstanding requests and the first listed wins: the group gets the requests.
+    let router = router_server(RouterConfig {
+        drafts: vec![draft.endpoint()],
+        targets: vec![tp.endpoint(), plain.endpoint()],
+        max_in_flight: 8,
+        ..Default::default()
+    });
+    let want = in_process(Mode::Parse, 300, SamplingParams::default());
+    let rt = client_rt();
+    rt.block_on(async {
+        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        // Through the group (exact layout): the in-process output.
+        let mut stream = client.generate_stream(req("parse", 300)).await.unwrap();
+        let (mut tokens, mut stats, mut checked) = (Vec::new(), None, false);
+        while let Some(ev) = stream.next().await {
+            match ev.unwrap() {
+                Event::Delta(d) => {
+                    tokens.extend(d.token_ids);
+                    if !checked {
+                        assert_eq!(tp.worker.open_sessions(), 1, "the group holds the session");
+                        checked = true;
+                    }
+                }
+                Event::Finished(f) => stats = f.stats,
+            }
+        }
+        assert_eq!(tokens, want, "TP = 2 through the router");
+        assert_eq!(stats.unwrap().target_failovers, 0);
+        assert_eq!(health(&tp.endpoint()).await, 1, "SERVING");
+
+        // The follower dies mid-request: the leader fails the call with UNAVAILABLE, the router re-prefills the
+        // session on the other target, and the answer is still the in-process one.
+        let mut stream = client.generate_stream(req("parse", 300)).await.unwrap();
+        let (mut tokens, mut stats, mut killed) = (Vec::new(), None, false);
+        while let Some(ev) = stream.next().await {
+            match ev.expect("the request survives the group") {
+                Event::Delta(d) => {
+                    tokens.extend(d.token_ids);
+                    if !killed {
+                        follower_comm.kill();
+                        killed = true;
+                    }
+                }
+                Event::Finished(f) => stats = f.stats,
+            }
+        }
+        let stats = stats.unwrap();
+        assert_eq!(tokens, want);
+        assert!(stats.target_failovers >= 1, "{stats:?}");
+        assert!(plain.worker.open_sessions() == 0);
+    });
+    assert!(
+        follower.join().unwrap().is_err(),
+        "the follower left with an error"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || !tp.worker.ready()),
+        "the broken group reports unready"
+    );
+    rt.block_on(async {
+        assert_eq!(health(&tp.endpoint()).await, 2, "NOT_SERVING");
+    });
+}

@@ -76,9 +76,47 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    let (_ready, watch) = tokio::sync::watch::channel(true);
+    run_reporting(service, listener, shutdown, watch).await
+}
+
+/// Like [`run`], with health following `ready`: SERVING while it holds `true`, NOT_SERVING (for the service and
+/// the server as a whole) once it turns `false`.
+pub async fn run_reporting<S>(
+    service: S,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    mut ready: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<S>().await;
-    tonic::transport::Server::builder()
+    let reporter = tokio::spawn(async move {
+        loop {
+            let status = if *ready.borrow_and_update() {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            health.set_service_status("", status).await;
+            health.set_service_status(S::NAME, status).await;
+            if ready.changed().await.is_err() {
+                // The sender is gone: the status stays as it is.
+                std::future::pending::<()>().await;
+            }
+        }
+    });
+    let served = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_service()?)
         .add_service(reflection_service_v1alpha()?)
@@ -87,6 +125,42 @@ where
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,
         )
-        .await?;
+        .await;
+    reporter.abort();
+    served?;
+    Ok(())
+}
+
+/// Serves only `grpc.health.v1` (a process with no service of its own, such as a tensor-parallel follower),
+/// SERVING while `ready` holds `true`.
+pub async fn run_health_only(
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    mut ready: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let reporter = tokio::spawn(async move {
+        loop {
+            let status = if *ready.borrow_and_update() {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            health.set_service_status("", status).await;
+            if ready.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    });
+    let served = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_service()?)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    reporter.abort();
+    served?;
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! Backends:
 //! - [`LocalComm`]: world size 1, every collective is the identity.
 //! - [`TcpComm`]: processes on one or several hosts, over persistent TCP connections arranged in a ring (each rank
-//!   sends to the next and receives from the previous); ring all-reduce (reduce-scatter, then all-gather), so every
-//!   rank ends with bitwise identical sums.
+//!   sends to the next and receives from the previous); all-reduce sums in rank order after a ring all-gather, so
+//!   every rank ends with the same bits and an element's sum does not depend on the buffer's length.
 //! - NCCL (on GPUs) is provided by the cudarc crate's `nccl` module, the one candle's `nccl` feature enables; it is
 //!   not part of this CPU build.
 //!
@@ -16,7 +16,7 @@
 
 mod tcp;
 
-pub use tcp::{TcpComm, TcpConfig};
+pub use tcp::{TcpComm, TcpConfig, loopback_group};
 
 /// What went wrong in a collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,8 @@ pub type Result<T, E = CommError> = std::result::Result<T, E>;
 pub trait Comm: Send + Sync {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// Element-wise sum over the ranks, in place; every rank gets the same bits.
+    /// Element-wise sum over the ranks, in place; every rank gets the same bits, and an element's result does not
+    /// depend on the buffer's length.
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
     /// Every rank's `local` (all the same length), concatenated in rank order.
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>>;
@@ -65,6 +66,11 @@ pub trait Comm: Send + Sync {
     fn broadcast(&self, buf: &mut Vec<u8>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+    /// Like `broadcast`, for a rank idling until `root` has something to say: no operation timeout (a peer that
+    /// goes away still ends the wait).
+    fn broadcast_wait(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+        self.broadcast(buf, root)
+    }
 }
 
 /// A group of one.

@@ -1,7 +1,8 @@
 //! The TCP ring backend.
 //!
 //! Rank `r` listens on `addrs[r]`, connects to rank `r + 1` and accepts rank `r - 1` (mod the world size); the
-//! connections stay open for the communicator's life. A frame is a little-endian `u64` length and its bytes. Each
+//! connections stay open for the communicator's life. All-gather and broadcast pass buffers around the ring;
+//! all-reduce is an all-gather followed by a sum in rank order (deterministic, see `all_reduce_sum`). A frame is a little-endian `u64` length and its bytes. Each
 //! rank has a writer thread for its outgoing connection, so that in every ring step all ranks send and receive at
 //! the same time (sending first and then receiving would deadlock once a message outgrows the socket buffers).
 
@@ -268,10 +269,6 @@ impl TcpComm {
         let r = f(&mut ops);
         r.map_err(|e| self.fail(e))
     }
-
-    fn chunk(&self, len: usize, i: usize) -> std::ops::Range<usize> {
-        (i * len / self.world)..((i + 1) * len / self.world)
-    }
 }
 
 struct RingOps<'a> {
@@ -339,29 +336,21 @@ impl Comm for TcpComm {
         self.world
     }
 
+    /// An all-gather, then every rank adds the ranks' values in rank order: each element's sum is
+    /// `((v0 + v1) + v2) + ...` whatever the buffer's length, so a token's result does not depend on how many
+    /// tokens share the block (the engine's batch invariance), and every rank gets the same bits. It moves
+    /// `world - 1` buffers per rank where a ring all-reduce moves about two; at the sizes of a decode step the
+    /// round trips dominate, and there are fewer of them.
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let (n, r, len) = (self.world, self.rank, buf.len());
-        self.with_ring(|ops| {
-            // Reduce-scatter: after n - 1 steps rank r holds the full sum of chunk r + 1.
-            for s in 0..n - 1 {
-                let out = self.chunk(len, (r + n - s) % n);
-                ops.send_f32(&buf[out])?;
-                let inc = self.chunk(len, (r + 2 * n - s - 1) % n);
-                let got = ops.recv_f32(inc.len())?;
-                for (a, b) in buf[inc].iter_mut().zip(got) {
-                    *a += b;
-                }
+        let len = buf.len();
+        let all = self.all_gather(buf)?;
+        buf.copy_from_slice(&all[..len]);
+        for r in 1..self.world {
+            for (a, b) in buf.iter_mut().zip(&all[r * len..(r + 1) * len]) {
+                *a += b;
             }
-            // All-gather of the summed chunks.
-            for s in 0..n - 1 {
-                let out = self.chunk(len, (r + 1 + n - s) % n);
-                ops.send_f32(&buf[out])?;
-                let inc = self.chunk(len, (r + n - s) % n);
-                let got = ops.recv_f32(inc.len())?;
-                buf[inc].copy_from_slice(&got);
-            }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     fn all_gather(&self, local: &[f32]) -> Result<Vec<f32>> {
@@ -405,12 +394,10 @@ impl Comm for TcpComm {
         let mut one = [0f32];
         self.all_reduce_sum(&mut one)
     }
-}
 
-impl TcpComm {
     /// Waits for `root`'s next broadcast without the operation timeout (a follower idles here between steps);
     /// a peer that goes away still ends the wait at once.
-    pub fn broadcast_wait(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
+    fn broadcast_wait(&self, buf: &mut Vec<u8>, root: usize) -> Result<()> {
         {
             let ring = self.ring.lock().map_err(|_| {
                 CommError::new(CommErrorKind::Protocol, "a collective panicked earlier")
@@ -438,6 +425,37 @@ impl Drop for TcpComm {
         }
         self.kill();
     }
+}
+
+/// A whole group of `n` ranks in this process on 127.0.0.1 (tests and benchmarks), in rank order.
+pub fn loopback_group(n: usize, op_timeout: Duration) -> Result<Vec<TcpComm>> {
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?;
+    let addrs = listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.to_string()))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?;
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let mut cfg = TcpConfig::new(r, addrs.clone());
+            cfg.op_timeout = op_timeout;
+            cfg.rendezvous_timeout = Duration::from_secs(30);
+            std::thread::spawn(move || TcpComm::with_listener(&cfg, l))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join().unwrap_or_else(|_| {
+                Err(CommError::new(CommErrorKind::Rendezvous, "a rank panicked"))
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use crate::load::{self, GgufFile, LoadOptions};
 use crate::model::{Logits, Model};
 use crate::session::SessionStore;
 use crate::tokenizer::Tokenizer;
+use crate::tp::Op;
 use parse_core::mask::BlockMask;
 
 /// Default KV capacity of an engine: 4 GiB.
@@ -37,10 +38,12 @@ impl EngineConfig {
 
 /// A loaded model with its tokenizer and KV sessions.
 pub struct Engine {
-    model: Arc<Model>,
+    pub(crate) model: Arc<Model>,
     tokenizer: Arc<Tokenizer>,
-    sessions: SessionStore,
+    pub(crate) sessions: SessionStore,
     path: PathBuf,
+    /// The tensor-parallel group this engine is a rank of (see `tp`).
+    pub(crate) group: Option<crate::tp::Group>,
 }
 
 impl Engine {
@@ -92,6 +95,7 @@ impl Engine {
             tokenizer: Arc::new(tokenizer),
             sessions: SessionStore::new(kv_capacity_bytes),
             path: path.to_path_buf(),
+            group: None,
         }
     }
 
@@ -112,7 +116,9 @@ impl Engine {
     }
 
     pub fn open_session(&mut self, id: &str) -> Result<()> {
-        self.sessions.open(&self.model, id)
+        self.leader()?;
+        self.sessions.open(&self.model, id)?;
+        self.send(&Op::Open(id.to_string()))
     }
 
     /// `forward(session, tokens, positions, mask, readout)`: see [`Model::forward`].
@@ -124,8 +130,21 @@ impl Engine {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
-        self.sessions
-            .forward(&self.model, session, tokens, positions, mask, readout)
+        if self.leader()?.is_some() {
+            // Every check first: the followers are sent only a block that will run.
+            self.sessions
+                .check_forward(&self.model, session, tokens, positions, mask, readout)?;
+            self.send(&Op::Forward {
+                session: session.to_string(),
+                tokens: tokens.to_vec(),
+                positions: positions.to_vec(),
+                mask: mask.rows().to_vec(),
+            })?;
+        }
+        let r = self
+            .sessions
+            .forward(&self.model, session, tokens, positions, mask, readout);
+        self.note_forward(r)
     }
 
     /// Causal block after what the session holds, logits at `readout`.
@@ -146,10 +165,15 @@ impl Engine {
     }
 
     pub fn truncate(&mut self, session: &str, n: usize) -> Result<()> {
-        self.sessions.truncate(session, n)
+        self.leader()?;
+        self.sessions.truncate(session, n)?;
+        self.send(&Op::Truncate(session.to_string(), n))
     }
 
     pub fn release(&mut self, session: &str) -> Result<usize> {
-        self.sessions.release(session)
+        self.leader()?;
+        let freed = self.sessions.release(session)?;
+        self.send(&Op::Release(session.to_string()))?;
+        Ok(freed)
     }
 }

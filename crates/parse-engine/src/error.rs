@@ -49,6 +49,9 @@ pub enum Error {
     Backend(parse_core::Error),
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// A collective of the tensor-parallel group failed (a rank died or hung); the group is unusable.
+    #[error("tensor-parallel group: {0}")]
+    Comm(parse_comm::CommError),
 }
 
 impl From<parse_core::Error> for Error {
@@ -68,6 +71,7 @@ impl From<Error> for parse_core::Error {
             Error::InvalidInput(_) | Error::ContextExceeded { .. } => K::InvalidInput,
             Error::CapacityExceeded { .. } => K::ResourceExhausted,
             Error::Backend(inner) => inner.kind,
+            Error::Comm(_) => K::Unavailable,
             _ => K::Internal,
         };
         parse_core::Error::new(kind, e.to_string())

@@ -17,6 +17,7 @@ pub mod quant;
 pub mod sampling;
 pub mod session;
 pub mod tokenizer;
+pub mod tp;
 
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};

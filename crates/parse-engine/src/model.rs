@@ -188,12 +188,14 @@ impl Logits {
     }
 }
 
-/// A loaded model.
+/// A loaded model, or one rank's shard of it (see `tp`).
 #[derive(Debug, Clone)]
 pub struct Model {
-    cfg: ModelConfig,
-    w: Weights,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) w: Weights,
     rope: Rope,
+    /// Set on a tensor-parallel shard: the partial outputs of `o` and `down` are summed over the group.
+    pub(crate) tp: Option<crate::tp::ShardOf>,
 }
 
 fn check_matrix(name: &str, m: &QMatrix, rows: usize, cols: usize) -> Result<()> {
@@ -268,7 +270,29 @@ impl Model {
             }
         }
         let rope = Rope::new(hd, cfg.rope_theta, cfg.rope_style);
-        Ok(Model { cfg, w, rope })
+        Ok(Model {
+            cfg,
+            w,
+            rope,
+            tp: None,
+        })
+    }
+
+    /// A shard assembled by `tp` (its matrices are cut to the shard's layout, which `new`'s checks do not know).
+    pub(crate) fn from_shard(cfg: ModelConfig, w: Weights, tp: crate::tp::ShardOf) -> Result<Self> {
+        cfg.validate().map_err(Error::invalid)?;
+        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.rope_style);
+        Ok(Model {
+            cfg,
+            w,
+            rope,
+            tp: Some(tp),
+        })
+    }
+
+    /// The tensor-parallel shard this model is, if it is one.
+    pub fn shard_of(&self) -> Option<&crate::tp::ShardOf> {
+        self.tp.as_ref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -305,6 +329,40 @@ impl Model {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
+        self.check_block(cache, tokens, positions, mask, readout)?;
+        let cfg = &self.cfg;
+        let n = tokens.len();
+        let base = cache.len();
+        let d = cfg.hidden_size;
+        let mut x = vec![0f32; n * d];
+        for (row, &t) in x.chunks_mut(d).zip(tokens) {
+            self.w.embed.row_to_f32(t as usize, row);
+        }
+        let shape = AttnShape {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            block_start: base,
+        };
+        let result = self.layers(cache, &mut x, positions, mask, &shape);
+        if let Err(e) = result {
+            cache.truncate_layers(base);
+            return Err(e);
+        }
+        cache.len = base + n;
+        self.readout(&x, readout)
+    }
+
+    /// Every check `forward` makes before touching the cache (a tensor-parallel leader runs them before it
+    /// sends a block to its followers, so that a block either runs on every rank or on none).
+    pub fn check_block(
+        &self,
+        cache: &KvCache,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let n = tokens.len();
         if n == 0 {
@@ -344,25 +402,36 @@ impl Model {
         if cache.k.len() != cfg.n_layers || cache.kv_dim != cfg.n_kv_heads * cfg.head_dim {
             return Err(Error::invalid("KV cache was made for another model"));
         }
+        Ok(())
+    }
 
-        let d = cfg.hidden_size;
-        let mut x = vec![0f32; n * d];
-        for (row, &t) in x.chunks_mut(d).zip(tokens) {
-            self.w.embed.row_to_f32(t as usize, row);
+    /// `out = W x` for a matrix that may be split over a tensor-parallel group as `split`: unsharded, a plain
+    /// matmul; row-parallel, a matmul of this rank's input slice and a sum over the group; split by output rows,
+    /// the input slices gathered (`in_widths`), a matmul, and the output slices gathered.
+    fn project(
+        &self,
+        w: &QMatrix,
+        split: Option<crate::tp::Split>,
+        in_widths: &[usize],
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        use crate::tp::Split;
+        match (&self.tp, split) {
+            (Some(t), Some(Split::Rows)) => {
+                w.matmul(x, n, out)?;
+                t.comm.all_reduce_sum(out).map_err(Error::Comm)
+            }
+            (Some(t), Some(Split::Out)) => {
+                let full = t.gather(x, n, in_widths)?;
+                let mut part = vec![0f32; n * w.rows()];
+                w.matmul(&full, n, &mut part)?;
+                out.copy_from_slice(&t.gather(&part, n, &t.d_widths)?);
+                Ok(())
+            }
+            _ => w.matmul(x, n, out),
         }
-        let shape = AttnShape {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            block_start: base,
-        };
-        let result = self.layers(cache, &mut x, positions, mask, &shape);
-        if let Err(e) = result {
-            cache.truncate_layers(base);
-            return Err(e);
-        }
-        cache.len = base + n;
-        self.readout(&x, readout)
     }
 
     fn layers(
@@ -403,7 +472,15 @@ impl Model {
             kc.extend_from_slice(&k);
             vc.extend_from_slice(&v);
             ops::attention(&q, kc, vc, mask.rows(), shape, &mut attn);
-            l.wo.matmul(&attn, n, &mut o)?;
+            let tp = self.tp.as_ref();
+            self.project(
+                &l.wo,
+                tp.map(|t| t.o),
+                tp.map_or(&[][..], |t| &t.q_widths),
+                &attn,
+                n,
+                &mut o,
+            )?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -411,7 +488,14 @@ impl Model {
             l.w_gate.matmul(&h, n, &mut gate)?;
             l.w_up.matmul(&h, n, &mut up)?;
             ops::swiglu(&mut gate, &up);
-            l.w_down.matmul(&gate, n, &mut o)?;
+            self.project(
+                &l.w_down,
+                tp.map(|t| t.down),
+                tp.map_or(&[][..], |t| &t.f_widths),
+                &gate,
+                n,
+                &mut o,
+            )?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }

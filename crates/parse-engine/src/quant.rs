@@ -68,6 +68,26 @@ macro_rules! dispatch {
     };
 }
 
+/// Like `dispatch!`, for a body that returns a `Mat` of the same format.
+macro_rules! dispatch_map {
+    ($self:expr, $m:ident => $body:expr) => {
+        match $self {
+            QMatrix::F32($m) => QMatrix::F32($body),
+            QMatrix::F16($m) => QMatrix::F16($body),
+            QMatrix::Q4_0($m) => QMatrix::Q4_0($body),
+            QMatrix::Q4_1($m) => QMatrix::Q4_1($body),
+            QMatrix::Q5_0($m) => QMatrix::Q5_0($body),
+            QMatrix::Q5_1($m) => QMatrix::Q5_1($body),
+            QMatrix::Q8_0($m) => QMatrix::Q8_0($body),
+            QMatrix::Q2K($m) => QMatrix::Q2K($body),
+            QMatrix::Q3K($m) => QMatrix::Q3K($body),
+            QMatrix::Q4K($m) => QMatrix::Q4K($body),
+            QMatrix::Q5K($m) => QMatrix::Q5K($body),
+            QMatrix::Q6K($m) => QMatrix::Q6K($body),
+        }
+    };
+}
+
 /// Copies raw little-endian ggml blocks into typed storage.
 #[allow(unsafe_code)]
 fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
@@ -124,6 +144,34 @@ impl<T: GgmlType> Mat<T> {
             rows: range.len(),
             cols: self.cols,
             blocks: self.blocks[range.start * kb..range.end * kb].to_vec(),
+        }
+    }
+
+    fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Self {
+        let kb = self.blocks_per_row();
+        let mut blocks = Vec::new();
+        for r in ranges {
+            blocks.extend_from_slice(&self.blocks[r.start * kb..r.end * kb]);
+        }
+        Mat {
+            rows: ranges.iter().map(|r| r.len()).sum(),
+            cols: self.cols,
+            blocks,
+        }
+    }
+
+    /// Input columns `range`, which must start and end on block boundaries.
+    fn select_cols(&self, range: std::ops::Range<usize>) -> Self {
+        let kb = self.blocks_per_row();
+        let (b0, b1) = (range.start / T::BLCK_SIZE, range.end / T::BLCK_SIZE);
+        let mut blocks = Vec::with_capacity(self.rows * (b1 - b0));
+        for r in 0..self.rows {
+            blocks.extend_from_slice(&self.blocks[r * kb + b0..r * kb + b1]);
+        }
+        Mat {
+            rows: self.rows,
+            cols: range.len(),
+            blocks,
         }
     }
 
@@ -425,20 +473,45 @@ impl QMatrix {
 
     /// A copy of output rows `range` (a shard along the output dimension).
     pub fn select_rows(&self, range: std::ops::Range<usize>) -> Self {
-        match self {
-            QMatrix::F32(m) => QMatrix::F32(m.select_rows(range)),
-            QMatrix::F16(m) => QMatrix::F16(m.select_rows(range)),
-            QMatrix::Q4_0(m) => QMatrix::Q4_0(m.select_rows(range)),
-            QMatrix::Q4_1(m) => QMatrix::Q4_1(m.select_rows(range)),
-            QMatrix::Q5_0(m) => QMatrix::Q5_0(m.select_rows(range)),
-            QMatrix::Q5_1(m) => QMatrix::Q5_1(m.select_rows(range)),
-            QMatrix::Q8_0(m) => QMatrix::Q8_0(m.select_rows(range)),
-            QMatrix::Q2K(m) => QMatrix::Q2K(m.select_rows(range)),
-            QMatrix::Q3K(m) => QMatrix::Q3K(m.select_rows(range)),
-            QMatrix::Q4K(m) => QMatrix::Q4K(m.select_rows(range)),
-            QMatrix::Q5K(m) => QMatrix::Q5K(m.select_rows(range)),
-            QMatrix::Q6K(m) => QMatrix::Q6K(m.select_rows(range)),
+        dispatch_map!(self, m => m.select_rows(range))
+    }
+
+    /// Output rows `ranges`, concatenated (a shard of heads, possibly repeating a shared KV head).
+    pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Self {
+        dispatch_map!(self, m => m.gather_rows(ranges))
+    }
+
+    /// Items of storage along the input dimension (1 for f32/f16; a column shard must be a multiple of it).
+    pub fn block_size(&self) -> usize {
+        self.dtype().block_size()
+    }
+
+    /// Input columns `range` (a shard along the input dimension). A range that does not start and end on block
+    /// boundaries cannot be cut out of a quantized matrix: `Err` names the block size.
+    pub fn select_cols(&self, range: std::ops::Range<usize>) -> Result<Self, String> {
+        let b = self.block_size();
+        if range.end > self.cols() || range.start >= range.end {
+            return Err(format!(
+                "columns {range:?} of a matrix with {}",
+                self.cols()
+            ));
         }
+        if !range.start.is_multiple_of(b) || !range.end.is_multiple_of(b) {
+            return Err(format!(
+                "columns {range:?} cut through {b}-wide {:?} blocks",
+                self.dtype()
+            ));
+        }
+        Ok(dispatch_map!(self, m => m.select_cols(range.clone())))
+    }
+
+    /// The same values in f32 (exact: every format dequantizes to f32).
+    pub fn dequantized(&self) -> Self {
+        QMatrix::F32(Mat {
+            rows: self.rows(),
+            cols: self.cols(),
+            blocks: self.to_f32(),
+        })
     }
 
     /// Formats whose CPU dot kernels are slow (no SIMD path) are re-quantized to Q8_0, which has one. Q8_0 keeps
@@ -592,5 +665,67 @@ mod tests {
         let q = QMatrix::from_f32(GgmlDType::F32, 2, 4, &[0.0; 8]).unwrap();
         let mut out = vec![0f32; 2];
         assert!(q.matmul(&[0.0; 3], 1, &mut out).is_err());
+    }
+}
+
+#[cfg(test)]
+mod shard_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:
+    /// the partial products add up to the whole within rounding).
+    #[test]
+    fn row_and_column_shards_compute_the_whole_product() {
+        let (n, k, m) = (24, 1024, 5);
+        let w = random(n * k, 3);
+        let x = random(m * k, 4);
+        for dtype in [
+            GgmlDType::F32,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let q = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            let mut whole = vec![0f32; m * n];
+            q.matmul(&x, m, &mut whole).unwrap();
+            // Rows 8..16.
+            let part = q.select_rows(8..16);
+            let mut out = vec![0f32; m * 8];
+            part.matmul(&x, m, &mut out).unwrap();
+            for r in 0..m {
+                assert_eq!(
+                    &out[r * 8..(r + 1) * 8],
+                    &whole[r * n + 8..r * n + 16],
+                    "{dtype:?}"
+                );
+            }
+            // Columns 0..512 and 512..1024.
+            let mut sum = vec![0f32; m * n];
+            for cols in [0..512, 512..1024] {
+                let part = q.select_cols(cols.clone()).unwrap();
+                let xs: Vec<f32> = (0..m)
+                    .flat_map(|r| x[r * k + cols.start..r * k + cols.end].to_vec())
+                    .collect();
+                let mut out = vec![0f32; m * n];
+                part.matmul(&xs, m, &mut out).unwrap();
+                for (s, o) in sum.iter_mut().zip(out) {
+                    *s += o;
+                }
+            }
+            let diff = sum
+                .iter()
+                .zip(&whole)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-3, "{dtype:?}: column shards differ by {diff}");
+        }
+        let q = QMatrix::from_f32(GgmlDType::Q4K, n, k, &w).unwrap();
+        assert!(q.select_cols(0..300).is_err());
     }
 }

@@ -66,6 +66,30 @@ impl SessionStore {
         Ok(self.get(id)?.bytes())
     }
 
+    /// The checks of `forward`, without running it.
+    pub fn check_forward(
+        &self,
+        model: &Model,
+        id: &str,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<()> {
+        let cache = self.get(id)?;
+        let needed = tokens.len() * model.config().kv_bytes_per_token();
+        let available = self.capacity.saturating_sub(self.used());
+        if needed > available {
+            return Err(Error::CapacityExceeded {
+                session: id.to_string(),
+                needed,
+                available,
+                capacity: self.capacity,
+            });
+        }
+        model.check_block(cache, tokens, positions, mask, readout)
+    }
+
     /// Runs a block on a session (see [`Model::forward`]).
     pub fn forward(
         &mut self,

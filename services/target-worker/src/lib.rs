@@ -1,9 +1,13 @@
-//! The target worker: one target model behind `parse.v1.Verifier` (tensor-parallel groups come later; this is the
-//! world-size-1 leader).
+//! The target worker: one target model behind `parse.v1.Verifier`, alone or as rank 0 (the leader) of a
+//! tensor-parallel group whose followers run `Engine::follow` (see `parse_engine::tp`).
 //!
 //! Every call runs in a blocking task under the engine lock. At most `max_queue` calls may wait or run at once;
 //! beyond that the worker answers RESOURCE_EXHAUSTED instead of queueing without limit. Sessions idle for longer
 //! than the TTL are released.
+//!
+//! A leader sends its followers a heartbeat every `heartbeat` when idle. Once a collective fails (a follower died
+//! or hung) the group is broken: in-flight and later calls fail with UNAVAILABLE, and health turns NOT_SERVING so
+//! that routers stop sending work here; the group has to be restarted.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,7 +23,7 @@ use parse_proto::v1::{
     VerifyRequest, VerifyResponse,
 };
 use parse_proto::{check_session, plan_from, sampling_from, segmenter_from, status_from_core};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tonic::{Request, Response, Status};
 
 /// Limits of a target worker.
@@ -31,6 +35,8 @@ pub struct TargetWorkerConfig {
     pub session_ttl: Duration,
     /// Tokens one `Extend` may decode.
     pub max_extend: u32,
+    /// How often a tensor-parallel leader checks its followers.
+    pub heartbeat: Duration,
 }
 
 impl Default for TargetWorkerConfig {
@@ -39,6 +45,7 @@ impl Default for TargetWorkerConfig {
             max_queue: 256,
             session_ttl: Duration::from_secs(300),
             max_extend: 4096,
+            heartbeat: Duration::from_secs(1),
         }
     }
 }
@@ -55,6 +62,8 @@ pub struct TargetWorker {
     queue: Arc<Semaphore>,
     cfg: TargetWorkerConfig,
     info: GetModelInfoResponse,
+    /// Health: false once the tensor-parallel group broke.
+    ready: Arc<watch::Sender<bool>>,
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -72,7 +81,53 @@ impl TargetWorker {
             queue: Arc::new(Semaphore::new(cfg.max_queue)),
             cfg,
             info,
+            ready: Arc::new(watch::channel(true).0),
         })
+    }
+
+    /// Whether the worker can serve (false once its tensor-parallel group broke).
+    pub fn ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Marks the worker unhealthy when the engine's group broke.
+    fn check_group(&self, g: &Inner) {
+        if !g.verifier.engine().group_healthy() && self.ready() {
+            tracing::error!("tensor-parallel group broken: reporting NOT_SERVING");
+            self.ready.send_replace(false);
+        }
+    }
+
+    /// One heartbeat through the group (no-op without one); returns whether the group is whole.
+    pub fn heartbeat(&self) -> bool {
+        let mut g = lock(&self.inner);
+        if g.verifier.engine().tensor_parallel().1 > 1
+            && g.verifier.engine().group_healthy()
+            && let Err(e) = g.verifier.engine_mut().ping()
+        {
+            tracing::error!("tensor-parallel heartbeat failed: {e}");
+        }
+        self.check_group(&g);
+        self.ready()
+    }
+
+    /// Checks the followers every `heartbeat` (only on a tensor-parallel leader).
+    pub fn spawn_heartbeat(&self) -> Option<tokio::task::JoinHandle<()>> {
+        let tp = lock(&self.inner).verifier.engine().tensor_parallel().1 > 1;
+        if !tp {
+            return None;
+        }
+        let w = self.clone();
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(w.cfg.heartbeat).await;
+                let w2 = w.clone();
+                match tokio::task::spawn_blocking(move || w2.heartbeat()).await {
+                    Ok(true) => {}
+                    _ => return,
+                }
+            }
+        }))
     }
 
     pub fn into_server(self) -> VerifierServer<Self> {
@@ -144,10 +199,12 @@ impl TargetWorker {
             ))
         })?;
         let inner = self.inner.clone();
+        let me = self.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let mut g = lock(&inner);
             let out = f(&mut g.verifier);
+            me.check_group(&g);
             if g.verifier.engine().sessions().len(&session).is_ok() {
                 g.last_used.insert(session, Instant::now());
             } else {
@@ -272,7 +329,23 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let reaper = worker.spawn_reaper();
-    let result = parse_proto::serve::run(worker.into_server(), listener, shutdown).await;
+    let heartbeat = worker.spawn_heartbeat();
+    let ready = worker.ready.subscribe();
+    let result =
+        parse_proto::serve::run_reporting(worker.clone().into_server(), listener, shutdown, ready)
+            .await;
     reaper.abort();
+    if let Some(h) = heartbeat {
+        h.abort();
+    }
+    // Followers leave their loop when the leader stops; a broken group has nothing to tell them.
+    let mut g = lock(&worker.inner);
+    if g.verifier.engine().tensor_parallel().1 > 1
+        && g.verifier.engine().group_healthy()
+        && let Err(e) = g.verifier.engine_mut().stop_followers()
+    {
+        tracing::warn!("stopping the followers: {e}");
+    }
+    drop(g);
     result.map_err(|e| anyhow::anyhow!(e))
 }

@@ -1,10 +1,19 @@
-//! `parse-target-worker --model FILE [--listen ADDR]`: serves a target model.
+//! `parse-target-worker --model FILE [--listen ADDR] [--tp N --rank R --tp-addrs A0,A1,...]`: serves a target
+//! model, alone or as one rank of a tensor-parallel group over TCP.
+//!
+//! Rank 0 (the leader) serves `parse.v1.Verifier` on `--listen`; the other ranks (followers) take their work from
+//! the leader and serve only `grpc.health.v1` there. Every rank loads the whole model file and keeps its shard.
+//! `--tp-addrs` lists each rank's group address in rank order (the ring of persistent TCP connections); every rank
+//! gets the same list.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use parse_comm::{Comm, TcpComm, TcpConfig};
+use parse_engine::tp::Layout;
 use parse_engine::{Engine, EngineConfig};
 use parse_target_worker::{TargetWorker, TargetWorkerConfig, serve};
 
@@ -28,9 +37,50 @@ struct Args {
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
-    /// KV cache budget in MiB.
+    /// KV cache budget in MiB (per rank in a tensor-parallel group: each holds its share of the KV heads).
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
+    /// Ranks of the tensor-parallel group.
+    #[arg(long, env = "PARSE_TP", default_value_t = 1)]
+    tp: usize,
+    /// This process's rank (0 serves gRPC).
+    #[arg(long, env = "PARSE_TP_RANK", default_value_t = 0)]
+    rank: usize,
+    /// Every rank's group address (host:port), in rank order, comma-separated.
+    #[arg(long, env = "PARSE_TP_ADDRS", value_delimiter = ',')]
+    tp_addrs: Vec<String>,
+    /// Seconds one collective may wait for a peer before the group counts as broken.
+    #[arg(long, default_value_t = 10)]
+    tp_timeout_s: u64,
+    /// How o and down are split: `exact` (outputs bitwise equal to one process) or `megatron` (row-parallel with
+    /// an all-reduce: fewer collectives, results within rounding; see parse_engine::tp).
+    #[arg(long, env = "PARSE_TP_LAYOUT", default_value = "exact")]
+    tp_layout: String,
+    /// Seconds to wait for the other ranks to come up.
+    #[arg(long, default_value_t = 300)]
+    tp_rendezvous_s: u64,
+}
+
+fn check(args: &Args) -> anyhow::Result<()> {
+    if args.tp == 0 {
+        anyhow::bail!("--tp must be at least 1");
+    }
+    if args.rank >= args.tp {
+        anyhow::bail!(
+            "--rank {} is outside a group of --tp {}",
+            args.rank,
+            args.tp
+        );
+    }
+    if args.tp > 1 && args.tp_addrs.len() != args.tp {
+        anyhow::bail!(
+            "--tp {} needs --tp-addrs with {} addresses (one per rank, in rank order), got {}",
+            args.tp,
+            args.tp,
+            args.tp_addrs.len()
+        );
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -41,10 +91,46 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    check(&args)?;
+    let layout: Layout = args.tp_layout.parse()?;
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
-    let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    let mut engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    if args.tp > 1 {
+        let mut tcp = TcpConfig::new(args.rank, args.tp_addrs.clone());
+        tcp.op_timeout = Duration::from_secs(args.tp_timeout_s.max(1));
+        tcp.rendezvous_timeout = Duration::from_secs(args.tp_rendezvous_s);
+        tracing::info!(
+            rank = args.rank,
+            tp = args.tp,
+            "joining the tensor-parallel group"
+        );
+        let comm: Arc<dyn Comm> =
+            Arc::new(tokio::task::spawn_blocking(move || TcpComm::connect(&tcp)).await??);
+        engine = tokio::task::spawn_blocking(move || engine.into_tensor_parallel(comm, layout))
+            .await??;
+    }
+    let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
+    if args.rank > 0 {
+        tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
+        let (ready, watch) = tokio::sync::watch::channel(true);
+        let health = tokio::spawn(parse_proto::serve::run_health_only(
+            listener,
+            parse_proto::serve::shutdown_signal(),
+            watch,
+        ));
+        let followed = tokio::task::spawn_blocking(move || engine.follow()).await?;
+        ready.send_replace(false);
+        health.abort();
+        return match followed {
+            Ok(()) => {
+                tracing::info!("the leader stopped the group");
+                Ok(())
+            }
+            Err(e) => Err(anyhow::anyhow!("leaving the tensor-parallel group: {e}")),
+        };
+    }
     let worker = TargetWorker::new(
         engine,
         TargetWorkerConfig {
@@ -54,7 +140,6 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .map_err(|e| anyhow::anyhow!(e.message))?;
-    let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
-    tracing::info!(%addr, model = %args.model.display(), "target worker serving");
+    tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
     serve(worker, listener, parse_proto::serve::shutdown_signal()).await
 }
