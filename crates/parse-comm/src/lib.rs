@@ -6,16 +6,20 @@
 //! - [`TcpComm`]: processes on one or several hosts, over persistent TCP connections arranged in a ring (each rank
 //!   sends to the next and receives from the previous); all-reduce sums in rank order after a ring all-gather, so
 //!   every rank ends with the same bits and an element's sum does not depend on the buffer's length.
-//! - NCCL (on GPUs) is provided by the cudarc crate's `nccl` module, the one candle's `nccl` feature enables; it is
-//!   not part of this CPU build.
+//! - `NcclComm` (feature `nccl`): GPUs through NCCL, which the cudarc crate's `nccl` module provides (the one
+//!   candle's `nccl` feature enables; there is no separate NCCL crate).
 //!
 //! Failure model: a peer that exits closes its sockets and the next collective on every other rank fails at once
 //! with [`CommErrorKind::PeerLost`]; a peer that hangs makes it fail after the operation timeout. Either way the
 //! communicator is then broken for good (the ring is out of step) and every later call returns the same error: the
 //! group must be restarted.
 
+#[cfg(feature = "nccl")]
+mod nccl;
 mod tcp;
 
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, unique_id as nccl_unique_id};
 pub use tcp::{TcpComm, TcpConfig, loopback_group};
 
 /// What went wrong in a collective.

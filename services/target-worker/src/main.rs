@@ -56,6 +56,13 @@ struct Args {
     /// an all-reduce: fewer collectives, results within rounding; see parse_engine::tp).
     #[arg(long, env = "PARSE_TP_LAYOUT", default_value = "exact")]
     tp_layout: String,
+    /// Collectives over `tcp` (any host, CPU) or `nccl` (GPUs; a build with the `nccl` feature). With NCCL the
+    /// TCP group still forms first, to hand rank 0's NCCL unique id to the others.
+    #[arg(long, env = "PARSE_TP_BACKEND", default_value = "tcp")]
+    tp_backend: String,
+    /// CUDA device of this rank for NCCL (default: the rank).
+    #[arg(long)]
+    cuda_device: Option<usize>,
     /// Seconds to wait for the other ranks to come up.
     #[arg(long, default_value_t = 300)]
     tp_rendezvous_s: u64,
@@ -72,6 +79,17 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.tp
         );
     }
+    if !matches!(args.tp_backend.as_str(), "tcp" | "nccl") {
+        anyhow::bail!(
+            "--tp-backend must be tcp or nccl, got `{}`",
+            args.tp_backend
+        );
+    }
+    if args.tp_backend == "nccl" && !cfg!(feature = "nccl") {
+        anyhow::bail!(
+            "--tp-backend nccl needs a build with the `nccl` feature (cargo build --features nccl)"
+        );
+    }
     if args.tp > 1 && args.tp_addrs.len() != args.tp {
         anyhow::bail!(
             "--tp {} needs --tp-addrs with {} addresses (one per rank, in rank order), got {}",
@@ -81,6 +99,28 @@ fn check(args: &Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Forms the NCCL communicator: rank 0 makes the unique id and sends it over the TCP group.
+#[cfg(feature = "nccl")]
+fn nccl_group(tcp: TcpComm, device: usize, timeout: Duration) -> anyhow::Result<Arc<dyn Comm>> {
+    let mut id = if tcp.rank() == 0 {
+        parse_comm::nccl_unique_id()?.to_vec()
+    } else {
+        Vec::new()
+    };
+    tcp.broadcast(&mut id, 0)?;
+    let id: [u8; 128] = id
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("rank 0 sent an NCCL id of the wrong size"))?;
+    let comm = parse_comm::NcclComm::new(tcp.rank(), tcp.world_size(), device, id, timeout)?;
+    tracing::info!(rank = tcp.rank(), device, "NCCL communicator formed");
+    Ok(Arc::new(comm))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_group(_: TcpComm, _: usize, _: Duration) -> anyhow::Result<Arc<dyn Comm>> {
+    anyhow::bail!("this build has no NCCL backend (feature `nccl`)")
 }
 
 #[tokio::main]
@@ -106,8 +146,14 @@ async fn main() -> anyhow::Result<()> {
             tp = args.tp,
             "joining the tensor-parallel group"
         );
-        let comm: Arc<dyn Comm> =
-            Arc::new(tokio::task::spawn_blocking(move || TcpComm::connect(&tcp)).await??);
+        let tcp = tokio::task::spawn_blocking(move || TcpComm::connect(&tcp)).await??;
+        let comm: Arc<dyn Comm> = if args.tp_backend == "nccl" {
+            let device = args.cuda_device.unwrap_or(args.rank);
+            let timeout = Duration::from_secs(args.tp_timeout_s.max(1));
+            tokio::task::spawn_blocking(move || nccl_group(tcp, device, timeout)).await??
+        } else {
+            Arc::new(tcp)
+        };
         engine = tokio::task::spawn_blocking(move || engine.into_tensor_parallel(comm, layout))
             .await??;
     }
