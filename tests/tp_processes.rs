@@ -1,0 +1,157 @@
+//! A tensor-parallel group of real `parse-target-worker` processes (`--tp 2`, static rendezvous over loopback TCP)
+//! with the default draft checkpoint as its model: the leader serves, the follower only reports health; a follower
+//! killed with SIGKILL fails the leader's in-flight call with UNAVAILABLE within seconds, and the leader turns
+//! NOT_SERVING.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use parse_proto::v1::verifier_client::VerifierClient;
+use parse_proto::v1::{ExtendRequest, OpenSessionRequest};
+use parse_tests::eventually;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
+
+fn binary() -> PathBuf {
+    // target/release/deps/<this test> -> target/release/parse-target-worker
+    let exe = std::env::current_exe().unwrap();
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("parse-target-worker");
+    assert!(p.exists(), "{} is not built", p.display());
+    p
+}
+
+fn model() -> PathBuf {
+    let dir = match std::env::var_os("PARSE_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/parse/models"),
+    };
+    let p = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run deploy/models/fetch.py",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the process when dropped (a failing test leaves nothing behind).
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn rank(r: usize, listen: u16, addrs: &str) -> Proc {
+    Proc(
+        Command::new(binary())
+            .args(["--model", &model().display().to_string()])
+            .args(["--listen", &format!("127.0.0.1:{listen}")])
+            .args(["--tp", "2", "--rank", &r.to_string(), "--tp-addrs", addrs])
+            .args(["--tp-timeout-s", "5"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+async fn health(port: u16) -> Option<i32> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .ok()?
+        .connect_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .ok()?;
+    let r = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .ok()?;
+    Some(r.into_inner().status)
+}
+
+#[test]
+fn a_killed_follower_process_fails_the_leaders_call_with_unavailable() {
+    let (l0, l1, g0, g1) = (free_port(), free_port(), free_port(), free_port());
+    let addrs = format!("127.0.0.1:{g0},127.0.0.1:{g1}");
+    let _leader = rank(0, l0, &addrs);
+    let mut follower = rank(1, l1, &addrs);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let start = Instant::now();
+        while health(l0).await != Some(1) || health(l1).await != Some(1) {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "the group did not come up"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{l0}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut v = VerifierClient::new(channel);
+        v.open_session(OpenSessionRequest {
+            session: "s".into(),
+            prompt: vec![9707, 11, 1246, 525, 498, 30],
+            sampling: None,
+        })
+        .await
+        .unwrap();
+        // Extension after extension runs on both ranks; the follower is killed under them.
+        let calls = tokio::spawn(async move {
+            let mut pending = 30;
+            loop {
+                let r = v
+                    .extend(ExtendRequest {
+                        session: "s".into(),
+                        pending,
+                        max_tokens: 8,
+                        segment: None,
+                    })
+                    .await;
+                match r {
+                    Ok(r) => pending = *r.into_inner().tokens.last().unwrap(),
+                    Err(s) => return (s, Instant::now()),
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        follower.0.kill().unwrap();
+        let killed = Instant::now();
+        let (status, at) = tokio::time::timeout(Duration::from_secs(30), calls)
+            .await
+            .expect("the leader's calls fail once the follower is gone")
+            .unwrap();
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(
+            at.duration_since(killed) < Duration::from_secs(5),
+            "failed {:?} after the kill",
+            at.duration_since(killed)
+        );
+    });
+    assert!(
+        eventually(Duration::from_secs(5), || rt.block_on(health(l0))
+            == Some(2)),
+        "the leader reports NOT_SERVING"
+    );
+}
