@@ -135,22 +135,46 @@ fn main() -> Result<()> {
     let (_trt, taddr) = serve(|l| parse_target_worker::serve(tw, l, std::future::pending()))?;
     let (_drt, daddr) = serve(|l| parse_draft_worker::serve(dw, l, std::future::pending()))?;
     let rrt = runtime()?;
-    let router = rrt.block_on(async {
-        Router::new(RouterConfig {
-            drafts: vec![daddr],
-            targets: vec![taddr],
-            ..Default::default()
+    // Two routers on the same workers: the default one, and one whose draft workers do not write ahead.
+    let make_router = |draft_ahead: bool| {
+        rrt.block_on(async {
+            Router::new(RouterConfig {
+                drafts: vec![daddr.clone()],
+                targets: vec![taddr.clone()],
+                draft_ahead,
+                ..Default::default()
+            })
         })
-    })?;
+    };
+    let (router, router_no_ahead) = (make_router(true)?, make_router(false)?);
     let (_rrt2, raddr) = serve(|l| parse_router::serve(router, l, std::future::pending()))?;
+    let (_rrt3, raddr_no_ahead) =
+        serve(|l| parse_router::serve(router_no_ahead, l, std::future::pending()))?;
     let client_rt = runtime()?;
     let client = client_rt.block_on(Client::connect(&raddr))?;
+    let client_no_ahead = client_rt.block_on(Client::connect(&raddr_no_ahead))?;
     let request = |text: &str, max: u32| GenerateRequest {
         prompt: text.to_string(),
         max_new_tokens: max,
         mode: args.mode.clone(),
         ..Default::default()
     };
+
+    // Without drafting ahead first, so that any warm-up favours the default.
+    let (mut plain_tokens, mut plain_gen_ms, mut plain_identical) = (0usize, 0.0, 0);
+    for (i, text) in texts.iter().enumerate() {
+        let r = client_rt.block_on(
+            client_no_ahead
+                .clone()
+                .generate(request(text, args.max_new_tokens as u32)),
+        )?;
+        let s = r.stats.unwrap_or_default();
+        plain_tokens += s.output_tokens as usize;
+        plain_gen_ms += s.total_ms - s.prefill_ms;
+        plain_identical += usize::from(r.token_ids == local_outputs[i]);
+        eprint!(".");
+    }
+    eprintln!(" through the router, no drafting ahead");
 
     let (mut remote_tokens, mut remote_gen_ms, mut remote_wall_ms) = (0usize, 0.0, 0.0);
     let mut identical = 0;
@@ -213,6 +237,8 @@ fn main() -> Result<()> {
         "remote_over_in_process_tokens_per_s": remote_tps / local_tps,
         "remote_over_in_process_wall": remote_wall_ms / local_wall_ms,
         "outputs_identical": identical,
+        "no_draft_ahead": {"output_tokens": plain_tokens, "tokens_per_s_after_prefill": plain_tokens as f64 / (plain_gen_ms / 1e3), "outputs_identical": plain_identical},
+        "draft_ahead_over_not_tokens_per_s": remote_tps / (plain_tokens as f64 / (plain_gen_ms / 1e3)),
         "concurrency": levels,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -48,6 +48,9 @@ pub struct RouterConfig {
     pub connect_timeout: Duration,
     /// How often lost workers are probed.
     pub probe_every: Duration,
+    /// Let a draft worker write the next draft while the target verifies the current one (off where the two
+    /// share a device and would only take turns).
+    pub draft_ahead: bool,
 }
 
 impl Default for RouterConfig {
@@ -61,6 +64,7 @@ impl Default for RouterConfig {
             default_policy: AcceptPolicy::default(),
             connect_timeout: Duration::from_secs(2),
             probe_every: Duration::from_secs(1),
+            draft_ahead: true,
         }
     }
 }
@@ -313,6 +317,7 @@ impl Router {
         };
         let drafts = self.drafts.clone();
         let targets = self.targets.clone();
+        let draft_ahead = self.cfg.draft_ahead;
         let span =
             tracing::info_span!("generate", request_id = %request_id, mode = req.mode.as_str());
         let task = tokio::task::spawn_blocking(move || {
@@ -320,6 +325,7 @@ impl Router {
             let _enter = span.enter();
             let tok = m.tokenizer.clone();
             let mut drafter = RemoteDrafter::new(drafts, ctx.clone(), tok.clone(), 256);
+            drafter.draft_ahead = draft_ahead;
             let mut verifier = RemoteVerifier::new(targets, ctx.clone());
             let mut decoder = StreamDecoder::new();
             let mut filter = StopFilter::new(stop);

@@ -37,6 +37,10 @@ struct Args {
     default_tau: f32,
     #[arg(long, default_value = "likelihood")]
     default_verdict: String,
+    /// Do not let draft workers write the next draft while the target verifies (for a draft and a target that
+    /// share one device).
+    #[arg(long)]
+    no_draft_ahead: bool,
 }
 
 #[tokio::main]
@@ -63,6 +67,7 @@ async fn main() -> anyhow::Result<()> {
         max_new_tokens_limit: args.max_new_tokens_limit,
         default_mode,
         default_policy: policy,
+        draft_ahead: !args.no_draft_ahead,
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;

@@ -129,6 +129,8 @@ pub struct RemoteDrafter {
     /// and prefetches thrown away because the verification cut the draft short.
     pub prefetch_hits: usize,
     pub prefetch_misses: usize,
+    /// Whether `prefetch` opens streams at all.
+    pub draft_ahead: bool,
 }
 
 impl RemoteDrafter {
@@ -152,6 +154,7 @@ impl RemoteDrafter {
             fell_back: false,
             prefetch_hits: 0,
             prefetch_misses: 0,
+            draft_ahead: true,
         }
     }
 
@@ -351,6 +354,9 @@ impl Drafter for RemoteDrafter {
         tokens: usize,
     ) -> Result<()> {
         self.ctx.check()?;
+        if !self.draft_ahead {
+            return Ok(());
+        }
         // The current stream drafts past the loop's cut; the worker serves one stream per session, and this one
         // replaces it.
         self.stream = None;
