@@ -165,3 +165,161 @@ pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// A target worker registered in etcd under `id` (its keep-alives run on the server's runtime, so `kill` stops
+/// them as a dead process would).
+pub fn registered_target(
+    engine: Engine,
+    etcd: &str,
+    id: &str,
+    ttl: Duration,
+) -> Server<TargetWorker> {
+    let s = target_server(engine, TargetWorkerConfig::default());
+    register(&s, parse_discovery::Role::Target, etcd, id, ttl);
+    s
+}
+
+/// A draft worker registered in etcd under `id`.
+pub fn registered_draft(
+    engine: Engine,
+    etcd: &str,
+    id: &str,
+    ttl: Duration,
+) -> Server<DraftWorker> {
+    let s = draft_server(engine, DraftWorkerConfig::default());
+    register(&s, parse_discovery::Role::Draft, etcd, id, ttl);
+    s
+}
+
+fn register<W>(s: &Server<W>, role: parse_discovery::Role, etcd: &str, id: &str, ttl: Duration) {
+    let announce = parse_discovery::Announce {
+        etcd: vec![etcd.to_string()],
+        id: Some(id.to_string()),
+        advertise: None,
+        lease_ttl: ttl,
+    };
+    let rt = s.rt.as_ref().expect("a live server");
+    let addr = s.addr;
+    rt.spawn(async move {
+        // The registration lives as long as the server's runtime.
+        let r = announce
+            .register(role, addr, "tiny", 1, 8)
+            .expect("register")
+            .expect("etcd set");
+        std::future::pending::<()>().await;
+        drop(r);
+    });
+}
+
+/// An etcd server (Debian's `etcd-server`) on free loopback ports with a temporary data directory, stopped by
+/// pid when dropped.
+pub struct Etcd {
+    child: Option<std::process::Child>,
+    dir: PathBuf,
+    client: u16,
+    peer: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Etcd {
+    pub fn start() -> Etcd {
+        let dir =
+            std::env::temp_dir().join(format!("parse-etcd-{}-{}", std::process::id(), free_port()));
+        let mut e = Etcd {
+            child: None,
+            dir,
+            client: free_port(),
+            peer: free_port(),
+        };
+        e.restart();
+        e
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client)
+    }
+
+    /// Starts (again) on the same ports and data directory; returns once it answers.
+    pub fn restart(&mut self) {
+        let bin = ["/usr/bin/etcd", "/usr/local/bin/etcd"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("etcd is not installed: apt-get install etcd-server (.ci/run does)");
+        let client = format!("http://127.0.0.1:{}", self.client);
+        let peer = format!("http://127.0.0.1:{}", self.peer);
+        let child = std::process::Command::new(bin)
+            .args(["--name", "parse-test", "--data-dir"])
+            .arg(&self.dir)
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("parse-test={peer}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start etcd");
+        self.child = Some(child);
+        let ok = eventually(Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", self.client)).is_ok()
+        });
+        assert!(ok, "etcd did not come up");
+    }
+
+    /// Kills the server (SIGKILL), keeping its data.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Keys under `prefix` and their values.
+    pub fn get_prefix(&self, prefix: &str) -> Vec<(String, String)> {
+        let ep = self.endpoint();
+        let prefix = prefix.to_string();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let mut c = etcd_client::Client::connect([ep], None)
+                .await
+                .expect("etcd");
+            let r = c
+                .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+                .await
+                .expect("get");
+            r.kvs()
+                .iter()
+                .map(|kv| {
+                    (
+                        kv.key_str().unwrap_or_default().to_string(),
+                        kv.value_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect()
+        })
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

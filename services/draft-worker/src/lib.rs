@@ -307,8 +307,20 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let (_ready, rx) = tokio::sync::watch::channel(true);
+    serve_reporting(worker, listener, shutdown, rx).await
+}
+
+/// Like [`serve`], reporting healthy only while `ready` holds true (e.g. while registered in discovery).
+pub async fn serve_reporting(
+    worker: DraftWorker,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ready: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
     let reaper = worker.spawn_reaper();
-    let result = parse_proto::serve::run(worker.into_server(), listener, shutdown).await;
+    let result =
+        parse_proto::serve::run_reporting(worker.into_server(), listener, shutdown, ready).await;
     reaper.abort();
     result.map_err(|e| anyhow::anyhow!(e))
 }

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use parse_draft_worker::{DraftWorker, DraftWorkerConfig, serve};
+use parse_discovery::{Announce, Role};
+use parse_draft_worker::{DraftWorker, DraftWorkerConfig, serve_reporting};
 use parse_engine::{Engine, EngineConfig};
 
 #[derive(Parser)]
@@ -31,6 +32,34 @@ struct Args {
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
+    /// etcd endpoints (comma-separated): register this worker under /parse/v1/workers/ with a lease.
+    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// This worker's id in discovery (default: role-address).
+    #[arg(long, env = "PARSE_WORKER_ID")]
+    worker_id: Option<String>,
+    /// The address routers dial (default: --listen).
+    #[arg(long, env = "PARSE_ADVERTISE")]
+    advertise: Option<String>,
+    /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
+    #[arg(long, default_value_t = 5)]
+    lease_ttl_s: u64,
+}
+
+fn announce(args: &Args) -> Announce {
+    Announce {
+        etcd: args.etcd.clone(),
+        id: args.worker_id.clone(),
+        advertise: args.advertise.clone(),
+        lease_ttl: Duration::from_secs(args.lease_ttl_s),
+    }
+}
+
+fn model_name(p: &std::path::Path) -> String {
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
 }
 
 #[tokio::main]
@@ -56,5 +85,26 @@ async fn main() -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!(e.message))?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
     tracing::info!(%addr, model = %args.model.display(), "draft worker serving");
-    serve(worker, listener, parse_proto::serve::shutdown_signal()).await
+    let registration = announce(&args).register(
+        Role::Draft,
+        addr,
+        &model_name(&args.model),
+        1,
+        args.max_streams as u32,
+    )?;
+    let ready = match &registration {
+        Some(r) => r.ready(),
+        None => tokio::sync::watch::channel(true).1,
+    };
+    let served = serve_reporting(
+        worker,
+        listener,
+        parse_proto::serve::shutdown_signal(),
+        ready,
+    )
+    .await;
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    served
 }

@@ -51,6 +51,8 @@ pub struct RouterConfig {
     /// Let a draft worker write the next draft while the target verifies the current one (off where the two
     /// share a device and would only take turns).
     pub draft_ahead: bool,
+    /// etcd endpoints: when set, the pools follow the workers registered there (`drafts`/`targets` stay empty).
+    pub etcd: Vec<String>,
 }
 
 impl Default for RouterConfig {
@@ -65,6 +67,7 @@ impl Default for RouterConfig {
             connect_timeout: Duration::from_secs(2),
             probe_every: Duration::from_secs(1),
             draft_ahead: true,
+            etcd: Vec::new(),
         }
     }
 }
@@ -113,12 +116,41 @@ fn source_of(s: Source) -> TokenSource {
 }
 
 impl Router {
+    /// A router over the configured pools; with `etcd`, it follows the registered workers (call it inside a tokio
+    /// runtime: the watches run on it).
     pub fn new(cfg: RouterConfig) -> anyhow::Result<Self> {
-        if cfg.targets.is_empty() {
-            anyhow::bail!("the router needs at least one target worker (--target ADDR)");
+        if cfg.etcd.is_empty() && cfg.targets.is_empty() {
+            anyhow::bail!("the router needs at least one target worker (--target ADDR) or --etcd");
+        }
+        let has_static = !cfg.targets.is_empty() || !cfg.drafts.is_empty();
+        if !cfg.etcd.is_empty() && has_static {
+            anyhow::bail!("--etcd discovers the workers: give no --draft/--target with it");
         }
         let drafts = Arc::new(Pool::new("draft", &cfg.drafts, cfg.connect_timeout)?);
         let targets = Arc::new(Pool::new("target", &cfg.targets, cfg.connect_timeout)?);
+        if !cfg.etcd.is_empty() {
+            use parse_discovery::{Discovery, EtcdDiscovery, Role};
+            let d = EtcdDiscovery::new(cfg.etcd.clone(), Duration::from_secs(5))?;
+            for (role, pool) in [
+                (Role::Draft, drafts.clone()),
+                (Role::Target, targets.clone()),
+            ] {
+                let mut rx = d.watch(role);
+                tokio::spawn(async move {
+                    loop {
+                        let members: Vec<(String, String)> = rx
+                            .borrow_and_update()
+                            .values()
+                            .map(|w| (w.id.clone(), w.address.clone()))
+                            .collect();
+                        pool.sync(&members);
+                        if rx.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        }
         Ok(Router {
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg: Arc::new(cfg),
@@ -130,6 +162,19 @@ impl Router {
 
     pub fn into_server(self) -> GenerationServer<Self> {
         GenerationServer::new(self)
+    }
+
+    /// `(id, address)` of the current members of a pool (`draft` or `target`).
+    pub fn members(&self, role: &str) -> Vec<(String, String)> {
+        let pool = if role == "draft" {
+            &self.drafts
+        } else {
+            &self.targets
+        };
+        pool.workers()
+            .iter()
+            .map(|w| (w.id.clone(), w.addr.clone()))
+            .collect()
     }
 
     /// Starts the probes that bring lost workers back.

@@ -1,4 +1,5 @@
-//! `parse-router --target ADDR... [--draft ADDR...] [--listen ADDR]`: the Generation API in front of the workers.
+//! `parse-router (--target ADDR... [--draft ADDR...] | --etcd ENDPOINTS) [--listen ADDR]`: the Generation API in
+//! front of the workers, named by flags or discovered through etcd.
 
 use std::net::SocketAddr;
 
@@ -22,9 +23,12 @@ struct Args {
         long = "target",
         env = "PARSE_TARGET_WORKERS",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "etcd"
     )]
     targets: Vec<String>,
+    /// etcd endpoints (comma-separated): follow the workers registered under /parse/v1/workers/ instead of flags.
+    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',', conflicts_with_all = ["drafts", "targets"])]
+    etcd: Vec<String>,
     /// Requests running at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 64)]
     max_in_flight: usize,
@@ -68,6 +72,7 @@ async fn main() -> anyhow::Result<()> {
         default_mode,
         default_policy: policy,
         draft_ahead: !args.no_draft_ahead,
+        etcd: args.etcd.clone(),
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;

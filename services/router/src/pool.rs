@@ -1,7 +1,8 @@
-//! Worker pools: static addresses, least-outstanding-requests choice, failure marking and recovery probes.
+//! Worker pools: members from flags or from discovery, least-outstanding-requests choice, failure marking and
+//! recovery probes.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -11,6 +12,8 @@ use tonic_health::pb::health_client::HealthClient;
 
 /// One worker.
 pub struct Worker {
+    /// Its discovery id (the address for static members).
+    pub id: String,
     pub addr: String,
     pub channel: Channel,
     outstanding: AtomicUsize,
@@ -48,7 +51,8 @@ impl Drop for Lease {
 /// Workers of one role.
 pub struct Pool {
     pub role: &'static str,
-    workers: Vec<Arc<Worker>>,
+    workers: RwLock<Vec<Arc<Worker>>>,
+    connect_timeout: Duration,
 }
 
 fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, tonic::transport::Error> {
@@ -64,6 +68,20 @@ fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, tonic::tr
         .keep_alive_timeout(Duration::from_secs(5)))
 }
 
+fn worker(
+    id: &str,
+    addr: &str,
+    connect_timeout: Duration,
+) -> Result<Worker, tonic::transport::Error> {
+    Ok(Worker {
+        id: id.to_string(),
+        addr: addr.to_string(),
+        channel: endpoint(addr, connect_timeout)?.connect_lazy(),
+        outstanding: AtomicUsize::new(0),
+        healthy: AtomicBool::new(true),
+    })
+}
+
 impl Pool {
     pub fn new(
         role: &'static str,
@@ -72,29 +90,64 @@ impl Pool {
     ) -> Result<Self, tonic::transport::Error> {
         let mut workers = Vec::new();
         for a in addrs {
-            workers.push(Arc::new(Worker {
-                addr: a.clone(),
-                channel: endpoint(a, connect_timeout)?.connect_lazy(),
-                outstanding: AtomicUsize::new(0),
-                healthy: AtomicBool::new(true),
-            }));
+            workers.push(Arc::new(worker(a, a, connect_timeout)?));
         }
-        Ok(Pool { role, workers })
+        Ok(Pool {
+            role,
+            workers: RwLock::new(workers),
+            connect_timeout,
+        })
     }
 
-    pub fn workers(&self) -> &[Arc<Worker>] {
-        &self.workers
+    /// The current members.
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.workers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
+        self.workers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    /// Makes the members `(id, address)` (from discovery): new ones are added, gone ones removed (requests that
+    /// hold one finish with it), the rest keep their state. Returns whether anything changed.
+    pub fn sync(&self, members: &[(String, String)]) -> bool {
+        let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        let before = ws.len();
+        ws.retain(|w| {
+            let keep = members.iter().any(|(id, a)| *id == w.id && *a == w.addr);
+            if !keep {
+                tracing::info!(role = self.role, id = %w.id, addr = %w.addr, "worker left");
+            }
+            keep
+        });
+        let mut changed = ws.len() != before;
+        for (id, addr) in members {
+            if ws.iter().any(|w| w.id == *id && w.addr == *addr) {
+                continue;
+            }
+            match worker(id, addr, self.connect_timeout) {
+                Ok(w) => {
+                    tracing::info!(role = self.role, %id, %addr, "worker joined");
+                    ws.push(Arc::new(w));
+                    changed = true;
+                }
+                Err(e) => tracing::warn!(role = self.role, %id, %addr, "unusable address: {e}"),
+            }
+        }
+        changed
     }
 
     /// The healthy worker with the fewest outstanding requests, not in `exclude` (addresses this request already
     /// lost); ties go to the first listed.
     pub fn pick(&self, exclude: &[String]) -> Option<Lease> {
-        let w = self
-            .workers
+        let ws = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        let w = ws
             .iter()
             .filter(|w| w.healthy() && !exclude.contains(&w.addr))
             .min_by_key(|w| w.outstanding())?;
@@ -108,7 +161,7 @@ impl Pool {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                for w in pool.workers.iter().filter(|w| !w.healthy()) {
+                for w in pool.workers().iter().filter(|w| !w.healthy()) {
                     let mut client = HealthClient::new(w.channel.clone());
                     let mut req = tonic::Request::new(HealthCheckRequest {
                         service: String::new(),

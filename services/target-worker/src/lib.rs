@@ -10,6 +10,7 @@
 //! that routers stop sending work here; the group has to be restarted.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -62,8 +63,10 @@ pub struct TargetWorker {
     queue: Arc<Semaphore>,
     cfg: TargetWorkerConfig,
     info: GetModelInfoResponse,
-    /// Health: false once the tensor-parallel group broke.
+    /// Health: false once the tensor-parallel group broke, or while the discovery registration is lost.
     ready: Arc<watch::Sender<bool>>,
+    group_ok: Arc<AtomicBool>,
+    registered: Arc<AtomicBool>,
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -82,7 +85,30 @@ impl TargetWorker {
             cfg,
             info,
             ready: Arc::new(watch::channel(true).0),
+            group_ok: Arc::new(AtomicBool::new(true)),
+            registered: Arc::new(AtomicBool::new(true)),
         })
+    }
+
+    fn publish(&self) {
+        let r = self.group_ok.load(Ordering::Relaxed) && self.registered.load(Ordering::Relaxed);
+        self.ready
+            .send_if_modified(|v| std::mem::replace(v, r) != r);
+    }
+
+    /// Follows a discovery registration: the worker reports ready only while it is registered.
+    pub fn follow_registration(&self, mut registered: watch::Receiver<bool>) {
+        let w = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let r = *registered.borrow_and_update();
+                w.registered.store(r, Ordering::Relaxed);
+                w.publish();
+                if registered.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
     }
 
     /// Whether the worker can serve (false once its tensor-parallel group broke).
@@ -92,9 +118,9 @@ impl TargetWorker {
 
     /// Marks the worker unhealthy when the engine's group broke.
     fn check_group(&self, g: &Inner) {
-        if !g.verifier.engine().group_healthy() && self.ready() {
+        if !g.verifier.engine().group_healthy() && self.group_ok.swap(false, Ordering::Relaxed) {
             tracing::error!("tensor-parallel group broken: reporting NOT_SERVING");
-            self.ready.send_replace(false);
+            self.publish();
         }
     }
 
@@ -108,7 +134,7 @@ impl TargetWorker {
             tracing::error!("tensor-parallel heartbeat failed: {e}");
         }
         self.check_group(&g);
-        self.ready()
+        self.group_ok.load(Ordering::Relaxed)
     }
 
     /// Checks the followers every `heartbeat` (only on a tensor-parallel leader).

@@ -1,0 +1,478 @@
+//! Worker discovery: workers register themselves, routers follow the members of each role.
+//!
+//! Keys are `/parse/v1/workers/{role}/{id}` holding a JSON [`WorkerInfo`]. With etcd ([`EtcdDiscovery`]) a worker's
+//! key is attached to a lease (TTL configurable) that the worker keeps alive; a worker that dies stops the
+//! keep-alives and its key disappears when the lease expires. A worker that loses its lease (etcd down or
+//! partitioned) reports not-ready through its [`Registration`] and registers again as soon as etcd answers. A
+//! follower of a role ([`Discovery::watch`]) reads the prefix, then applies the watch's events as they come (well
+//! within a second), and keeps the last known members through an etcd outage, re-reading the prefix when etcd is
+//! back. [`StaticDiscovery`] serves fixed lists (flags) through the same interface.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// Every key lives under this prefix.
+pub const PREFIX: &str = "/parse/v1/workers/";
+
+/// What a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Draft,
+    Target,
+}
+
+impl Role {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::Draft => "draft",
+            Role::Target => "target",
+        }
+    }
+
+    /// The key prefix of this role's workers.
+    pub fn prefix(&self) -> String {
+        format!("{PREFIX}{}/", self.as_str())
+    }
+}
+
+/// What a worker publishes about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub id: String,
+    pub role: Role,
+    /// Where its gRPC service answers (host:port).
+    pub address: String,
+    /// The model it serves (file name).
+    pub model: String,
+    /// Ranks of its tensor-parallel group (1 when alone).
+    pub tp: u32,
+    /// Requests it takes at once.
+    pub capacity: u32,
+    pub version: String,
+}
+
+impl WorkerInfo {
+    pub fn key(&self) -> String {
+        format!("{}{}", self.role.prefix(), self.id)
+    }
+
+    /// Checks the fields a router relies on.
+    pub fn validate(&self) -> Result<(), DiscoveryError> {
+        let bad = |m: &str| Err(DiscoveryError::Invalid(m.to_string()));
+        if self.id.is_empty() || self.id.contains('/') || self.id.len() > 128 {
+            return bad("a worker id must be 1 to 128 characters without `/`");
+        }
+        if self.address.is_empty() {
+            return bad("a worker needs an address");
+        }
+        Ok(())
+    }
+}
+
+/// The members of one role, by id.
+pub type Members = BTreeMap<String, WorkerInfo>;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("invalid worker registration: {0}")]
+    Invalid(String),
+    #[error("etcd: {0}")]
+    Etcd(String),
+}
+
+/// A worker's registration, kept up in the background.
+pub struct Registration {
+    ready: watch::Receiver<bool>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Registration {
+    /// True while the registration holds (for etcd: the key exists under a live lease).
+    pub fn ready(&self) -> watch::Receiver<bool> {
+        self.ready.clone()
+    }
+
+    /// Removes the registration now (for etcd: revokes the lease, which deletes the key) and stops.
+    pub async fn deregister(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // Without a deregistration the key stays until its lease expires, as when the process dies.
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+/// Registration and membership of workers. Both calls spawn their background work on the current tokio runtime.
+pub trait Discovery: Send + Sync {
+    /// Registers `info` and keeps it registered until the handle is deregistered or dropped.
+    fn register(&self, info: WorkerInfo) -> Result<Registration, DiscoveryError>;
+    /// The members of `role`, kept current.
+    fn watch(&self, role: Role) -> watch::Receiver<Members>;
+}
+
+/// Fixed members (from flags); registering is a no-op that is always ready.
+#[derive(Debug, Clone, Default)]
+pub struct StaticDiscovery {
+    members: BTreeMap<Role, Members>,
+}
+
+impl StaticDiscovery {
+    /// Members named by address (the id is the address).
+    pub fn new(drafts: &[String], targets: &[String]) -> Self {
+        let mk = |role: Role, addrs: &[String]| -> Members {
+            addrs
+                .iter()
+                .map(|a| {
+                    (
+                        a.clone(),
+                        WorkerInfo {
+                            id: a.clone(),
+                            role,
+                            address: a.clone(),
+                            model: String::new(),
+                            tp: 1,
+                            capacity: 0,
+                            version: String::new(),
+                        },
+                    )
+                })
+                .collect()
+        };
+        let mut members = BTreeMap::new();
+        members.insert(Role::Draft, mk(Role::Draft, drafts));
+        members.insert(Role::Target, mk(Role::Target, targets));
+        StaticDiscovery { members }
+    }
+}
+
+impl Discovery for StaticDiscovery {
+    fn register(&self, info: WorkerInfo) -> Result<Registration, DiscoveryError> {
+        info.validate()?;
+        let (_tx, ready) = watch::channel(true);
+        Ok(Registration {
+            ready,
+            stop: None,
+            task: None,
+        })
+    }
+
+    fn watch(&self, role: Role) -> watch::Receiver<Members> {
+        watch::channel(self.members.get(&role).cloned().unwrap_or_default()).1
+    }
+}
+
+/// etcd-backed discovery (see the module docs).
+#[derive(Debug, Clone)]
+pub struct EtcdDiscovery {
+    endpoints: Vec<String>,
+    /// Lease time to live of registrations.
+    pub ttl: Duration,
+}
+
+/// How long one etcd call may take before etcd counts as unreachable.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pause before trying etcd again.
+const RETRY: Duration = Duration::from_millis(300);
+
+async fn timed<T, E: std::fmt::Display>(
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(CALL_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
+    }
+}
+
+impl EtcdDiscovery {
+    /// `endpoints`: etcd client URLs or host:port. `ttl`: lease time to live (at least 1 s; keep-alives go every
+    /// third of it).
+    pub fn new(endpoints: Vec<String>, ttl: Duration) -> Result<Self, DiscoveryError> {
+        if endpoints.is_empty() {
+            return Err(DiscoveryError::Invalid("no etcd endpoint".into()));
+        }
+        Ok(EtcdDiscovery {
+            endpoints,
+            ttl: ttl.max(Duration::from_secs(1)),
+        })
+    }
+
+    async fn connect(endpoints: &[String]) -> Result<Client, String> {
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(CALL_TIMEOUT)
+            // Detects a dead connection under a long-lived watch stream.
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        timed("connect", Client::connect(endpoints, Some(opts))).await
+    }
+
+    /// One registration for as long as it holds: grant, put, keep alive. Returns why it stopped holding, or
+    /// `Ok` when asked to stop (after revoking the lease).
+    async fn hold(
+        endpoints: &[String],
+        info: &WorkerInfo,
+        ttl: Duration,
+        ready: &watch::Sender<bool>,
+        stop: &mut oneshot::Receiver<()>,
+    ) -> Result<(), String> {
+        let mut c = Self::connect(endpoints).await?;
+        let lease = timed("lease grant", c.lease_grant(ttl.as_secs() as i64, None))
+            .await?
+            .id();
+        let value = serde_json::to_string(info).map_err(|e| e.to_string())?;
+        timed(
+            "put",
+            c.put(info.key(), value, Some(PutOptions::new().with_lease(lease))),
+        )
+        .await?;
+        let (mut keeper, mut stream) = timed("keep-alive", c.lease_keep_alive(lease)).await?;
+        tracing::info!(key = %info.key(), lease, "registered");
+        ready.send_replace(true);
+        let every = ttl / 3;
+        loop {
+            tokio::select! {
+                _ = &mut *stop => {
+                    let _ = timed("lease revoke", c.lease_revoke(lease)).await;
+                    tracing::info!(key = %info.key(), "deregistered");
+                    return Ok(());
+                }
+                _ = tokio::time::sleep(every) => {}
+            }
+            timed("keep-alive", keeper.keep_alive()).await?;
+            let resp = timed("keep-alive", stream.message())
+                .await?
+                .ok_or("the keep-alive stream ended")?;
+            if resp.ttl() <= 0 {
+                return Err("the lease expired".into());
+            }
+        }
+    }
+
+    /// Reads the role's prefix, publishes it, then applies watch events until the stream fails.
+    async fn follow(
+        endpoints: &[String],
+        role: Role,
+        members: &watch::Sender<Members>,
+    ) -> Result<(), String> {
+        let mut c = Self::connect(endpoints).await?;
+        let prefix = role.prefix();
+        let resp = timed(
+            "get",
+            c.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let mut now = Members::new();
+        for kv in resp.kvs() {
+            if let Ok(info) = serde_json::from_slice::<WorkerInfo>(kv.value()) {
+                now.insert(info.id.clone(), info);
+            }
+        }
+        members.send_if_modified(|m| {
+            let changed = *m != now;
+            *m = now;
+            changed
+        });
+        let mut stream = timed(
+            "watch",
+            c.watch(
+                prefix.clone(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision + 1),
+                ),
+            ),
+        )
+        .await?;
+        loop {
+            let Some(resp) = stream.message().await.map_err(|e| e.to_string())? else {
+                return Err("the watch stream ended".into());
+            };
+            if resp.canceled() {
+                return Err(format!("watch cancelled: {}", resp.cancel_reason()));
+            }
+            members.send_if_modified(|m| {
+                let mut changed = false;
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let id = kv
+                        .key_str()
+                        .ok()
+                        .and_then(|k| k.strip_prefix(prefix.as_str()))
+                        .unwrap_or_default()
+                        .to_string();
+                    match ev.event_type() {
+                        EventType::Put => match serde_json::from_slice::<WorkerInfo>(kv.value()) {
+                            Ok(info) if info.id == id => {
+                                changed |= m.get(&id) != Some(&info);
+                                m.insert(id, info);
+                            }
+                            _ => tracing::warn!(key = %id, "ignoring a malformed worker record"),
+                        },
+                        EventType::Delete => changed |= m.remove(&id).is_some(),
+                    }
+                }
+                changed
+            });
+        }
+    }
+}
+
+impl Discovery for EtcdDiscovery {
+    fn register(&self, info: WorkerInfo) -> Result<Registration, DiscoveryError> {
+        info.validate()?;
+        let (ready_tx, ready) = watch::channel(false);
+        let (stop_tx, mut stop) = oneshot::channel();
+        let (endpoints, ttl) = (self.endpoints.clone(), self.ttl);
+        let task = tokio::spawn(async move {
+            loop {
+                match Self::hold(&endpoints, &info, ttl, &ready_tx, &mut stop).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        if ready_tx.send_replace(false) {
+                            tracing::warn!(key = %info.key(), "registration lost: {e}; registering again");
+                        } else {
+                            tracing::debug!(key = %info.key(), "cannot register yet: {e}");
+                        }
+                    }
+                }
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(RETRY) => {}
+                }
+            }
+        });
+        Ok(Registration {
+            ready,
+            stop: Some(stop_tx),
+            task: Some(task),
+        })
+    }
+
+    fn watch(&self, role: Role) -> watch::Receiver<Members> {
+        let (tx, rx) = watch::channel(Members::new());
+        let endpoints = self.endpoints.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = Self::follow(&endpoints, role, &tx).await {
+                    tracing::warn!(
+                        role = role.as_str(),
+                        "following etcd: {e}; keeping the last known members"
+                    );
+                }
+                if tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+        });
+        rx
+    }
+}
+
+/// A worker's discovery settings (its flags).
+#[derive(Debug, Clone, Default)]
+pub struct Announce {
+    /// etcd endpoints; empty: no discovery.
+    pub etcd: Vec<String>,
+    /// Defaults to `{role}-{address}`.
+    pub id: Option<String>,
+    /// The address routers should dial; defaults to the listen address (which must then not be a wildcard).
+    pub advertise: Option<String>,
+    pub lease_ttl: Duration,
+}
+
+impl Announce {
+    /// Registers the worker in etcd when endpoints are set (inside a tokio runtime).
+    pub fn register(
+        &self,
+        role: Role,
+        listen: std::net::SocketAddr,
+        model: &str,
+        tp: u32,
+        capacity: u32,
+    ) -> Result<Option<Registration>, DiscoveryError> {
+        if self.etcd.is_empty() {
+            return Ok(None);
+        }
+        let address = match &self.advertise {
+            Some(a) => a.clone(),
+            None if listen.ip().is_unspecified() => {
+                return Err(DiscoveryError::Invalid(format!(
+                    "listening on {listen}: give --advertise HOST:PORT, the address routers should dial"
+                )));
+            }
+            None => listen.to_string(),
+        };
+        let info = WorkerInfo {
+            id: self
+                .id
+                .clone()
+                .unwrap_or_else(|| format!("{}-{}", role.as_str(), address.replace('/', "_"))),
+            role,
+            address,
+            model: model.to_string(),
+            tp,
+            capacity,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        let d = EtcdDiscovery::new(self.etcd.clone(), self.lease_ttl)?;
+        d.register(info).map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_records_and_validation() {
+        let w = WorkerInfo {
+            id: "t-1".into(),
+            role: Role::Target,
+            address: "10.0.0.2:50071".into(),
+            model: "m.gguf".into(),
+            tp: 2,
+            capacity: 256,
+            version: "0.1.0".into(),
+        };
+        assert_eq!(w.key(), "/parse/v1/workers/target/t-1");
+        let json = serde_json::to_string(&w).unwrap();
+        assert!(json.contains(r#""role":"target""#), "{json}");
+        assert_eq!(serde_json::from_str::<WorkerInfo>(&json).unwrap(), w);
+        for bad in ["", "a/b"] {
+            let mut b = w.clone();
+            b.id = bad.into();
+            assert!(b.validate().is_err());
+        }
+        assert!(EtcdDiscovery::new(vec![], Duration::from_secs(5)).is_err());
+    }
+
+    #[tokio::test]
+    async fn static_members_are_the_flags() {
+        let d = StaticDiscovery::new(&["a:1".into()], &["b:2".into(), "c:3".into()]);
+        assert_eq!(d.watch(Role::Draft).borrow().len(), 1);
+        let t = d.watch(Role::Target).borrow().clone();
+        assert_eq!(t.keys().collect::<Vec<_>>(), ["b:2", "c:3"]);
+        assert!(*d.register(t["b:2"].clone()).unwrap().ready().borrow());
+    }
+}
