@@ -6,7 +6,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("parse_v1_descriptor.bin"))
         .compile_protos(
-            &["parse/v1/generation.proto", "parse/v1/worker.proto"],
+            &[
+                "parse/v1/generation.proto",
+                "parse/v1/worker.proto",
+                "parse/v1/admin.proto",
+            ],
             &["."],
         )?;
     println!("cargo:rerun-if-changed=parse/v1");

@@ -185,3 +185,223 @@ fn etcd_stopped_and_restarted_mid_run_loses_no_request() {
     );
     assert_eq!(ids(&router.worker.members("target")), ["t1"]);
 }
+
+fn admin_client(
+    addr: &str,
+) -> parse_proto::v1::admin_client::AdminClient<tonic::transport::Channel> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    parse_proto::v1::admin_client::AdminClient::new(ch)
+}
+
+fn authed<T>(msg: T, token: Option<&str>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+#[test]
+fn the_admin_api_needs_the_token_and_reports_workers_stats_and_policy() {
+    use parse_proto::v1::{
+        GetPolicyRequest, GetStatsRequest, ListWorkersRequest, SetPolicyRequest,
+    };
+    let d = draft_server(
+        tiny_engine(DRAFT_SEED),
+        parse_draft_worker::DraftWorkerConfig::default(),
+    );
+    let t = target_server(
+        tiny_engine(TARGET_SEED),
+        parse_target_worker::TargetWorkerConfig::default(),
+    );
+    let (router, admin) = router_with_admin(
+        RouterConfig {
+            drafts: vec![d.endpoint()],
+            targets: vec![t.endpoint()],
+            ..Default::default()
+        },
+        "s3cret",
+    );
+    let endpoint = router.endpoint();
+    rt().block_on(async {
+        let mut a = admin_client(&admin);
+        for token in [None, Some("wrong"), Some("s3cret ")] {
+            let e = a
+                .list_workers(authed(ListWorkersRequest {}, token))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated, "{token:?}");
+            let e = a
+                .get_stats(authed(GetStatsRequest {}, token))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated, "{token:?}");
+        }
+        let ws = a
+            .list_workers(authed(ListWorkersRequest {}, Some("s3cret")))
+            .await
+            .unwrap()
+            .into_inner()
+            .workers;
+        let roles: Vec<_> = ws.iter().map(|w| (w.role.as_str(), w.healthy)).collect();
+        assert_eq!(roles, [("draft", true), ("target", true)]);
+
+        // The policy: defaults, a bad change refused, a good one applied to later requests.
+        let p = a
+            .get_policy(authed(GetPolicyRequest {}, Some("s3cret")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(p.default_mode, "parse");
+        let bad = a
+            .set_policy(authed(
+                SetPolicyRequest {
+                    tau: Some(-1.0),
+                    ..Default::default()
+                },
+                Some("s3cret"),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        let p = a
+            .set_policy(authed(
+                SetPolicyRequest {
+                    default_mode: Some("target".into()),
+                    ..Default::default()
+                },
+                Some("s3cret"),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(p.default_mode, "target");
+        let mut c = Client::connect(&endpoint).await.unwrap();
+        let r = c
+            .generate(GenerateRequest {
+                prompt: "hi".into(),
+                max_new_tokens: 8,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.stats.unwrap().mode, "target", "the new default mode");
+        c.generate(req(8)).await.unwrap();
+
+        let s = a
+            .get_stats(authed(GetStatsRequest {}, Some("s3cret")))
+            .await
+            .unwrap()
+            .into_inner();
+        let o = s.overall.unwrap();
+        assert_eq!((o.requests, o.failed, o.output_tokens), (2, 0, 16));
+        assert!(o.latency_p50_ms > 0.0 && o.latency_p99_ms >= o.latency_p50_ms);
+        let per: Vec<_> = s
+            .workers
+            .iter()
+            .map(|w| (w.role.as_str(), w.counters.unwrap().requests))
+            .collect();
+        // The target served both requests; the draft only the parse one.
+        assert_eq!(per, [("draft", 1), ("target", 2)]);
+    });
+}
+
+#[test]
+fn drain_finishes_in_flight_requests_then_the_worker_deregisters_and_stops() {
+    use parse_client::Event;
+    use parse_proto::v1::{DrainWorkerRequest, ListWorkersRequest};
+    use tokio_stream::StreamExt;
+    let etcd = Etcd::start();
+    let ep = etcd.endpoint();
+    let _d = registered_draft(tiny_engine(DRAFT_SEED), &ep, "d1", TTL);
+    let t1 = registered_target(tiny_engine(TARGET_SEED), &ep, "t1", TTL);
+    let t2 = registered_target(tiny_engine(TARGET_SEED), &ep, "t2", TTL);
+    let (router, admin) = router_with_admin(
+        RouterConfig {
+            etcd: vec![ep.clone()],
+            ..Default::default()
+        },
+        "tok",
+    );
+    assert!(eventually(Duration::from_secs(5), || router
+        .worker
+        .members("target")
+        .len()
+        == 2
+        && router.worker.members("draft").len() == 1));
+    let endpoint = router.endpoint();
+    let drained = rt().block_on(async {
+        let mut c = Client::connect(&endpoint).await.unwrap();
+        let mut stream = c.generate_stream(req(300)).await.unwrap();
+        let (mut tokens, mut stats, mut drained) = (0, None, None);
+        while let Some(ev) = stream.next().await {
+            match ev.expect("the in-flight request finishes") {
+                Event::Delta(d) => {
+                    tokens += d.token_ids.len();
+                    if drained.is_none() {
+                        let busy = if t1.worker.open_sessions() > 0 {
+                            "t1"
+                        } else {
+                            "t2"
+                        };
+                        let r = admin_client(&admin)
+                            .drain_worker(authed(
+                                DrainWorkerRequest { id: busy.into() },
+                                Some("tok"),
+                            ))
+                            .await
+                            .unwrap()
+                            .into_inner();
+                        assert!(r.worker.unwrap().draining);
+                        assert_eq!(r.open_sessions, 1, "the request's session is still open");
+                        drained = Some(busy);
+                    }
+                }
+                Event::Finished(f) => stats = f.stats,
+            }
+        }
+        let stats = stats.unwrap();
+        assert_eq!(tokens, stats.output_tokens as usize);
+        assert_eq!(stats.target_failovers, 0, "finished on the draining worker");
+        drained.unwrap()
+    });
+    // Deregistered at once; stopped once its session was released.
+    assert!(
+        eventually(Duration::from_secs(5), || etcd
+            .get_prefix("/parse/v1/workers/target/")
+            .iter()
+            .all(|(k, _)| !k.ends_with(drained))),
+        "the drained worker's key is still there"
+    );
+    let (gone, other) = if drained == "t1" {
+        (&t1, &t2)
+    } else {
+        (&t2, &t1)
+    };
+    rt().block_on(async {
+        let mut c = Client::connect(&endpoint).await.unwrap();
+        let mut stopped = false;
+        for _ in 0..50 {
+            if tokio::net::TcpStream::connect(gone.addr).await.is_err() {
+                stopped = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(stopped, "the drained worker still listens");
+        let ws = admin_client(&admin)
+            .list_workers(authed(ListWorkersRequest {}, Some("tok")))
+            .await
+            .unwrap()
+            .into_inner()
+            .workers;
+        assert!(ws.iter().all(|w| w.id != drained), "{ws:?}");
+        // New requests go to the other worker.
+        let r = c.generate(req(8)).await.unwrap();
+        assert_eq!(r.stats.unwrap().target_failovers, 0);
+        assert!(other.worker.open_sessions() == 0);
+    });
+}

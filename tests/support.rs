@@ -166,49 +166,85 @@ pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
-/// A target worker registered in etcd under `id` (its keep-alives run on the server's runtime, so `kill` stops
-/// them as a dead process would).
+fn announce(etcd: &str, id: &str, ttl: Duration) -> parse_discovery::Announce {
+    parse_discovery::Announce {
+        etcd: vec![etcd.to_string()],
+        id: Some(id.to_string()),
+        advertise: None,
+        lease_ttl: ttl,
+    }
+}
+
+/// A target worker registered in etcd under `id`, served as the binary serves it: until it is drained (then it
+/// deregisters and stops once its sessions are done). Its keep-alives run on the server's runtime, so `kill`
+/// stops them as a dead process would.
 pub fn registered_target(
     engine: Engine,
     etcd: &str,
     id: &str,
     ttl: Duration,
 ) -> Server<TargetWorker> {
-    let s = target_server(engine, TargetWorkerConfig::default());
-    register(&s, parse_discovery::Role::Target, etcd, id, ttl);
-    s
+    let w = TargetWorker::new(engine, TargetWorkerConfig::default()).expect("target worker");
+    let a = announce(etcd, id, ttl);
+    start(w, move |w, l| async move {
+        let addr = l.local_addr()?;
+        let reg = a.register(parse_discovery::Role::Target, addr, "tiny", 1, 8)?;
+        if let Some(r) = &reg {
+            w.follow_registration(r.ready());
+        }
+        let w2 = w.clone();
+        let until = async move {
+            w2.drain
+                .serve_until(reg, || w2.open_sessions() == 0, std::future::pending())
+                .await
+        };
+        parse_target_worker::serve(w, l, until).await
+    })
 }
 
-/// A draft worker registered in etcd under `id`.
+/// A draft worker registered in etcd under `id` (see `registered_target`).
 pub fn registered_draft(
     engine: Engine,
     etcd: &str,
     id: &str,
     ttl: Duration,
 ) -> Server<DraftWorker> {
-    let s = draft_server(engine, DraftWorkerConfig::default());
-    register(&s, parse_discovery::Role::Draft, etcd, id, ttl);
-    s
+    let w = DraftWorker::new(engine, DraftWorkerConfig::default()).expect("draft worker");
+    let a = announce(etcd, id, ttl);
+    start(w, move |w, l| async move {
+        let addr = l.local_addr()?;
+        let reg = a.register(parse_discovery::Role::Draft, addr, "tiny", 1, 8)?;
+        let ready = match &reg {
+            Some(r) => r.ready(),
+            None => tokio::sync::watch::channel(true).1,
+        };
+        let w2 = w.clone();
+        let until = async move {
+            w2.drain
+                .serve_until(reg, || w2.open_sessions() == 0, std::future::pending())
+                .await
+        };
+        parse_draft_worker::serve_reporting(w, l, until, ready).await
+    })
 }
 
-fn register<W>(s: &Server<W>, role: parse_discovery::Role, etcd: &str, id: &str, ttl: Duration) {
-    let announce = parse_discovery::Announce {
-        etcd: vec![etcd.to_string()],
-        id: Some(id.to_string()),
-        advertise: None,
-        lease_ttl: ttl,
-    };
-    let rt = s.rt.as_ref().expect("a live server");
-    let addr = s.addr;
+/// The router with its admin API on another port of its runtime; returns the admin address.
+pub fn router_with_admin(cfg: RouterConfig, token: &str) -> (Server<Router>, String) {
+    let s = router_server(cfg);
+    let rt = s.rt.as_ref().expect("a live router");
+    let (listener, addr) = rt
+        .block_on(parse_proto::serve::bind(
+            "127.0.0.1:0".parse().expect("addr"),
+        ))
+        .expect("bind");
+    let (r, token) = (s.worker.clone(), token.to_string());
     rt.spawn(async move {
-        // The registration lives as long as the server's runtime.
-        let r = announce
-            .register(role, addr, "tiny", 1, 8)
-            .expect("register")
-            .expect("etcd set");
-        std::future::pending::<()>().await;
-        drop(r);
+        if let Err(e) = parse_router::serve_admin(r, listener, token, std::future::pending()).await
+        {
+            eprintln!("admin ended: {e}");
+        }
     });
+    (s, addr.to_string())
 }
 
 /// An etcd server (Debian's `etcd-server`) on free loopback ports with a temporary data directory, stopped by

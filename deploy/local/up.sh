@@ -5,7 +5,8 @@
 #
 #   deploy/local/up.sh [--run-dir DIR] [--no-build]
 #
-# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
+# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
+# The router's admin API gets a fresh token, written to <run dir>/admin-token (mode 600).
 # Models (env): PARSE_MODEL_DIR (~/.cache/parse/models), PARSE_TARGET_MODEL, PARSE_DRAFT_MODEL (override the files).
 # Binaries: built with cargo into target/release unless --no-build; PARSE_BIN_DIR points elsewhere.
 set -euo pipefail
@@ -23,6 +24,7 @@ while [ $# -gt 0 ]; do
 done
 
 router_port="${PARSE_ROUTER_PORT:-50051}"
+admin_port="${PARSE_ADMIN_PORT:-50052}"
 draft_port="${PARSE_DRAFT_PORT:-50061}"
 target_port="${PARSE_TARGET_PORT:-50071}"
 model_dir="${PARSE_MODEL_DIR:-$HOME/.cache/parse/models}"
@@ -67,16 +69,24 @@ start target-worker "$bin/parse-target-worker" --model "$target_model" --listen 
 start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port"
 wait_healthy target-worker "127.0.0.1:$target_port"
 wait_healthy draft-worker "127.0.0.1:$draft_port"
+(umask 077 && python3 -c 'import secrets; print(secrets.token_hex(16))' > "$run_dir/admin-token")
+# The token goes through the environment, not the command line (which `ps` shows).
+PARSE_ADMIN_TOKEN="$(cat "$run_dir/admin-token")"
+export PARSE_ADMIN_TOKEN
 start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
+  --admin-listen "127.0.0.1:$admin_port" \
   --target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port"
+unset PARSE_ADMIN_TOKEN
 wait_healthy router "127.0.0.1:$router_port"
 
 cat <<MSG
 PARSE local cluster is up (run dir $run_dir)
   router          127.0.0.1:$router_port   (parse.v1.Generation)
+  admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
   draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
   target worker   127.0.0.1:$target_port   ($(basename "$target_model"))
   logs            $run_dir/logs
 Try: $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
+     PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port
 Stop: deploy/local/down.sh
 MSG

@@ -50,6 +50,15 @@ pub enum Verdict {
     Judge,
 }
 
+impl Verdict {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::Likelihood => "likelihood",
+            Verdict::Judge => "judge",
+        }
+    }
+}
+
 impl std::str::FromStr for Verdict {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {

@@ -389,6 +389,60 @@ impl Discovery for EtcdDiscovery {
     }
 }
 
+/// A worker's drain: once started, the worker takes no new sessions, finishes its open ones, deregisters and
+/// stops serving.
+#[derive(Clone)]
+pub struct Drain {
+    tx: std::sync::Arc<watch::Sender<bool>>,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain {
+            tx: std::sync::Arc::new(watch::channel(false).0),
+        }
+    }
+}
+
+impl Drain {
+    /// Starts the drain; returns false if it had started already.
+    pub fn start(&self) -> bool {
+        !self.tx.send_replace(true)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// Resolves when the worker should stop serving: at `shutdown` (after deregistering), or once a drain has
+    /// started (deregistering at once, so that routers stop sending work) and `idle()` holds.
+    pub async fn serve_until(
+        &self,
+        registration: Option<Registration>,
+        idle: impl Fn() -> bool,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut rx = self.tx.subscribe();
+        tokio::select! {
+            _ = shutdown => {
+                if let Some(r) = registration {
+                    r.deregister().await;
+                }
+            }
+            _ = async { rx.wait_for(|d| *d).await.is_ok() } => {
+                tracing::info!("draining: deregistering, then waiting for the open sessions");
+                if let Some(r) = registration {
+                    r.deregister().await;
+                }
+                while !idle() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                tracing::info!("drained: stopping");
+            }
+        }
+    }
+}
+
 /// A worker's discovery settings (its flags).
 #[derive(Debug, Clone, Default)]
 pub struct Announce {

@@ -1,6 +1,8 @@
 //! The operator CLI. `generate --local` runs the models in process; `generate --router ADDR` asks a cluster through
 //! the client SDK, with the same output and `--json` contract.
 
+pub mod ops;
+
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -36,6 +38,8 @@ pub enum CliError {
     Remote(#[from] parse_client::ClientError),
     #[error("{0}")]
     Unhealthy(String),
+    #[error("{:?}: {}", .0.code(), .0.message())]
+    Admin(tonic::Status),
 }
 
 impl CliError {
@@ -46,6 +50,7 @@ impl CliError {
             }
             CliError::Engine(parse_engine::Error::ContextExceeded { .. }) => EXIT_USAGE,
             CliError::Remote(parse_client::ClientError::InvalidArgument(_)) => EXIT_USAGE,
+            CliError::Admin(s) if s.code() == tonic::Code::InvalidArgument => EXIT_USAGE,
             _ => EXIT_FAILURE,
         }
     }
@@ -64,6 +69,17 @@ pub enum Command {
     Generate(Box<GenerateArgs>),
     /// Check a server's gRPC health (grpc.health.v1), optionally waiting until it serves.
     Health(HealthArgs),
+    /// List the router's workers (admin API).
+    Workers(ops::AdminArgs),
+    /// Drain a worker: no new requests, in-flight ones finish, then it deregisters and exits (admin API).
+    Drain(ops::DrainArgs),
+    /// Request statistics, overall and per worker (admin API).
+    Stats(ops::AdminArgs),
+    /// Get or set the defaults requests get (admin API).
+    #[command(subcommand)]
+    Policy(ops::PolicyCommand),
+    /// N requests at concurrency C through the router, with a progress bar and a summary.
+    Bench(ops::BenchArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -225,6 +241,11 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Generate(args) => generate(&args),
         Command::Health(args) => health(&args),
+        Command::Workers(a) => ops::workers(&a),
+        Command::Drain(d) => ops::drain(&d),
+        Command::Stats(a) => ops::stats(&a),
+        Command::Policy(p) => ops::policy(&p),
+        Command::Bench(b) => ops::bench(&b),
     }
 }
 

@@ -15,8 +15,8 @@ use parse_engine::Engine;
 use parse_engine::backend::EngineDrafter;
 use parse_proto::v1::drafter_server::{Drafter, DrafterServer};
 use parse_proto::v1::{
-    DistributionRequest, DistributionResponse, DraftRequest, DraftResponse, GetModelInfoRequest,
-    GetModelInfoResponse, ReleaseRequest, ReleaseResponse,
+    DistributionRequest, DistributionResponse, DraftRequest, DraftResponse, DrainRequest,
+    DrainResponse, GetModelInfoRequest, GetModelInfoResponse, ReleaseRequest, ReleaseResponse,
 };
 use parse_proto::{check_session, sampling_from, status_from_core};
 use tokio::sync::{Semaphore, mpsc};
@@ -58,6 +58,8 @@ pub struct DraftWorker {
     streams: Arc<Semaphore>,
     cfg: DraftWorkerConfig,
     info: GetModelInfoResponse,
+    /// Started by `Drain`: no new sessions.
+    pub drain: parse_discovery::Drain,
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -104,6 +106,7 @@ impl DraftWorker {
             streams: Arc::new(Semaphore::new(cfg.max_streams)),
             cfg,
             info,
+            drain: parse_discovery::Drain::default(),
         })
     }
 
@@ -166,6 +169,9 @@ impl Drafter for DraftWorker {
     ) -> Result<Response<Self::DraftStream>, Status> {
         let r = request.into_inner();
         check_session(&r.session)?;
+        if self.drain.is_draining() && !lock(&self.inner).sessions.contains_key(&r.session) {
+            return Err(Status::unavailable("the draft worker is draining"));
+        }
         if r.context.is_empty() {
             return Err(Status::invalid_argument("empty context"));
         }
@@ -298,6 +304,15 @@ impl Drafter for DraftWorker {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
         Ok(Response::new(self.info.clone()))
+    }
+
+    async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        if self.drain.start() {
+            tracing::info!("drain requested");
+        }
+        Ok(Response::new(DrainResponse {
+            open_sessions: self.open_sessions() as u32,
+        }))
     }
 }
 

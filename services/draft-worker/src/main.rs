@@ -96,15 +96,16 @@ async fn main() -> anyhow::Result<()> {
         Some(r) => r.ready(),
         None => tokio::sync::watch::channel(true).1,
     };
-    let served = serve_reporting(
-        worker,
-        listener,
-        parse_proto::serve::shutdown_signal(),
-        ready,
-    )
-    .await;
-    if let Some(r) = registration {
-        r.deregister().await;
-    }
-    served
+    // Until a signal, or a drain that has finished its sessions; deregistered either way.
+    let w = worker.clone();
+    let until = async move {
+        w.drain
+            .serve_until(
+                registration,
+                || w.open_sessions() == 0,
+                parse_proto::serve::shutdown_signal(),
+            )
+            .await
+    };
+    serve_reporting(worker, listener, until, ready).await
 }

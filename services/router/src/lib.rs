@@ -4,8 +4,11 @@
 //! workers are released on every path. At most `max_in_flight` requests run at once; beyond that it answers
 //! RESOURCE_EXHAUSTED.
 
+pub mod admin;
 pub mod pool;
 pub mod remote;
+
+pub use admin::serve_admin;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,8 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parse_core::{
-    AcceptPolicy, DraftWindow, Error as CoreError, ErrorKind, GenerationRequest, Mode, Source,
-    Verdict,
+    AcceptPolicy, Error as CoreError, ErrorKind, GenerationRequest, Mode, Source, Verdict,
 };
 use parse_engine::generate::StopFilter;
 use parse_engine::tokenizer::StreamDecoder;
@@ -83,8 +85,9 @@ struct ModelCtx {
 #[derive(Clone)]
 pub struct Router {
     cfg: Arc<RouterConfig>,
-    drafts: Arc<Pool>,
-    targets: Arc<Pool>,
+    pub(crate) drafts: Arc<Pool>,
+    pub(crate) targets: Arc<Pool>,
+    pub(crate) admin: Arc<admin::AdminState>,
     model: Arc<OnceCell<Arc<ModelCtx>>>,
     in_flight: Arc<Semaphore>,
 }
@@ -152,6 +155,7 @@ impl Router {
             }
         }
         Ok(Router {
+            admin: admin::initial_state(cfg.default_mode, cfg.default_policy),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg: Arc::new(cfg),
             drafts,
@@ -276,12 +280,13 @@ impl Router {
                 m.max_context
             )));
         }
+        let live = *self.admin.policy.read().unwrap_or_else(|e| e.into_inner());
         let mode = if r.mode.is_empty() {
-            self.cfg.default_mode
+            live.mode
         } else {
             r.mode.parse()?
         };
-        let mut policy = self.cfg.default_policy;
+        let mut policy = live.accept;
         if let Some(t) = r.tau {
             policy.tau = t;
         }
@@ -291,7 +296,7 @@ impl Router {
         if let Some(f) = r.exact_floor {
             policy.exact_floor = f;
         }
-        let mut window = DraftWindow::default();
+        let mut window = live.window();
         if r.draft_segments > 0 {
             window.initial_segments = r.draft_segments as usize;
             window.max_segments = window.max_segments.max(window.initial_segments);
@@ -363,6 +368,8 @@ impl Router {
         let drafts = self.drafts.clone();
         let targets = self.targets.clone();
         let draft_ahead = self.cfg.draft_ahead;
+        let admin = self.admin.clone();
+        let started = Instant::now();
         let span =
             tracing::info_span!("generate", request_id = %request_id, mode = req.mode.as_str());
         let task = tokio::task::spawn_blocking(move || {
@@ -430,6 +437,11 @@ impl Router {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             };
+            let mut used: Vec<(&str, String)> = Vec::new();
+            used.extend(drafter.used.iter().map(|id| ("draft", id.clone())));
+            used.extend(verifier.used.iter().map(|id| ("target", id.clone())));
+            let latency_ms = started.elapsed().as_secs_f64() * 1e3;
+            admin.stats.record(result.as_ref().ok(), latency_ms, &used);
             let outcome = match result {
                 Ok(o) => o,
                 Err(e) => {

@@ -41,6 +41,12 @@ struct Args {
     default_tau: f32,
     #[arg(long, default_value = "likelihood")]
     default_verdict: String,
+    /// Address of the admin API (parse.v1.Admin).
+    #[arg(long, env = "PARSE_ADMIN_LISTEN", default_value = "127.0.0.1:50052")]
+    admin_listen: SocketAddr,
+    /// Bearer token of the admin API; without one the admin API is off.
+    #[arg(long, env = "PARSE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
     /// Do not let draft workers write the next draft while the target verifies (for a draft and a target that
     /// share one device).
     #[arg(long)]
@@ -76,6 +82,26 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
-    tracing::info!(%addr, drafts = ?args.drafts, targets = ?args.targets, "router serving");
-    serve(router, listener, parse_proto::serve::shutdown_signal()).await
+    tracing::info!(%addr, drafts = ?args.drafts, targets = ?args.targets, etcd = ?args.etcd, "router serving");
+    let admin = match args.admin_token.filter(|t| !t.is_empty()) {
+        Some(token) => {
+            let (l, a) = parse_proto::serve::bind(args.admin_listen).await?;
+            tracing::info!(addr = %a, "admin API serving");
+            Some(tokio::spawn(parse_router::serve_admin(
+                router.clone(),
+                l,
+                token,
+                parse_proto::serve::shutdown_signal(),
+            )))
+        }
+        None => {
+            tracing::info!("no --admin-token: the admin API is off");
+            None
+        }
+    };
+    let served = serve(router, listener, parse_proto::serve::shutdown_signal()).await;
+    if let Some(a) = admin {
+        a.abort();
+    }
+    served
 }

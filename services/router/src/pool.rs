@@ -18,9 +18,19 @@ pub struct Worker {
     pub channel: Channel,
     outstanding: AtomicUsize,
     healthy: AtomicBool,
+    draining: AtomicBool,
 }
 
 impl Worker {
+    /// Asked to drain by an operator: no new requests.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
     pub fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::Relaxed)
     }
@@ -79,6 +89,7 @@ fn worker(
         channel: endpoint(addr, connect_timeout)?.connect_lazy(),
         outstanding: AtomicUsize::new(0),
         healthy: AtomicBool::new(true),
+        draining: AtomicBool::new(false),
     })
 }
 
@@ -149,7 +160,7 @@ impl Pool {
         let ws = self.workers.read().unwrap_or_else(|e| e.into_inner());
         let w = ws
             .iter()
-            .filter(|w| w.healthy() && !exclude.contains(&w.addr))
+            .filter(|w| w.healthy() && !w.draining() && !exclude.contains(&w.addr))
             .min_by_key(|w| w.outstanding())?;
         w.outstanding.fetch_add(1, Ordering::Relaxed);
         Some(Lease { worker: w.clone() })

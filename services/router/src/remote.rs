@@ -131,6 +131,8 @@ pub struct RemoteDrafter {
     pub prefetch_misses: usize,
     /// Whether `prefetch` opens streams at all.
     pub draft_ahead: bool,
+    /// Ids of the workers this request was given, in order.
+    pub used: Vec<String>,
 }
 
 impl RemoteDrafter {
@@ -155,6 +157,7 @@ impl RemoteDrafter {
             prefetch_hits: 0,
             prefetch_misses: 0,
             draft_ahead: true,
+            used: Vec::new(),
         }
     }
 
@@ -181,9 +184,12 @@ impl RemoteDrafter {
     fn ensure_worker(&mut self) {
         if self.lease.is_none() && !self.fell_back {
             self.lease = self.pool.pick(&self.lost);
-            if self.lease.is_none() {
-                tracing::warn!("no draft worker left: finishing with the target alone");
-                self.fell_back = true;
+            match &self.lease {
+                Some(l) => self.used.push(l.worker.id.clone()),
+                None => {
+                    tracing::warn!("no draft worker left: finishing with the target alone");
+                    self.fell_back = true;
+                }
             }
         }
     }
@@ -431,6 +437,8 @@ pub struct RemoteVerifier {
     sampling: SamplingParams,
     opened: bool,
     pub failovers: usize,
+    /// Ids of the workers this request was given, in order.
+    pub used: Vec<String>,
 }
 
 impl RemoteVerifier {
@@ -444,12 +452,16 @@ impl RemoteVerifier {
             sampling: SamplingParams::default(),
             opened: false,
             failovers: 0,
+            used: Vec::new(),
         }
     }
 
     fn client(&mut self) -> Result<VerifierClient<tonic::transport::Channel>> {
         if self.lease.is_none() {
             self.lease = self.pool.pick(&self.lost);
+            if let Some(l) = &self.lease {
+                self.used.push(l.worker.id.clone());
+            }
         }
         let l = self
             .lease

@@ -19,9 +19,9 @@ use parse_engine::Engine;
 use parse_engine::backend::EngineVerifier;
 use parse_proto::v1::verifier_server::{Verifier, VerifierServer};
 use parse_proto::v1::{
-    ExtendRequest, ExtendResponse, GetModelInfoRequest, GetModelInfoResponse, OpenSessionRequest,
-    OpenSessionResponse, ReleaseRequest, ReleaseResponse, TruncateRequest, TruncateResponse,
-    VerifyRequest, VerifyResponse,
+    DrainRequest, DrainResponse, ExtendRequest, ExtendResponse, GetModelInfoRequest,
+    GetModelInfoResponse, OpenSessionRequest, OpenSessionResponse, ReleaseRequest, ReleaseResponse,
+    TruncateRequest, TruncateResponse, VerifyRequest, VerifyResponse,
 };
 use parse_proto::{check_session, plan_from, sampling_from, segmenter_from, status_from_core};
 use tokio::sync::{Semaphore, watch};
@@ -67,6 +67,8 @@ pub struct TargetWorker {
     ready: Arc<watch::Sender<bool>>,
     group_ok: Arc<AtomicBool>,
     registered: Arc<AtomicBool>,
+    /// Started by `Drain`: no new sessions.
+    pub drain: parse_discovery::Drain,
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -87,6 +89,7 @@ impl TargetWorker {
             ready: Arc::new(watch::channel(true).0),
             group_ok: Arc::new(AtomicBool::new(true)),
             registered: Arc::new(AtomicBool::new(true)),
+            drain: parse_discovery::Drain::default(),
         })
     }
 
@@ -256,6 +259,9 @@ impl Verifier for TargetWorker {
         request: Request<OpenSessionRequest>,
     ) -> Result<Response<OpenSessionResponse>, Status> {
         let r = request.into_inner();
+        if self.drain.is_draining() {
+            return Err(Status::unavailable("the target worker is draining"));
+        }
         self.check_tokens(&r.prompt)?;
         let max = self.info.max_context as usize;
         if r.prompt.len() >= max {
@@ -345,6 +351,15 @@ impl Verifier for TargetWorker {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
         Ok(Response::new(self.info.clone()))
+    }
+
+    async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        if self.drain.start() {
+            tracing::info!("drain requested");
+        }
+        Ok(Response::new(DrainResponse {
+            open_sessions: self.open_sessions() as u32,
+        }))
     }
 }
 

@@ -220,9 +220,16 @@ async fn main() -> anyhow::Result<()> {
     if let Some(r) = &registration {
         worker.follow_registration(r.ready());
     }
-    let served = serve(worker, listener, parse_proto::serve::shutdown_signal()).await;
-    if let Some(r) = registration {
-        r.deregister().await;
-    }
-    served
+    // Until a signal, or a drain that has finished its sessions; deregistered either way.
+    let w = worker.clone();
+    let until = async move {
+        w.drain
+            .serve_until(
+                registration,
+                || w.open_sessions() == 0,
+                parse_proto::serve::shutdown_signal(),
+            )
+            .await
+    };
+    serve(worker, listener, until).await
 }

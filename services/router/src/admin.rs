@@ -1,0 +1,366 @@
+//! The router's operator API (`parse.v1.Admin`) on its own port, behind a bearer token: workers, drain, stats,
+//! policy. Also the live policy (defaults for requests that do not say) and the statistics book it reports.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use parse_core::{AcceptPolicy, DraftWindow, Mode, Outcome, Verdict};
+use parse_proto::v1::admin_server::{Admin, AdminServer};
+use parse_proto::v1::drafter_client::DrafterClient;
+use parse_proto::v1::verifier_client::VerifierClient;
+use parse_proto::v1::{
+    Counters, DrainRequest, DrainWorkerRequest, DrainWorkerResponse, GetPolicyRequest,
+    GetStatsRequest, GetStatsResponse, ListWorkersRequest, ListWorkersResponse, Policy,
+    SetPolicyRequest, WorkerCounters, WorkerState,
+};
+use tonic::{Request, Response, Status};
+
+use crate::Router;
+use crate::pool::Worker;
+
+/// Defaults for requests that do not say, changed at run time by `SetPolicy`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LivePolicy {
+    pub mode: Mode,
+    pub accept: AcceptPolicy,
+    /// Segments in a request's first draft.
+    pub draft_segments: usize,
+    /// Tokens one draft may hold.
+    pub max_draft_tokens: usize,
+}
+
+impl LivePolicy {
+    pub fn new(mode: Mode, accept: AcceptPolicy) -> Self {
+        let w = DraftWindow::default();
+        LivePolicy {
+            mode,
+            accept,
+            draft_segments: w.initial_segments,
+            max_draft_tokens: w.max_tokens,
+        }
+    }
+
+    /// The draft window a request starts with.
+    pub fn window(&self) -> DraftWindow {
+        let d = DraftWindow::default();
+        DraftWindow {
+            initial_segments: self.draft_segments,
+            max_segments: d.max_segments.max(self.draft_segments),
+            max_tokens: self.max_draft_tokens,
+            ..d
+        }
+    }
+
+    fn to_proto(self) -> Policy {
+        Policy {
+            default_mode: self.mode.as_str().to_string(),
+            tau: self.accept.tau,
+            verdict: self.accept.verdict.as_str().to_string(),
+            draft_segments: self.draft_segments as u32,
+            max_draft_tokens: self.max_draft_tokens as u32,
+        }
+    }
+
+    /// This policy with the fields `r` sets; refuses bad values.
+    fn with(self, r: &SetPolicyRequest) -> Result<Self, Status> {
+        let bad = |e: parse_core::Error| Status::invalid_argument(e.message);
+        let mut p = self;
+        if let Some(m) = &r.default_mode {
+            p.mode = m.parse().map_err(bad)?;
+        }
+        if let Some(t) = r.tau {
+            p.accept.tau = t;
+        }
+        if let Some(v) = &r.verdict {
+            p.accept.verdict = v.parse::<Verdict>().map_err(bad)?;
+        }
+        if let Some(n) = r.draft_segments {
+            if !(1..=64).contains(&n) {
+                return Err(Status::invalid_argument("draft_segments must be 1..=64"));
+            }
+            p.draft_segments = n as usize;
+        }
+        if let Some(n) = r.max_draft_tokens {
+            if !(1..=1024).contains(&n) {
+                return Err(Status::invalid_argument(
+                    "max_draft_tokens must be 1..=1024",
+                ));
+            }
+            p.max_draft_tokens = n as usize;
+        }
+        p.accept.validate().map_err(bad)?;
+        Ok(p)
+    }
+}
+
+/// Latencies kept for percentiles.
+const LATENCY_WINDOW: usize = 1024;
+
+#[derive(Debug, Clone, Default)]
+struct Book {
+    requests: u64,
+    failed: u64,
+    output_tokens: u64,
+    proposed: u64,
+    accepted: u64,
+    target_passes: u64,
+    latencies_ms: VecDeque<f64>,
+}
+
+impl Book {
+    fn add(&mut self, outcome: Option<&Outcome>, latency_ms: f64) {
+        self.requests += 1;
+        match outcome {
+            Some(o) => {
+                let s = &o.stats;
+                self.output_tokens += s.output_tokens as u64;
+                self.proposed += s.draft_tokens_proposed as u64;
+                self.accepted += s.draft_tokens_accepted as u64;
+                self.target_passes += s.target_passes as u64;
+                if self.latencies_ms.len() == LATENCY_WINDOW {
+                    self.latencies_ms.pop_front();
+                }
+                self.latencies_ms.push_back(latency_ms);
+            }
+            None => self.failed += 1,
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        let mut l: Vec<f64> = self.latencies_ms.iter().copied().collect();
+        l.sort_by(|a, b| a.total_cmp(b));
+        let pct = |p: f64| {
+            if l.is_empty() {
+                0.0
+            } else {
+                l[((l.len() - 1) as f64 * p).round() as usize]
+            }
+        };
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        Counters {
+            requests: self.requests,
+            failed: self.failed,
+            output_tokens: self.output_tokens,
+            draft_tokens_proposed: self.proposed,
+            draft_tokens_accepted: self.accepted,
+            target_passes: self.target_passes,
+            acceptance: ratio(self.accepted, self.proposed),
+            target_passes_per_token: ratio(self.target_passes, self.output_tokens),
+            latency_p50_ms: pct(0.5),
+            latency_p90_ms: pct(0.9),
+            latency_p99_ms: pct(0.99),
+        }
+    }
+}
+
+/// Books per `(role, worker id)`.
+type PerWorker = BTreeMap<(String, String), Book>;
+
+/// Request statistics, overall and per worker (a request counts for every worker that served it).
+#[derive(Debug, Default)]
+pub struct StatsBook {
+    inner: Mutex<(Book, PerWorker)>,
+}
+
+impl StatsBook {
+    /// Records one request: its outcome (`None`: failed), latency, and the `(role, id)` of its workers.
+    pub fn record(&self, outcome: Option<&Outcome>, latency_ms: f64, workers: &[(&str, String)]) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.0.add(outcome, latency_ms);
+        for (role, id) in workers {
+            g.1.entry((role.to_string(), id.clone()))
+                .or_default()
+                .add(outcome, latency_ms);
+        }
+    }
+
+    fn snapshot(&self) -> GetStatsResponse {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        GetStatsResponse {
+            overall: Some(g.0.counters()),
+            workers: g
+                .1
+                .iter()
+                .map(|((role, id), b)| WorkerCounters {
+                    id: id.clone(),
+                    role: role.clone(),
+                    counters: Some(b.counters()),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Shared admin state of a router.
+#[derive(Debug)]
+pub struct AdminState {
+    pub policy: RwLock<LivePolicy>,
+    pub stats: StatsBook,
+}
+
+fn state_of(role: &str, w: &Worker) -> WorkerState {
+    WorkerState {
+        id: w.id.clone(),
+        role: role.to_string(),
+        address: w.addr.clone(),
+        healthy: w.healthy(),
+        draining: w.draining(),
+        outstanding: w.outstanding() as u32,
+    }
+}
+
+/// The `Admin` service of a router.
+#[derive(Clone)]
+pub struct AdminService {
+    router: Router,
+    /// `Bearer <token>`.
+    want: Arc<Vec<u8>>,
+}
+
+impl AdminService {
+    /// Every call carries `authorization: Bearer <token>`, or gets UNAUTHENTICATED.
+    fn authorize<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        match req.metadata().get("authorization") {
+            Some(v) if same(v.as_bytes(), &self.want) => Ok(()),
+            Some(_) => Err(Status::unauthenticated("wrong admin token")),
+            None => Err(Status::unauthenticated(
+                "the admin API needs `authorization: Bearer <token>`",
+            )),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn list_workers(
+        &self,
+        request: Request<ListWorkersRequest>,
+    ) -> Result<Response<ListWorkersResponse>, Status> {
+        self.authorize(&request)?;
+        let mut workers = Vec::new();
+        for (role, pool) in [
+            ("draft", &self.router.drafts),
+            ("target", &self.router.targets),
+        ] {
+            workers.extend(pool.workers().iter().map(|w| state_of(role, w)));
+        }
+        Ok(Response::new(ListWorkersResponse { workers }))
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<DrainWorkerRequest>,
+    ) -> Result<Response<DrainWorkerResponse>, Status> {
+        self.authorize(&request)?;
+        let id = request.into_inner().id;
+        let found = [
+            ("draft", &self.router.drafts),
+            ("target", &self.router.targets),
+        ]
+        .into_iter()
+        .find_map(|(role, pool)| {
+            pool.workers()
+                .into_iter()
+                .find(|w| w.id == id)
+                .map(|w| (role, w))
+        });
+        let Some((role, w)) = found else {
+            return Err(Status::not_found(format!("no worker `{id}`")));
+        };
+        // This router stops sending it work at once; other routers when its registration goes.
+        w.set_draining();
+        let mut req = Request::new(DrainRequest {});
+        req.set_timeout(Duration::from_secs(5));
+        let open = if role == "draft" {
+            DrafterClient::new(w.channel.clone()).drain(req).await
+        } else {
+            VerifierClient::new(w.channel.clone()).drain(req).await
+        }
+        .map_err(|s| {
+            Status::unavailable(format!(
+                "worker `{id}` did not take the drain: {}",
+                s.message()
+            ))
+        })?
+        .into_inner()
+        .open_sessions;
+        tracing::info!(%id, role, open, "draining");
+        Ok(Response::new(DrainWorkerResponse {
+            worker: Some(state_of(role, &w)),
+            open_sessions: open,
+        }))
+    }
+
+    async fn get_stats(
+        &self,
+        request: Request<GetStatsRequest>,
+    ) -> Result<Response<GetStatsResponse>, Status> {
+        self.authorize(&request)?;
+        Ok(Response::new(self.router.admin.stats.snapshot()))
+    }
+
+    async fn get_policy(
+        &self,
+        request: Request<GetPolicyRequest>,
+    ) -> Result<Response<Policy>, Status> {
+        self.authorize(&request)?;
+        let p = *self
+            .router
+            .admin
+            .policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        Ok(Response::new(p.to_proto()))
+    }
+
+    async fn set_policy(
+        &self,
+        request: Request<SetPolicyRequest>,
+    ) -> Result<Response<Policy>, Status> {
+        self.authorize(&request)?;
+        let r = request.into_inner();
+        let mut g = self
+            .router
+            .admin
+            .policy
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let next = g.with(&r)?;
+        *g = next;
+        tracing::info!(policy = ?next, "policy changed");
+        Ok(Response::new(next.to_proto()))
+    }
+}
+
+/// Compares two byte strings in time independent of where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Serves the admin API on `listener` until `shutdown`; every call must carry `authorization: Bearer <token>`.
+pub async fn serve_admin(
+    router: Router,
+    listener: tokio::net::TcpListener,
+    token: String,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    if token.is_empty() {
+        anyhow::bail!("the admin API needs a token");
+    }
+    let svc = AdminServer::new(AdminService {
+        router,
+        want: Arc::new(format!("Bearer {token}").into_bytes()),
+    });
+    parse_proto::serve::run(svc, listener, shutdown)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The admin state a router starts with.
+pub fn initial_state(mode: Mode, accept: AcceptPolicy) -> Arc<AdminState> {
+    Arc::new(AdminState {
+        policy: RwLock::new(LivePolicy::new(mode, accept)),
+        stats: StatsBook::default(),
+    })
+}
