@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{ExtendRequest, OpenSessionRequest};
-use parse_tests::eventually;
+use parse_tests::{Etcd, eventually};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -59,11 +59,16 @@ impl Drop for Proc {
 }
 
 fn rank(r: usize, listen: u16, addrs: &str) -> Proc {
+    rank_with(r, listen, &["--tp-addrs", addrs])
+}
+
+fn rank_with(r: usize, listen: u16, extra: &[&str]) -> Proc {
     Proc(
         Command::new(binary())
             .args(["--model", &model().display().to_string()])
             .args(["--listen", &format!("127.0.0.1:{listen}")])
-            .args(["--tp", "2", "--rank", &r.to_string(), "--tp-addrs", addrs])
+            .args(["--tp", "2", "--rank", &r.to_string()])
+            .args(extra)
             .args(["--tp-timeout-s", "5"])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -154,4 +159,45 @@ fn a_killed_follower_process_fails_the_leaders_call_with_unavailable() {
             == Some(2)),
         "the leader reports NOT_SERVING"
     );
+}
+
+#[test]
+fn a_group_meets_through_etcd_and_its_leader_registers_with_its_size() {
+    let etcd = Etcd::start();
+    let ep = etcd.endpoint();
+    let (l0, l1, g0, g1) = (free_port(), free_port(), free_port(), free_port());
+    let group = |g: u16| {
+        vec![
+            "--etcd".to_string(),
+            ep.clone(),
+            "--tp-group".into(),
+            "g1".into(),
+            "--tp-listen".into(),
+            format!("127.0.0.1:{g}"),
+            "--worker-id".into(),
+            "g1-leader".into(),
+        ]
+    };
+    // The follower first: it waits in etcd for the leader.
+    let a1 = group(g1);
+    let _f = rank_with(1, l1, &a1.iter().map(String::as_str).collect::<Vec<_>>());
+    std::thread::sleep(Duration::from_millis(500));
+    let a0 = group(g0);
+    let _l = rank_with(0, l0, &a0.iter().map(String::as_str).collect::<Vec<_>>());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert!(
+        eventually(Duration::from_secs(120), || rt.block_on(health(l0))
+            == Some(1)),
+        "the group did not come up"
+    );
+    let ranks = etcd.get_prefix("/parse/v1/groups/g1/");
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    assert!(ranks[0].1.contains(&format!("127.0.0.1:{g0}")), "{ranks:?}");
+    // Only the leader registers as a worker, with the group's size.
+    let workers = etcd.get_prefix("/parse/v1/workers/");
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    assert_eq!(workers[0].0, "/parse/v1/workers/target/g1-leader");
+    let rec: serde_json::Value = serde_json::from_str(&workers[0].1).unwrap();
+    assert_eq!(rec["tp"], 2);
+    assert_eq!(rec["address"], format!("127.0.0.1:{l0}"));
 }

@@ -389,6 +389,118 @@ impl Discovery for EtcdDiscovery {
     }
 }
 
+/// Where the ranks of tensor-parallel groups meet: `/parse/v1/groups/{group}/{rank}`.
+pub const GROUPS: &str = "/parse/v1/groups/";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct RankRecord {
+    address: String,
+    world: usize,
+}
+
+/// Rendezvous of a tensor-parallel group through etcd: rank `rank` publishes the address of its group connection
+/// under `/parse/v1/groups/{group}/{rank}` (on a lease kept alive meanwhile, which lapses `ttl` after the
+/// rendezvous), then waits until every rank of `world` has; returns the addresses in rank order. A rank that
+/// announces another world size is an error; so is waiting longer than `timeout`.
+pub async fn rendezvous(
+    endpoints: &[String],
+    group: &str,
+    rank: usize,
+    world: usize,
+    address: &str,
+    ttl: Duration,
+    timeout: Duration,
+) -> Result<Vec<String>, DiscoveryError> {
+    let etcd = |e: String| DiscoveryError::Etcd(e);
+    if group.is_empty() || group.contains('/') {
+        return Err(DiscoveryError::Invalid(
+            "a group name must be non-empty, without `/`".into(),
+        ));
+    }
+    if rank >= world {
+        return Err(DiscoveryError::Invalid(format!(
+            "rank {rank} is outside a group of {world}"
+        )));
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let prefix = format!("{GROUPS}{group}/");
+    let mut c = loop {
+        match EtcdDiscovery::connect(endpoints).await {
+            Ok(c) => break c,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!("rendezvous: etcd not reachable yet: {e}");
+                tokio::time::sleep(RETRY).await;
+            }
+            Err(e) => return Err(etcd(e)),
+        }
+    };
+    let lease = timed(
+        "lease grant",
+        c.lease_grant(ttl.as_secs().max(2) as i64, None),
+    )
+    .await
+    .map_err(etcd)?
+    .id();
+    let value = serde_json::to_string(&RankRecord {
+        address: address.to_string(),
+        world,
+    })
+    .map_err(|e| DiscoveryError::Invalid(e.to_string()))?;
+    timed(
+        "put",
+        c.put(
+            format!("{prefix}{rank}"),
+            value,
+            Some(PutOptions::new().with_lease(lease)),
+        ),
+    )
+    .await
+    .map_err(etcd)?;
+    let (mut keeper, _stream) = timed("keep-alive", c.lease_keep_alive(lease))
+        .await
+        .map_err(etcd)?;
+    loop {
+        let resp = timed(
+            "get",
+            c.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(etcd)?;
+        let mut addrs = vec![None; world];
+        for kv in resp.kvs() {
+            let r = kv
+                .key_str()
+                .ok()
+                .and_then(|k| k.strip_prefix(prefix.as_str()))
+                .and_then(|r| r.parse::<usize>().ok());
+            let rec = serde_json::from_slice::<RankRecord>(kv.value()).ok();
+            if let (Some(r), Some(rec)) = (r, rec) {
+                if rec.world != world {
+                    return Err(DiscoveryError::Invalid(format!(
+                        "rank {r} of group `{group}` announced a world of {}, this rank {world}",
+                        rec.world
+                    )));
+                }
+                if r < world {
+                    addrs[r] = Some(rec.address);
+                }
+            }
+        }
+        if addrs.iter().all(Option::is_some) {
+            tracing::info!(group, rank, world, "tensor-parallel rendezvous complete");
+            return Ok(addrs.into_iter().flatten().collect());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let missing: Vec<usize> = (0..world).filter(|r| addrs[*r].is_none()).collect();
+            return Err(DiscoveryError::Etcd(format!(
+                "group `{group}`: ranks {missing:?} did not show up within {timeout:?}"
+            )));
+        }
+        let _ = timed("keep-alive", keeper.keep_alive()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A worker's drain: once started, the worker takes no new sessions, finishes its open ones, deregisters and
 /// stops serving.
 #[derive(Clone)]

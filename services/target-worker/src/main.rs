@@ -59,9 +59,15 @@ struct Args {
     /// This process's rank (0 serves gRPC).
     #[arg(long, env = "PARSE_TP_RANK", default_value_t = 0)]
     rank: usize,
-    /// Every rank's group address (host:port), in rank order, comma-separated.
+    /// Every rank's group address (host:port), in rank order, comma-separated (static rendezvous).
     #[arg(long, env = "PARSE_TP_ADDRS", value_delimiter = ',')]
     tp_addrs: Vec<String>,
+    /// Rendezvous through etcd instead (with --etcd): the group's name, shared by its ranks.
+    #[arg(long, env = "PARSE_TP_GROUP")]
+    tp_group: Option<String>,
+    /// With --tp-group: this rank's group address (host:port, reachable by the other ranks), published in etcd.
+    #[arg(long, env = "PARSE_TP_LISTEN")]
+    tp_listen: Option<String>,
     /// Seconds one collective may wait for a peer before the group counts as broken.
     #[arg(long, default_value_t = 10)]
     tp_timeout_s: u64,
@@ -103,9 +109,14 @@ fn check(args: &Args) -> anyhow::Result<()> {
             "--tp-backend nccl needs a build with the `nccl` feature (cargo build --features nccl)"
         );
     }
-    if args.tp > 1 && args.tp_addrs.len() != args.tp {
+    let via_etcd = args.tp_group.is_some();
+    if via_etcd && (args.etcd.is_empty() || args.tp_listen.is_none() || !args.tp_addrs.is_empty()) {
+        anyhow::bail!("--tp-group needs --etcd and --tp-listen, and no --tp-addrs");
+    }
+    if args.tp > 1 && !via_etcd && args.tp_addrs.len() != args.tp {
         anyhow::bail!(
-            "--tp {} needs --tp-addrs with {} addresses (one per rank, in rank order), got {}",
+            "--tp {} needs --tp-addrs with {} addresses (one per rank, in rank order), got {}, or --tp-group \
+             with --etcd",
             args.tp,
             args.tp,
             args.tp_addrs.len()
@@ -151,7 +162,27 @@ async fn main() -> anyhow::Result<()> {
     cfg.kv_capacity_bytes = args.kv_mib << 20;
     let mut engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
     if args.tp > 1 {
-        let mut tcp = TcpConfig::new(args.rank, args.tp_addrs.clone());
+        let addrs = match (&args.tp_group, &args.tp_listen) {
+            (Some(group), Some(listen)) => {
+                tracing::info!(
+                    group,
+                    rank = args.rank,
+                    "tensor-parallel rendezvous through etcd"
+                );
+                parse_discovery::rendezvous(
+                    &args.etcd,
+                    group,
+                    args.rank,
+                    args.tp,
+                    listen,
+                    Duration::from_secs(30),
+                    Duration::from_secs(args.tp_rendezvous_s),
+                )
+                .await?
+            }
+            _ => args.tp_addrs.clone(),
+        };
+        let mut tcp = TcpConfig::new(args.rank, addrs);
         tcp.op_timeout = Duration::from_secs(args.tp_timeout_s.max(1));
         tcp.rendezvous_timeout = Duration::from_secs(args.tp_rendezvous_s);
         tracing::info!(
