@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Starts a local PARSE cluster on loopback: a target worker, a draft worker and the router, with the default model
-# pair (fetched on first use). Waits until all three report SERVING over grpc.health.v1, prints the endpoints, and
+# pair (fetched on first use). Waits until all of them report SERVING over grpc.health.v1, prints the endpoints, and
 # keeps pids and logs under the run directory; deploy/local/down.sh stops exactly these processes.
 #
-#   deploy/local/up.sh [--run-dir DIR] [--no-build]
+#   deploy/local/up.sh [--run-dir DIR] [--no-build] [--tp N] [--etcd]
+#
+#   --tp N   the target is a tensor-parallel group of N processes (rank r: health on PARSE_TARGET_PORT + r, group
+#            connection on PARSE_TP_PORT + r, 50081 by default); rank 0 serves the router
+#   --etcd   also start etcd (Debian's etcd-server; PARSE_ETCD_PORT, 52379) with its data in the run dir; workers
+#            register there, the router and the TP group find each other through it
 #
 # Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
 # The router's admin API gets a fresh token, written to <run dir>/admin-token (mode 600).
@@ -14,11 +19,15 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 run_dir="${PARSE_RUN_DIR:-$repo/.cache/local-cluster}"
 build=1
+tp=1
+use_etcd=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --run-dir) run_dir="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --tp) tp="$2"; shift 2 ;;
+    --etcd) use_etcd=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "up.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -27,6 +36,15 @@ router_port="${PARSE_ROUTER_PORT:-50051}"
 admin_port="${PARSE_ADMIN_PORT:-50052}"
 draft_port="${PARSE_DRAFT_PORT:-50061}"
 target_port="${PARSE_TARGET_PORT:-50071}"
+tp_port="${PARSE_TP_PORT:-50081}"
+etcd_port="${PARSE_ETCD_PORT:-52379}"
+case "$tp" in
+  ''|*[!0-9]*|0) echo "up.sh: --tp needs a whole number >= 1, got '$tp'" >&2; exit 2 ;;
+esac
+if [ "$use_etcd" = 1 ] && ! command -v etcd > /dev/null; then
+  echo "up.sh: --etcd needs the etcd binary (Debian: apt-get install etcd-server)" >&2
+  exit 2
+fi
 model_dir="${PARSE_MODEL_DIR:-$HOME/.cache/parse/models}"
 target_model="${PARSE_TARGET_MODEL:-$model_dir/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}"
 draft_model="${PARSE_DRAFT_MODEL:-$model_dir/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}"
@@ -65,26 +83,77 @@ wait_healthy() { # name, addr
     || fail "$1 at $2 did not become healthy"
 }
 
-start target-worker "$bin/parse-target-worker" --model "$target_model" --listen "127.0.0.1:$target_port"
-start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port"
-wait_healthy target-worker "127.0.0.1:$target_port"
+etcd_args=()
+if [ "$use_etcd" = 1 ]; then
+  etcd_url="http://127.0.0.1:$etcd_port"
+  start etcd "$(command -v etcd)" --name parse-local --data-dir "$run_dir/etcd" \
+    --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
+    --listen-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
+    --initial-cluster "parse-local=http://127.0.0.1:$((etcd_port + 1))"
+  for _ in $(seq 1 100); do
+    (exec 3<> "/dev/tcp/127.0.0.1/$etcd_port") 2> /dev/null && break
+    sleep 0.1
+  done
+  etcd_args=(--etcd "$etcd_url")
+fi
+
+# The target: one process, or a group of $tp ranks.
+tp_addrs=""
+for r in $(seq 0 $((tp - 1))); do tp_addrs="$tp_addrs${tp_addrs:+,}127.0.0.1:$((tp_port + r))"; done
+for r in $(seq 0 $((tp - 1))); do
+  group_args=()
+  if [ "$tp" -gt 1 ]; then
+    group_args=(--tp "$tp" --rank "$r")
+    if [ "$use_etcd" = 1 ]; then
+      group_args+=(--tp-group local --tp-listen "127.0.0.1:$((tp_port + r))")
+    else
+      group_args+=(--tp-addrs "$tp_addrs")
+    fi
+  fi
+  name=target-worker
+  [ "$tp" -gt 1 ] && name="target-rank$r"
+  start "$name" "$bin/parse-target-worker" --model "$target_model" --listen "127.0.0.1:$((target_port + r))" \
+    "${group_args[@]}" "${etcd_args[@]}"
+done
+start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port" \
+  "${etcd_args[@]}"
+for r in $(seq 0 $((tp - 1))); do
+  wait_healthy "target rank $r" "127.0.0.1:$((target_port + r))"
+done
 wait_healthy draft-worker "127.0.0.1:$draft_port"
 (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(16))' > "$run_dir/admin-token")
 # The token goes through the environment, not the command line (which `ps` shows).
 PARSE_ADMIN_TOKEN="$(cat "$run_dir/admin-token")"
 export PARSE_ADMIN_TOKEN
+if [ "$use_etcd" = 1 ]; then
+  router_args=("${etcd_args[@]}")
+else
+  router_args=(--target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port")
+fi
 start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
-  --admin-listen "127.0.0.1:$admin_port" \
-  --target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port"
+  --admin-listen "127.0.0.1:$admin_port" "${router_args[@]}"
 unset PARSE_ADMIN_TOKEN
 wait_healthy router "127.0.0.1:$router_port"
+if [ "$use_etcd" = 1 ]; then
+  # Discovery: the router serves once it has found both workers.
+  for _ in $(seq 1 100); do
+    n=$(PARSE_ADMIN_TOKEN="$(cat "$run_dir/admin-token")" "$bin/parsectl" workers --admin "127.0.0.1:$admin_port" \
+      --json 2> /dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["workers"]))' \
+      2> /dev/null || echo 0)
+    [ "$n" -ge 2 ] && break
+    sleep 0.2
+  done
+  [ "$n" -ge 2 ] || fail "the router did not discover the workers through etcd"
+fi
 
 cat <<MSG
 PARSE local cluster is up (run dir $run_dir)
   router          127.0.0.1:$router_port   (parse.v1.Generation)
   admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
   draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
-  target worker   127.0.0.1:$target_port   ($(basename "$target_model"))
+  target worker   127.0.0.1:$target_port   ($(basename "$target_model"), tensor-parallel size $tp)
+  etcd            $([ "$use_etcd" = 1 ] && echo "127.0.0.1:$etcd_port" || echo "not used")
   logs            $run_dir/logs
 Try: $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
      PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port

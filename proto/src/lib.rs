@@ -315,6 +315,16 @@ impl From<&Stats> for v1::Stats {
     }
 }
 
+/// The status for a server task that did not finish: cancelled means the server is shutting down (UNAVAILABLE, so
+/// that a client goes elsewhere); a panic is INTERNAL.
+pub fn status_from_join(what: &str, e: tokio::task::JoinError) -> tonic::Status {
+    if e.is_cancelled() {
+        tonic::Status::unavailable(format!("{what}: the server is shutting down"))
+    } else {
+        tonic::Status::internal(format!("{what}: {e}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -215,7 +215,7 @@ impl Drafter for DraftWorker {
             }
         })
         .await
-        .map_err(|e| Status::internal(format!("draft task: {e}")))??;
+        .map_err(|e| parse_proto::status_from_join("draft task", e))??;
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
         if r.max_tokens == 0 {
             // Prefill only: the stream ends at once.
@@ -273,7 +273,7 @@ impl Drafter for DraftWorker {
                 .distribution(&r.session, r.index as usize)
         })
         .await
-        .map_err(|e| Status::internal(format!("draft task: {e}")))?
+        .map_err(|e| parse_proto::status_from_join("draft task", e))?
         .map_err(status_from_core)?;
         Ok(Response::new(DistributionResponse {
             tokens: d.iter().map(|x| x.0).collect(),
@@ -294,7 +294,7 @@ impl Drafter for DraftWorker {
             g.drafter.release(&r.session)
         })
         .await
-        .map_err(|e| Status::internal(format!("draft task: {e}")))?
+        .map_err(|e| parse_proto::status_from_join("draft task", e))?
         .map_err(status_from_core)?;
         Ok(Response::new(ReleaseResponse {}))
     }

@@ -242,7 +242,7 @@ impl TargetWorker {
             out
         })
         .await
-        .map_err(|e| Status::internal(format!("target task: {e}")))?
+        .map_err(|e| parse_proto::status_from_join("target task", e))?
         .map_err(|e| {
             if e.kind == parse_core::ErrorKind::Internal {
                 tracing::error!("{}", e.message);
