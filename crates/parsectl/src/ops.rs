@@ -386,6 +386,7 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
     let wall = start.elapsed().as_secs_f64();
     let (mut ok, mut failed, mut tokens, mut proposed, mut accepted, mut passes) =
         (0usize, 0usize, 0u64, 0u64, 0u64, 0u64);
+    let (mut draft_failovers, mut target_failovers) = (0u64, 0u64);
     let mut lat = Vec::new();
     let mut errors: Vec<String> = Vec::new();
     for (r, took) in results {
@@ -398,6 +399,8 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
                     proposed += s.draft_tokens_proposed as u64;
                     accepted += s.draft_tokens_accepted as u64;
                     passes += s.target_passes as u64;
+                    draft_failovers += s.draft_failovers as u64;
+                    target_failovers += s.target_failovers as u64;
                 }
             }
             Ok(Err(e)) => {
@@ -418,6 +421,7 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
         "requests_per_s": ok as f64 / wall,
         "latency_p50_ms": pct(&lat, 0.5), "latency_p90_ms": pct(&lat, 0.9), "latency_p99_ms": pct(&lat, 0.99),
         "acceptance": ratio(accepted, proposed), "target_passes_per_token": ratio(passes, tokens),
+        "draft_failovers": draft_failovers, "target_failovers": target_failovers,
         "errors": errors.iter().take(5).collect::<Vec<_>>(),
     });
     if b.json {
