@@ -91,7 +91,7 @@ pub fn model_info(engine: &Engine) -> Result<GetModelInfoResponse, CoreError> {
         chat_layout: layout.to_string(),
         default_system,
         eos_ids: tok.eos_ids().to_vec(),
-        tp_size: 1,
+        tp_size: engine.tensor_parallel().1 as u32,
     })
 }
 
