@@ -57,6 +57,28 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
+/// Keeps the health status of `names` ("" is the server as a whole) at SERVING while `ready` holds `true`,
+/// NOT_SERVING otherwise; once the sender is gone the status stays as it is.
+async fn report_health(
+    health: tonic_health::server::HealthReporter,
+    mut ready: tokio::sync::watch::Receiver<bool>,
+    names: &'static [&'static str],
+) {
+    loop {
+        let status = if *ready.borrow_and_update() {
+            tonic_health::ServingStatus::Serving
+        } else {
+            tonic_health::ServingStatus::NotServing
+        };
+        for n in names {
+            health.set_service_status(*n, status).await;
+        }
+        if ready.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 /// Serves `service` with `grpc.health.v1` (reporting it serving) and reflection on `listener` until `shutdown`
 /// resolves: the one server set-up of the router and the workers.
 pub async fn run<S>(
@@ -86,7 +108,7 @@ pub async fn run_reporting<S>(
     service: S,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    mut ready: tokio::sync::watch::Receiver<bool>,
+    ready: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
     S: tower_service::Service<
@@ -101,21 +123,7 @@ where
     S::Future: Send + 'static,
 {
     let (health, health_service) = tonic_health::server::health_reporter();
-    let reporter = tokio::spawn(async move {
-        loop {
-            let status = if *ready.borrow_and_update() {
-                tonic_health::ServingStatus::Serving
-            } else {
-                tonic_health::ServingStatus::NotServing
-            };
-            health.set_service_status("", status).await;
-            health.set_service_status(S::NAME, status).await;
-            if ready.changed().await.is_err() {
-                // The sender is gone: the status stays as it is.
-                std::future::pending::<()>().await;
-            }
-        }
-    });
+    let reporter = tokio::spawn(report_health(health, ready, &["", S::NAME]));
     let served = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_service()?)
@@ -136,22 +144,10 @@ where
 pub async fn run_health_only(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    mut ready: tokio::sync::watch::Receiver<bool>,
+    ready: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    let reporter = tokio::spawn(async move {
-        loop {
-            let status = if *ready.borrow_and_update() {
-                tonic_health::ServingStatus::Serving
-            } else {
-                tonic_health::ServingStatus::NotServing
-            };
-            health.set_service_status("", status).await;
-            if ready.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-    });
+    let reporter = tokio::spawn(report_health(health, ready, &[""]));
     let served = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_service()?)

@@ -567,6 +567,42 @@ pub struct Announce {
     pub lease_ttl: Duration,
 }
 
+/// A worker's discovery flags (flattened into each worker's command line).
+#[derive(Debug, Clone, clap::Args)]
+pub struct AnnounceArgs {
+    /// etcd endpoints (comma-separated): register this worker under /parse/v1/workers/ with a lease.
+    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// This worker's id in discovery (default: role-address).
+    #[arg(long, env = "PARSE_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// The address routers dial (default: --listen).
+    #[arg(long, env = "PARSE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
+    #[arg(long, default_value_t = 5)]
+    pub lease_ttl_s: u64,
+}
+
+impl AnnounceArgs {
+    pub fn announce(&self) -> Announce {
+        Announce {
+            etcd: self.etcd.clone(),
+            id: self.worker_id.clone(),
+            advertise: self.advertise.clone(),
+            lease_ttl: Duration::from_secs(self.lease_ttl_s),
+        }
+    }
+}
+
+/// The name a worker publishes for its model: the file name of its path.
+pub fn model_name(p: &std::path::Path) -> String {
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
 impl Announce {
     /// Registers the worker in etcd when endpoints are set (inside a tokio runtime).
     pub fn register(

@@ -77,7 +77,13 @@ impl SessionStore {
         readout: &[usize],
     ) -> Result<()> {
         let cache = self.get(id)?;
-        let needed = tokens.len() * model.config().kv_bytes_per_token();
+        self.check_capacity(model, id, tokens.len())?;
+        model.check_block(cache, tokens, positions, mask, readout)
+    }
+
+    /// Whether `n` more tokens of `model` fit in the store's capacity.
+    fn check_capacity(&self, model: &Model, id: &str, n: usize) -> Result<()> {
+        let needed = n * model.config().kv_bytes_per_token();
         let available = self.capacity.saturating_sub(self.used());
         if needed > available {
             return Err(Error::CapacityExceeded {
@@ -87,7 +93,7 @@ impl SessionStore {
                 capacity: self.capacity,
             });
         }
-        model.check_block(cache, tokens, positions, mask, readout)
+        Ok(())
     }
 
     /// Runs a block on a session (see [`Model::forward`]).
@@ -100,20 +106,12 @@ impl SessionStore {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
-        let needed = tokens.len() * model.config().kv_bytes_per_token();
-        let available = self.capacity.saturating_sub(self.used());
+        self.get(id)?;
+        self.check_capacity(model, id, tokens.len())?;
         let cache = self
             .map
             .get_mut(id)
             .ok_or_else(|| Error::UnknownSession(id.to_string()))?;
-        if needed > available {
-            return Err(Error::CapacityExceeded {
-                session: id.to_string(),
-                needed,
-                available,
-                capacity: self.capacity,
-            });
-        }
         model.forward(cache, tokens, positions, mask, readout)
     }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use parse_discovery::{Announce, Role};
+use parse_discovery::{AnnounceArgs, Role, model_name};
 use parse_draft_worker::{DraftWorker, DraftWorkerConfig, serve_reporting};
 use parse_engine::{Engine, EngineConfig};
 
@@ -32,34 +32,8 @@ struct Args {
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
-    /// etcd endpoints (comma-separated): register this worker under /parse/v1/workers/ with a lease.
-    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// This worker's id in discovery (default: role-address).
-    #[arg(long, env = "PARSE_WORKER_ID")]
-    worker_id: Option<String>,
-    /// The address routers dial (default: --listen).
-    #[arg(long, env = "PARSE_ADVERTISE")]
-    advertise: Option<String>,
-    /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
-    #[arg(long, default_value_t = 5)]
-    lease_ttl_s: u64,
-}
-
-fn announce(args: &Args) -> Announce {
-    Announce {
-        etcd: args.etcd.clone(),
-        id: args.worker_id.clone(),
-        advertise: args.advertise.clone(),
-        lease_ttl: Duration::from_secs(args.lease_ttl_s),
-    }
-}
-
-fn model_name(p: &std::path::Path) -> String {
-    p.file_name().map_or_else(
-        || p.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    )
+    #[command(flatten)]
+    discovery: AnnounceArgs,
 }
 
 #[tokio::main]
@@ -85,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!(e.message))?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
     tracing::info!(%addr, model = %args.model.display(), "draft worker serving");
-    let registration = announce(&args).register(
+    let registration = args.discovery.announce().register(
         Role::Draft,
         addr,
         &model_name(&args.model),

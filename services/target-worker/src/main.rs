@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use parse_comm::{Comm, TcpComm, TcpConfig};
-use parse_discovery::{Announce, Role};
+use parse_discovery::{AnnounceArgs, Role, model_name};
 use parse_engine::tp::Layout;
 use parse_engine::{Engine, EngineConfig};
 use parse_target_worker::{TargetWorker, TargetWorkerConfig, serve};
@@ -41,18 +41,8 @@ struct Args {
     /// KV cache budget in MiB (per rank in a tensor-parallel group: each holds its share of the KV heads).
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
-    /// etcd endpoints (comma-separated): register this worker under /parse/v1/workers/ with a lease.
-    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',')]
-    etcd: Vec<String>,
-    /// This worker's id in discovery (default: role-address).
-    #[arg(long, env = "PARSE_WORKER_ID")]
-    worker_id: Option<String>,
-    /// The address routers dial (default: --listen).
-    #[arg(long, env = "PARSE_ADVERTISE")]
-    advertise: Option<String>,
-    /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
-    #[arg(long, default_value_t = 5)]
-    lease_ttl_s: u64,
+    #[command(flatten)]
+    discovery: AnnounceArgs,
     /// Ranks of the tensor-parallel group.
     #[arg(long, env = "PARSE_TP", default_value_t = 1)]
     tp: usize,
@@ -110,7 +100,9 @@ fn check(args: &Args) -> anyhow::Result<()> {
         );
     }
     let via_etcd = args.tp_group.is_some();
-    if via_etcd && (args.etcd.is_empty() || args.tp_listen.is_none() || !args.tp_addrs.is_empty()) {
+    if via_etcd
+        && (args.discovery.etcd.is_empty() || args.tp_listen.is_none() || !args.tp_addrs.is_empty())
+    {
         anyhow::bail!("--tp-group needs --etcd and --tp-listen, and no --tp-addrs");
     }
     if args.tp > 1 && !via_etcd && args.tp_addrs.len() != args.tp {
@@ -170,7 +162,7 @@ async fn main() -> anyhow::Result<()> {
                     "tensor-parallel rendezvous through etcd"
                 );
                 parse_discovery::rendezvous(
-                    &args.etcd,
+                    &args.discovery.etcd,
                     group,
                     args.rank,
                     args.tp,
@@ -232,19 +224,10 @@ async fn main() -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!(e.message))?;
     tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
     // Only the leader of a group registers: it is the group's one address.
-    let registration = Announce {
-        etcd: args.etcd.clone(),
-        id: args.worker_id.clone(),
-        advertise: args.advertise.clone(),
-        lease_ttl: Duration::from_secs(args.lease_ttl_s),
-    }
-    .register(
+    let registration = args.discovery.announce().register(
         Role::Target,
         addr,
-        &args.model.file_name().map_or_else(
-            || args.model.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        ),
+        &model_name(&args.model),
         args.tp as u32,
         args.max_queue as u32,
     )?;
