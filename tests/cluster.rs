@@ -76,7 +76,7 @@ fn in_process(mode: Mode, max: usize, sampling: SamplingParams) -> Vec<u32> {
     let tok = target.tokenizer().clone();
     let r = GenerationRequest {
         session: "local".into(),
-        prompt: tok.encode_chat(&[Message::new("user", PROMPT)]).unwrap(),
+        prompt: tok.encode_chat(&[Message::user(PROMPT)]).unwrap(),
         max_new_tokens: max,
         mode,
         sampling,
@@ -398,13 +398,15 @@ fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_grou
     let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
     let follower_comm = c1.clone();
     let follower = std::thread::spawn(move || {
-        tiny_engine(TARGET_SEED)
-            .into_tensor_parallel(c1, Layout::Exact)
+        parse_engine::tp::join(tiny_engine(TARGET_SEED), c1, Layout::Exact)
+            .unwrap()
+            .follower()
             .unwrap()
             .follow()
     });
-    let leader = tiny_engine(TARGET_SEED)
-        .into_tensor_parallel(c0, Layout::Exact)
+    let leader = parse_engine::tp::join(tiny_engine(TARGET_SEED), c0, Layout::Exact)
+        .unwrap()
+        .leader()
         .unwrap();
     let tp = target_server(
         leader,
@@ -476,5 +478,71 @@ fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_grou
     );
     rt.block_on(async {
         assert_eq!(health(&tp.endpoint()).await, 2, "NOT_SERVING");
+    });
+}
+
+#[test]
+fn the_router_follows_membership_as_workers_come_and_go() {
+    use parse_discovery::{MemoryDiscovery, Role, WorkerInfo};
+    let members = MemoryDiscovery::new();
+    let info = |role: Role, id: &str, address: String| WorkerInfo {
+        id: id.into(),
+        role,
+        address,
+        model: "tiny".into(),
+        tp: 1,
+        capacity: 8,
+        version: String::new(),
+    };
+    let draft = draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default());
+    let targets: Vec<_> = (0..2)
+        .map(|_| target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default()))
+        .collect();
+    members.insert(info(Role::Draft, "d", draft.endpoint()));
+    let router = router_server_with(
+        RouterConfig {
+            max_in_flight: 8,
+            ..Default::default()
+        },
+        &members,
+    );
+    let want = in_process(Mode::Parse, 40, SamplingParams::default());
+    let rt = client_rt();
+    rt.block_on(async {
+        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        // No target yet: nothing to serve with.
+        let err = client.generate(req("parse", 40)).await.unwrap_err();
+        assert!(matches!(err, ClientError::Unavailable(_)), "{err:?}");
+        // A target joins: served, with the in-process output.
+        members.insert(info(Role::Target, "t0", targets[0].endpoint()));
+        assert!(eventually(Duration::from_secs(2), || router
+            .worker
+            .members("target")
+            .len()
+            == 1));
+        let out = client.generate(req("parse", 40)).await.unwrap();
+        assert_eq!(out.token_ids, want);
+        assert_eq!(targets[0].worker.open_sessions(), 0);
+        // It leaves and another joins: the next request goes to the newcomer.
+        members.remove(Role::Target, "t0");
+        members.insert(info(Role::Target, "t1", targets[1].endpoint()));
+        assert!(eventually(Duration::from_secs(2), || {
+            router.worker.members("target") == [("t1".to_string(), targets[1].endpoint())]
+        }));
+        let out = client.generate(req("parse", 40)).await.unwrap();
+        assert_eq!(out.token_ids, want);
+        // The draft leaves: parse is refused as needing one, the target alone still serves.
+        members.remove(Role::Draft, "d");
+        assert!(eventually(Duration::from_secs(2), || router
+            .worker
+            .members("draft")
+            .is_empty()));
+        let err = client.generate(req("parse", 40)).await.unwrap_err();
+        assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");
+        let out = client.generate(req("target", 40)).await.unwrap();
+        assert_eq!(
+            out.token_ids,
+            in_process(Mode::Target, 40, SamplingParams::default())
+        );
     });
 }

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 use parse_draft_worker::{DraftWorker, DraftWorkerConfig};
 use parse_engine::model::{Arch, ModelConfig};
 use parse_engine::ops::RopeStyle;
-use parse_engine::{Engine, Model, Tokenizer};
+use parse_engine::{Engine, EngineOps, Model, Tokenizer};
 use parse_router::{Router, RouterConfig};
 use parse_target_worker::{TargetWorker, TargetWorkerConfig};
 use tokio::runtime::Runtime;
+use tokio_util::sync::CancellationToken;
 
 pub fn shared_dir() -> PathBuf {
     match std::env::var_os("PARSE_SHARED_DIR") {
@@ -120,14 +121,17 @@ where
 }
 
 pub fn draft_server(engine: Engine, cfg: DraftWorkerConfig) -> Server<DraftWorker> {
-    let w = DraftWorker::new(engine, cfg).expect("draft worker");
+    let w = DraftWorker::new(engine, cfg, CancellationToken::new()).expect("draft worker");
     start(w, |w, l| {
         parse_draft_worker::serve(w, l, std::future::pending())
     })
 }
 
-pub fn target_server(engine: Engine, cfg: TargetWorkerConfig) -> Server<TargetWorker> {
-    let w = TargetWorker::new(engine, cfg).expect("target worker");
+pub fn target_server(
+    engine: impl EngineOps + Send + 'static,
+    cfg: TargetWorkerConfig,
+) -> Server<TargetWorker> {
+    let w = TargetWorker::new(engine, cfg, CancellationToken::new()).expect("target worker");
     start(w, |w, l| {
         parse_target_worker::serve(w, l, std::future::pending())
     })
@@ -136,6 +140,20 @@ pub fn target_server(engine: Engine, cfg: TargetWorkerConfig) -> Server<TargetWo
 pub fn router_server(cfg: RouterConfig) -> Server<Router> {
     let rt = runtime();
     let router = rt.block_on(async { Router::new(cfg) }).expect("router");
+    serve_router(rt, router)
+}
+
+/// A router whose workers come from `discovery` (e.g. a `MemoryDiscovery` the test changes).
+pub fn router_server_with(
+    cfg: RouterConfig,
+    discovery: &dyn parse_discovery::Discovery,
+) -> Server<Router> {
+    let rt = runtime();
+    let router = rt.block_on(async { Router::with_discovery(cfg, discovery) });
+    serve_router(rt, router)
+}
+
+fn serve_router(rt: Runtime, router: Router) -> Server<Router> {
     let (listener, addr) = rt
         .block_on(parse_proto::serve::bind(
             "127.0.0.1:0".parse().expect("addr"),
@@ -184,7 +202,12 @@ pub fn registered_target(
     id: &str,
     ttl: Duration,
 ) -> Server<TargetWorker> {
-    let w = TargetWorker::new(engine, TargetWorkerConfig::default()).expect("target worker");
+    let w = TargetWorker::new(
+        engine,
+        TargetWorkerConfig::default(),
+        CancellationToken::new(),
+    )
+    .expect("target worker");
     let a = announce(etcd, id, ttl);
     start(w, move |w, l| async move {
         let addr = l.local_addr()?;
@@ -194,7 +217,7 @@ pub fn registered_target(
         }
         let w2 = w.clone();
         let until = async move {
-            w2.drain
+            w2.drain()
                 .serve_until(reg, || w2.open_sessions() == 0, std::future::pending())
                 .await
         };
@@ -209,7 +232,12 @@ pub fn registered_draft(
     id: &str,
     ttl: Duration,
 ) -> Server<DraftWorker> {
-    let w = DraftWorker::new(engine, DraftWorkerConfig::default()).expect("draft worker");
+    let w = DraftWorker::new(
+        engine,
+        DraftWorkerConfig::default(),
+        CancellationToken::new(),
+    )
+    .expect("draft worker");
     let a = announce(etcd, id, ttl);
     start(w, move |w, l| async move {
         let addr = l.local_addr()?;
@@ -220,7 +248,7 @@ pub fn registered_draft(
         };
         let w2 = w.clone();
         let until = async move {
-            w2.drain
+            w2.drain()
                 .serve_until(reg, || w2.open_sessions() == 0, std::future::pending())
                 .await
         };

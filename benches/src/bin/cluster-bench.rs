@@ -102,7 +102,7 @@ fn main() -> Result<()> {
     for (i, text) in texts.iter().enumerate() {
         let req = GenerationRequest {
             session: format!("local-{i}"),
-            prompt: tok.encode_chat(&[Message::new("user", text)])?,
+            prompt: tok.encode_chat(&[Message::user(text)])?,
             max_new_tokens: args.max_new_tokens,
             mode,
             sampling: Default::default(),
@@ -127,10 +127,12 @@ fn main() -> Result<()> {
     }
     eprintln!(" in process");
 
-    // The same engines behind gRPC.
-    let tw = TargetWorker::new(target, TargetWorkerConfig::default())
+    // The same engines behind gRPC; their schedulers stop with the bench.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop_at_exit = stop.clone().drop_guard();
+    let tw = TargetWorker::new(target, TargetWorkerConfig::default(), stop.clone())
         .map_err(|e| anyhow::anyhow!(e.message))?;
-    let dw = DraftWorker::new(draft, DraftWorkerConfig::default())
+    let dw = DraftWorker::new(draft, DraftWorkerConfig::default(), stop.clone())
         .map_err(|e| anyhow::anyhow!(e.message))?;
     let (_trt, taddr) = serve(|l| parse_target_worker::serve(tw, l, std::future::pending()))?;
     let (_drt, daddr) = serve(|l| parse_draft_worker::serve(dw, l, std::future::pending()))?;

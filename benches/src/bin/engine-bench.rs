@@ -46,9 +46,7 @@ fn context_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
     let text = "Write a Python module that parses a CSV file of sales records, groups them by region and month, \
                 computes totals and averages, and prints a report. Explain each step. "
         .repeat(1 + n / 30);
-    let mut ids = engine
-        .tokenizer()
-        .encode_chat(&[Message::new("user", &text)])?;
+    let mut ids = engine.tokenizer().encode_chat(&[Message::user(&text)])?;
     ids.truncate(n);
     Ok(ids)
 }

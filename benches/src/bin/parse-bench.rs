@@ -249,7 +249,7 @@ fn main() -> Result<()> {
     let tok = target.tokenizer().clone();
     let prompts: Vec<Vec<u32>> = recs
         .iter()
-        .map(|r| tok.encode_chat(&[Message::new("user", &r.prompt)]))
+        .map(|r| tok.encode_chat(&[Message::user(&r.prompt)]))
         .collect::<Result<_, _>>()?;
 
     let mut target_outputs: Vec<Vec<u32>> = Vec::new();

@@ -19,8 +19,8 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use parse_bench::{median, model_dir};
 use parse_comm::{Comm, loopback_group};
-use parse_engine::tp::Layout;
-use parse_engine::{Engine, EngineConfig};
+use parse_engine::tp::{Layout, Member};
+use parse_engine::{Engine, EngineConfig, EngineOps};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -116,11 +116,11 @@ fn collectives(args: &Args) -> Result<Vec<serde_json::Value>> {
 }
 
 /// Median seconds of a decode step and of a block, on a session holding `context` tokens.
-fn step_costs(e: &mut Engine, args: &Args) -> Result<(f64, f64)> {
+fn step_costs(e: &mut impl EngineOps, args: &Args) -> Result<(f64, f64)> {
     let prompt: Vec<u32> = (0..args.context as u32).map(|i| 200 + i % 5000).collect();
     e.open_session("bench")?;
     e.forward_causal("bench", &prompt, &[0])?;
-    let base = e.session_len("bench")?;
+    let base = e.engine().session_len("bench")?;
     let mut decode = Vec::new();
     for i in 0..args.steps {
         let t = Instant::now();
@@ -175,12 +175,10 @@ fn main() -> Result<()> {
             let mut leader = None;
             let mut followers = Vec::new();
             for (e, c) in engines.into_iter().zip(comms) {
-                let rank = c.rank();
-                let mut e = e.into_tensor_parallel(Arc::new(c), layout)?;
-                if rank == 0 {
-                    leader = Some(e);
-                } else {
-                    followers.push(std::thread::spawn(move || e.follow()));
+                match parse_engine::tp::join(e, Arc::new(c), layout)? {
+                    Member::Leader(l) => leader = Some(l),
+                    Member::Follower(f) => followers.push(std::thread::spawn(move || f.follow())),
+                    Member::Alone(_) => anyhow::bail!("a group of one"),
                 }
             }
             let mut leader = leader.context("no leader")?;

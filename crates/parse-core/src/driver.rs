@@ -68,6 +68,7 @@ impl SamplingParams {
 
 /// Generation mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Mode {
     /// The target alone.
     #[serde(rename = "target")]
@@ -84,6 +85,7 @@ pub enum Mode {
     Parse,
     /// PARSE whose extend steps use token-level speculation.
     #[serde(rename = "parse+token-spec")]
+    #[cfg_attr(feature = "clap", value(name = "parse+token-spec"))]
     ParseTokenSpec,
 }
 
@@ -775,6 +777,29 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         finish_reason: run.finished.unwrap_or(FinishReason::Length),
         stats,
     })
+}
+
+/// Runs `req` with the models its mode uses (`target` needs no drafter, `draft` no verifier): the one place that
+/// stands in for a model a mode does not need, and refuses a mode whose model is missing.
+pub fn generate_with(
+    drafter: Option<&mut dyn Drafter>,
+    verifier: Option<&mut dyn Verifier>,
+    req: &GenerationRequest,
+    sink: &mut dyn FnMut(&[u32], Source) -> bool,
+) -> Result<Outcome> {
+    let missing = |what: &str| {
+        Error::invalid(format!(
+            "mode {} needs a {what} model and none is loaded",
+            req.mode.as_str()
+        ))
+    };
+    match (drafter, verifier) {
+        (Some(d), Some(v)) => generate(d, v, req, sink),
+        (None, Some(v)) if req.mode == Mode::Target => generate(&mut NoDrafter, v, req, sink),
+        (Some(d), None) if req.mode == Mode::Draft => generate(d, &mut NoVerifier, req, sink),
+        (None, _) => Err(missing("draft")),
+        (_, None) => Err(missing("target")),
+    }
 }
 
 /// Stands in for the drafter where none is loaded (target mode: never called).

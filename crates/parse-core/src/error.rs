@@ -9,6 +9,10 @@ pub enum ErrorKind {
     InvalidInput,
     /// A worker is out of capacity.
     ResourceExhausted,
+    /// A session (or another named thing) the call refers to does not exist.
+    NotFound,
+    /// A session to be created exists already.
+    AlreadyExists,
     /// A worker could not be reached or was lost.
     Unavailable,
     /// The request was cancelled.

@@ -12,7 +12,7 @@ pub mod speculative;
 
 pub use driver::{
     DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
-    SamplingParams, Source, Stats, Verifier, generate,
+    SamplingParams, Source, Stats, Verifier, generate, generate_with,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use mask::{BlockMask, MaskRow};

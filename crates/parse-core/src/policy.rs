@@ -45,8 +45,11 @@ pub struct VerifyOutput {
 /// How segments are scored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Verdict {
+    /// Lowest target probability of a segment's tokens.
     Likelihood,
+    /// The target's yes/no answer to a verification suffix.
     Judge,
 }
 

@@ -178,6 +178,73 @@ impl Discovery for StaticDiscovery {
     }
 }
 
+/// Members held in memory, for tests of membership without etcd: a registration appears at once and disappears on
+/// [`Registration::deregister`] (dropping the handle leaves it, as a crashed worker's key stays until its lease
+/// expires); [`MemoryDiscovery::remove`] takes a member away as a lease expiry would.
+#[derive(Debug, Clone)]
+pub struct MemoryDiscovery {
+    draft: std::sync::Arc<watch::Sender<Members>>,
+    target: std::sync::Arc<watch::Sender<Members>>,
+}
+
+impl Default for MemoryDiscovery {
+    fn default() -> Self {
+        MemoryDiscovery {
+            draft: std::sync::Arc::new(watch::channel(Members::new()).0),
+            target: std::sync::Arc::new(watch::channel(Members::new()).0),
+        }
+    }
+}
+
+impl MemoryDiscovery {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn role(&self, role: Role) -> &watch::Sender<Members> {
+        match role {
+            Role::Draft => &self.draft,
+            Role::Target => &self.target,
+        }
+    }
+
+    /// Adds (or replaces) a member.
+    pub fn insert(&self, info: WorkerInfo) {
+        self.role(info.role).send_modify(|m| {
+            m.insert(info.id.clone(), info);
+        });
+    }
+
+    /// Removes a member; returns whether it was there.
+    pub fn remove(&self, role: Role, id: &str) -> bool {
+        self.role(role).send_if_modified(|m| m.remove(id).is_some())
+    }
+}
+
+impl Discovery for MemoryDiscovery {
+    fn register(&self, info: WorkerInfo) -> Result<Registration, DiscoveryError> {
+        info.validate()?;
+        let (role, id) = (info.role, info.id.clone());
+        self.insert(info);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            if stopped.await.is_ok() {
+                me.remove(role, &id);
+            }
+        });
+        Ok(Registration {
+            ready: watch::channel(true).1,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    fn watch(&self, role: Role) -> watch::Receiver<Members> {
+        self.role(role).subscribe()
+    }
+}
+
 /// etcd-backed discovery (see the module docs).
 #[derive(Debug, Clone)]
 pub struct EtcdDiscovery {
@@ -667,6 +734,39 @@ mod tests {
             assert!(b.validate().is_err());
         }
         assert!(EtcdDiscovery::new(vec![], Duration::from_secs(5)).is_err());
+    }
+
+    #[tokio::test]
+    async fn memory_members_change_as_workers_come_and_go() {
+        let d = MemoryDiscovery::new();
+        let mut rx = d.watch(Role::Target);
+        assert!(rx.borrow_and_update().is_empty());
+        let info = |id: &str| WorkerInfo {
+            id: id.into(),
+            role: Role::Target,
+            address: format!("{id}:1"),
+            model: "m".into(),
+            tp: 1,
+            capacity: 1,
+            version: String::new(),
+        };
+        let a = d.register(info("a")).unwrap();
+        d.insert(info("b"));
+        rx.changed().await.unwrap();
+        assert_eq!(
+            rx.borrow_and_update().keys().collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert!(d.watch(Role::Draft).borrow().is_empty());
+        a.deregister().await;
+        assert_eq!(
+            d.watch(Role::Target).borrow().keys().collect::<Vec<_>>(),
+            ["b"]
+        );
+        assert!(d.remove(Role::Target, "b"));
+        assert!(!d.remove(Role::Target, "b"));
+        assert!(d.watch(Role::Target).borrow().is_empty());
+        assert!(d.register(info("")).is_err());
     }
 
     #[tokio::test]

@@ -1,7 +1,6 @@
 //! The engine behind the PARSE loop's traits: [`EngineVerifier`] runs the target, [`EngineDrafter`] the draft, both
 //! in process. The gRPC workers wrap the same types.
 
-use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
 use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, SamplingParams, Verifier};
@@ -10,7 +9,7 @@ use parse_core::segmenter::{self, SegmenterConfig};
 use parse_core::speculative::{self, SampledRow};
 use parse_core::{Error as CoreError, Result as CoreResult, VerifyPlan};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineOps};
 use crate::generate::PREFILL_CHUNK;
 use crate::sampling::{Sampler, argmax, distribution};
 
@@ -45,8 +44,8 @@ fn pieces_of(engine: &Engine, tokens: &[u32]) -> CoreResult<Vec<String>> {
         .collect()
 }
 
-fn prefill(
-    engine: &mut Engine,
+fn prefill<E: EngineOps + ?Sized>(
+    engine: &mut E,
     session: &str,
     tokens: &[u32],
     readout_last: bool,
@@ -69,15 +68,15 @@ fn prefill(
 }
 
 /// The target model as a [`Verifier`], over a borrowed (`&mut Engine`, in process) or owned engine (a worker).
-pub struct EngineVerifier<E: BorrowMut<Engine>> {
+pub struct EngineVerifier<E: EngineOps> {
     engine: E,
     samplers: HashMap<String, Sampler>,
     yes_no: Option<(u32, u32)>,
 }
 
-impl<E: BorrowMut<Engine>> EngineVerifier<E> {
+impl<E: EngineOps> EngineVerifier<E> {
     pub fn new(engine: E) -> Self {
-        let tok = engine.borrow().tokenizer();
+        let tok = engine.engine().tokenizer();
         let yes_no = tok.token_to_id("Yes").zip(tok.token_to_id("No"));
         EngineVerifier {
             engine,
@@ -87,32 +86,37 @@ impl<E: BorrowMut<Engine>> EngineVerifier<E> {
     }
 }
 
-impl<E: BorrowMut<Engine>> EngineVerifier<E> {
+impl<E: EngineOps> EngineVerifier<E> {
     pub fn engine(&self) -> &Engine {
-        self.engine.borrow()
+        self.engine.engine()
     }
 
-    pub fn engine_mut(&mut self) -> &mut Engine {
-        self.engine.borrow_mut()
+    /// What the verifier drives: an engine, or a tensor-parallel leader.
+    pub fn ops(&self) -> &E {
+        &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut E {
+        &mut self.engine
     }
 }
 
-impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
+impl<E: EngineOps> Verifier for EngineVerifier<E> {
     fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
         if prompt.is_empty() {
             return Err(CoreError::invalid("empty prompt"));
         }
         let sampler = Sampler::new(sampling.clone())?;
-        self.engine.borrow_mut().open_session(session)?;
+        self.engine.open_session(session)?;
         if prompt.len() > 1
             && let Err(e) = prefill(
-                self.engine.borrow_mut(),
+                &mut self.engine,
                 session,
                 &prompt[..prompt.len() - 1],
                 false,
             )
         {
-            let _ = self.engine.borrow_mut().release(session);
+            let _ = self.engine.release(session);
             return Err(e.into());
         }
         self.samplers.insert(session.to_string(), sampler);
@@ -121,13 +125,9 @@ impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {
         let readout = plan.readout();
-        let logits = self.engine.borrow_mut().forward(
-            session,
-            &plan.tokens,
-            &plan.positions,
-            &plan.mask,
-            &readout,
-        )?;
+        let logits =
+            self.engine
+                .forward(session, &plan.tokens, &plan.positions, &plan.mask, &readout)?;
         let l = plan.draft.len();
         let rows = (0..=l)
             .map(|t| {
@@ -191,19 +191,16 @@ impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
     ) -> CoreResult<ExtendOutput> {
         let mut out = ExtendOutput::default();
         let mut all_pieces = match segment {
-            Some(_) => pieces_of(self.engine.borrow(), &[pending])?,
+            Some(_) => pieces_of(self.engine.engine(), &[pending])?,
             None => Vec::new(),
         };
         let mut last = pending;
-        let limit = self.engine.borrow().model().config().max_context;
+        let limit = self.engine.engine().model().config().max_context;
         while out.tokens.len() < max.max(1) {
-            if self.engine.borrow_mut().session_len(session)? + 1 >= limit {
+            if self.engine.engine().session_len(session)? + 1 >= limit {
                 break;
             }
-            let logits = self
-                .engine
-                .borrow_mut()
-                .forward_causal(session, &[last], &[0])?;
+            let logits = self.engine.forward_causal(session, &[last], &[0])?;
             let sampler = self
                 .samplers
                 .get_mut(session)
@@ -211,11 +208,11 @@ impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
             let t = sampler.sample(logits.row(0));
             out.tokens.push(t);
             last = t;
-            if self.engine.borrow().tokenizer().is_eos(t) {
+            if self.engine.engine().tokenizer().is_eos(t) {
                 break;
             }
             if let Some(cfg) = segment {
-                let p = pieces_of(self.engine.borrow(), &[t])?;
+                let p = pieces_of(self.engine.engine(), &[t])?;
                 all_pieces.extend(p.iter().cloned());
                 out.pieces.extend(p);
                 if segmenter::first_segment_end(&all_pieces, cfg).is_some() {
@@ -232,12 +229,12 @@ impl<E: BorrowMut<Engine>> Verifier for EngineVerifier<E> {
     }
 
     fn truncate(&mut self, session: &str, len: usize) -> CoreResult<()> {
-        Ok(self.engine.borrow_mut().truncate(session, len)?)
+        Ok(self.engine.truncate(session, len)?)
     }
 
     fn release(&mut self, session: &str) -> CoreResult<()> {
         self.samplers.remove(session);
-        self.engine.borrow_mut().release(session)?;
+        self.engine.release(session)?;
         Ok(())
     }
 }
@@ -258,12 +255,12 @@ struct DraftState {
 /// The draft model as a [`Drafter`], over a borrowed or owned engine. Its cache follows the accepted context: a new
 /// draft keeps the longest common prefix, and draft tokens computed past an accepted cut are reused instead of
 /// recomputed.
-pub struct EngineDrafter<E: BorrowMut<Engine>> {
+pub struct EngineDrafter<E: EngineOps> {
     engine: E,
     states: HashMap<String, DraftState>,
 }
 
-impl<E: BorrowMut<Engine>> EngineDrafter<E> {
+impl<E: EngineOps> EngineDrafter<E> {
     pub fn new(engine: E) -> Self {
         EngineDrafter {
             engine,
@@ -272,9 +269,9 @@ impl<E: BorrowMut<Engine>> EngineDrafter<E> {
     }
 }
 
-impl<E: BorrowMut<Engine>> EngineDrafter<E> {
+impl<E: EngineOps> EngineDrafter<E> {
     pub fn engine(&self) -> &Engine {
-        self.engine.borrow()
+        self.engine.engine()
     }
 
     /// Sessions with draft state.
@@ -283,7 +280,7 @@ impl<E: BorrowMut<Engine>> EngineDrafter<E> {
     }
 }
 
-impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
+impl<E: EngineOps> Drafter for EngineDrafter<E> {
     fn begin(
         &mut self,
         session: &str,
@@ -294,7 +291,7 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
             return Err(CoreError::invalid("empty context"));
         }
         if !self.states.contains_key(session) {
-            self.engine.borrow_mut().open_session(session)?;
+            self.engine.open_session(session)?;
             let sampler = Sampler::new(sampling.clone())?;
             self.states.insert(
                 session.to_string(),
@@ -329,9 +326,9 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
         }
         // Recompute from the common prefix, keeping at least the last context token to get its logits.
         let keep = common.min(context.len() - 1);
-        self.engine.borrow_mut().truncate(session, keep)?;
+        self.engine.truncate(session, keep)?;
         st.kv.truncate(keep);
-        let logits = prefill(self.engine.borrow_mut(), session, &context[keep..], true)?;
+        let logits = prefill(&mut self.engine, session, &context[keep..], true)?;
         st.kv.extend_from_slice(&context[keep..]);
         st.next = logits.ok_or_else(|| CoreError::internal("prefill returned no logits"))?;
         st.cursor = context.len();
@@ -339,7 +336,7 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
     }
 
     fn next(&mut self, session: &str, max: usize) -> CoreResult<DraftChunk> {
-        let limit = self.engine.borrow().model().config().max_context;
+        let limit = self.engine.engine().model().config().max_context;
         let st = self
             .states
             .get_mut(session)
@@ -351,7 +348,7 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
                 let t = st.kv[st.cursor];
                 st.cursor += 1;
                 chunk.tokens.push(t);
-                st.done = self.engine.borrow().tokenizer().is_eos(t);
+                st.done = self.engine.engine().tokenizer().is_eos(t);
                 continue;
             }
             if st.kv.len() + 1 >= limit {
@@ -374,20 +371,17 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
                 st.sampler.sample(&st.next)
             };
             chunk.tokens.push(t);
-            if self.engine.borrow().tokenizer().is_eos(t) {
+            if self.engine.engine().tokenizer().is_eos(t) {
                 st.done = true;
                 break;
             }
-            let logits = self
-                .engine
-                .borrow_mut()
-                .forward_causal(session, &[t], &[0])?;
+            let logits = self.engine.forward_causal(session, &[t], &[0])?;
             st.next = logits.row(0).to_vec();
             st.kv.push(t);
             st.cursor = st.kv.len();
         }
         chunk.done = st.done;
-        chunk.pieces = pieces_of(self.engine.borrow(), &chunk.tokens)?;
+        chunk.pieces = pieces_of(self.engine.engine(), &chunk.tokens)?;
         Ok(chunk)
     }
 
@@ -404,12 +398,12 @@ impl<E: BorrowMut<Engine>> Drafter for EngineDrafter<E> {
     }
 
     fn pieces(&mut self, tokens: &[u32]) -> CoreResult<Vec<String>> {
-        pieces_of(self.engine.borrow(), tokens)
+        pieces_of(self.engine.engine(), tokens)
     }
 
     fn release(&mut self, session: &str) -> CoreResult<()> {
         if self.states.remove(session).is_some() {
-            self.engine.borrow_mut().release(session)?;
+            self.engine.release(session)?;
         }
         Ok(())
     }

@@ -1,4 +1,7 @@
 //! An engine: a model, its tokenizer and its sessions, loaded from a GGUF file or a safetensors directory.
+//!
+//! [`EngineOps`] is what the PARSE backends and the workers drive: an [`Engine`] alone, or a tensor-parallel leader
+//! (`tp::Leader`) that wraps one. The engine knows nothing of groups.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -7,9 +10,8 @@ use crate::error::{Error, Result};
 use crate::load::{self, GgufFile, LoadOptions};
 use crate::model::{Logits, Model};
 use crate::session::SessionStore;
-use crate::tokenizer::Tokenizer;
-use crate::tp::Op;
 use parse_core::mask::BlockMask;
+use parse_text::Tokenizer;
 
 /// Default KV capacity of an engine: 4 GiB.
 pub const DEFAULT_KV_CAPACITY: usize = 4 << 30;
@@ -42,8 +44,6 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     pub(crate) sessions: SessionStore,
     path: PathBuf,
-    /// The tensor-parallel group this engine is a rank of (see `tp`).
-    pub(crate) group: Option<crate::tp::Group>,
 }
 
 impl Engine {
@@ -62,7 +62,7 @@ impl Engine {
             let model = load::load_gguf(&mut g, &cfg.load)?;
             let tokenizer = match &cfg.tokenizer {
                 Some(t) => Tokenizer::from_file(t)?,
-                None => Tokenizer::from_gguf(&g.content)?,
+                None => load::tokenizer_from_gguf(&g.content)?,
             };
             (model, tokenizer)
         };
@@ -95,7 +95,6 @@ impl Engine {
             tokenizer: Arc::new(tokenizer),
             sessions: SessionStore::new(kv_capacity_bytes),
             path: path.to_path_buf(),
-            group: None,
         }
     }
 
@@ -116,9 +115,7 @@ impl Engine {
     }
 
     pub fn open_session(&mut self, id: &str) -> Result<()> {
-        self.leader()?;
-        self.sessions.open(&self.model, id)?;
-        self.send(&Op::Open(id.to_string()))
+        self.sessions.open(&self.model, id)
     }
 
     /// `forward(session, tokens, positions, mask, readout)`: see [`Model::forward`].
@@ -130,21 +127,8 @@ impl Engine {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
-        if self.leader()?.is_some() {
-            // Every check first: the followers are sent only a block that will run.
-            self.sessions
-                .check_forward(&self.model, session, tokens, positions, mask, readout)?;
-            self.send(&Op::Forward {
-                session: session.to_string(),
-                tokens: tokens.to_vec(),
-                positions: positions.to_vec(),
-                mask: mask.rows().to_vec(),
-            })?;
-        }
-        let r = self
-            .sessions
-            .forward(&self.model, session, tokens, positions, mask, readout);
-        self.note_forward(r)
+        self.sessions
+            .forward(&self.model, session, tokens, positions, mask, readout)
     }
 
     /// Causal block after what the session holds, logits at `readout`.
@@ -154,10 +138,7 @@ impl Engine {
         tokens: &[u32],
         readout: &[usize],
     ) -> Result<Logits> {
-        let base = self.sessions.len(session)?;
-        let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
-        let mask = BlockMask::causal(base, tokens.len());
-        self.forward(session, tokens, &positions, &mask, readout)
+        EngineOps::forward_causal(self, session, tokens, readout)
     }
 
     pub fn session_len(&self, session: &str) -> Result<usize> {
@@ -165,15 +146,129 @@ impl Engine {
     }
 
     pub fn truncate(&mut self, session: &str, n: usize) -> Result<()> {
-        self.leader()?;
-        self.sessions.truncate(session, n)?;
-        self.send(&Op::Truncate(session.to_string(), n))
+        self.sessions.truncate(session, n)
     }
 
     pub fn release(&mut self, session: &str) -> Result<usize> {
-        self.leader()?;
-        let freed = self.sessions.release(session)?;
-        self.send(&Op::Release(session.to_string()))?;
-        Ok(freed)
+        self.sessions.release(session)
     }
 }
+
+/// The session operations of an engine, run in this process alone ([`Engine`]) or on every rank of a
+/// tensor-parallel group (`tp::Leader`). What reads the model, tokenizer or caches goes through [`EngineOps::engine`].
+pub trait EngineOps {
+    /// The engine (rank 0's, in a group): model, tokenizer, sessions.
+    fn engine(&self) -> &Engine;
+    fn open_session(&mut self, id: &str) -> Result<()>;
+    /// `forward(session, tokens, positions, mask, readout)`: see `Model::forward`.
+    fn forward(
+        &mut self,
+        session: &str,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<Logits>;
+    fn truncate(&mut self, session: &str, n: usize) -> Result<()>;
+    /// Frees a session; returns the bytes it held.
+    fn release(&mut self, session: &str) -> Result<usize>;
+
+    /// Ranks that compute each step (1 alone).
+    fn world_size(&self) -> usize {
+        1
+    }
+    /// Whether every rank is still there (always, alone).
+    fn healthy(&self) -> bool {
+        true
+    }
+    /// Checks the other ranks (no-op alone); an error means the group is broken.
+    fn heartbeat(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Tells the other ranks that this one is stopping (no-op alone).
+    fn shutdown(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Causal block after what the session holds, logits at `readout`.
+    fn forward_causal(
+        &mut self,
+        session: &str,
+        tokens: &[u32],
+        readout: &[usize],
+    ) -> Result<Logits> {
+        let base = self.engine().session_len(session)?;
+        let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
+        let mask = BlockMask::causal(base, tokens.len());
+        self.forward(session, tokens, &positions, &mask, readout)
+    }
+}
+
+impl EngineOps for Engine {
+    fn engine(&self) -> &Engine {
+        self
+    }
+    fn open_session(&mut self, id: &str) -> Result<()> {
+        Engine::open_session(self, id)
+    }
+    fn forward(
+        &mut self,
+        session: &str,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<Logits> {
+        Engine::forward(self, session, tokens, positions, mask, readout)
+    }
+    fn truncate(&mut self, session: &str, n: usize) -> Result<()> {
+        Engine::truncate(self, session, n)
+    }
+    fn release(&mut self, session: &str) -> Result<usize> {
+        Engine::release(self, session)
+    }
+}
+
+/// `&mut E` and `Box<E>` drive the engine they point to.
+macro_rules! delegate_ops {
+    ($($ty:ty),*) => {$(
+        impl<T: EngineOps + ?Sized> EngineOps for $ty {
+            fn engine(&self) -> &Engine {
+                (**self).engine()
+            }
+            fn open_session(&mut self, id: &str) -> Result<()> {
+                (**self).open_session(id)
+            }
+            fn forward(
+                &mut self,
+                session: &str,
+                tokens: &[u32],
+                positions: &[u32],
+                mask: &BlockMask,
+                readout: &[usize],
+            ) -> Result<Logits> {
+                (**self).forward(session, tokens, positions, mask, readout)
+            }
+            fn truncate(&mut self, session: &str, n: usize) -> Result<()> {
+                (**self).truncate(session, n)
+            }
+            fn release(&mut self, session: &str) -> Result<usize> {
+                (**self).release(session)
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn healthy(&self) -> bool {
+                (**self).healthy()
+            }
+            fn heartbeat(&mut self) -> Result<()> {
+                (**self).heartbeat()
+            }
+            fn shutdown(&mut self) -> Result<()> {
+                (**self).shutdown()
+            }
+        }
+    )*};
+}
+
+delegate_ops!(&mut T, Box<T>);

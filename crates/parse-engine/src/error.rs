@@ -54,6 +54,15 @@ pub enum Error {
     Comm(parse_comm::CommError),
 }
 
+impl From<parse_text::Error> for Error {
+    fn from(e: parse_text::Error) -> Self {
+        match e {
+            parse_text::Error::InvalidInput(m) => Error::InvalidInput(m),
+            parse_text::Error::Tokenizer(m) => Error::Tokenizer(m),
+        }
+    }
+}
+
 impl From<parse_core::Error> for Error {
     fn from(e: parse_core::Error) -> Self {
         match e.kind {
@@ -70,6 +79,8 @@ impl From<Error> for parse_core::Error {
         let kind = match &e {
             Error::InvalidInput(_) | Error::ContextExceeded { .. } => K::InvalidInput,
             Error::CapacityExceeded { .. } => K::ResourceExhausted,
+            Error::UnknownSession(_) => K::NotFound,
+            Error::SessionExists(_) => K::AlreadyExists,
             Error::Backend(inner) => inner.kind,
             Error::Comm(_) => K::Unavailable,
             _ => K::Internal,

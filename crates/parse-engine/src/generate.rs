@@ -9,39 +9,19 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use parse_core::FinishReason;
+use parse_text::{StopFilter, StreamDecoder};
+
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::StreamDecoder;
 
 /// Prompt tokens processed per forward block during prefill.
 pub const PREFILL_CHUNK: usize = 256;
 
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// The model produced an end token.
-    Eos,
-    /// A stop string appeared.
-    Stop,
-    /// The token budget ran out.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Eos => "eos",
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
-/// What to generate.
+/// What to generate without speculation.
 #[derive(Debug, Clone)]
-pub struct GenerateRequest {
+pub struct PlainRequest {
     pub prompt_tokens: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
@@ -50,7 +30,7 @@ pub struct GenerateRequest {
 
 /// Figures of one generation.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
-pub struct GenerationStats {
+pub struct PlainStats {
     pub prompt_tokens: usize,
     pub output_tokens: usize,
     pub forward_passes: usize,
@@ -61,92 +41,17 @@ pub struct GenerationStats {
     pub decode_tokens_per_s: f64,
 }
 
-/// A finished generation.
+/// A finished plain generation.
 #[derive(Debug, Clone, Serialize)]
-pub struct Generation {
+pub struct PlainOutput {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub finish_reason: FinishReason,
-    pub stats: GenerationStats,
-}
-
-/// Releases text to a stream, holding back any tail that could still turn into a stop string.
-#[derive(Debug, Clone)]
-pub struct StopFilter {
-    stop: Vec<String>,
-    text: String,
-    sent: usize,
-}
-
-impl StopFilter {
-    pub fn new(stop: Vec<String>) -> Self {
-        StopFilter {
-            stop,
-            text: String::new(),
-            sent: 0,
-        }
-    }
-
-    /// All text so far (cut before a stop string once one was found).
-    pub fn text(&self) -> &str {
-        &self.text
-    }
-
-    /// Adds text; returns (releasable delta, whether a stop string was found).
-    pub fn push(&mut self, delta: &str) -> (String, bool) {
-        self.text.push_str(delta);
-        let search_from = self
-            .sent
-            .saturating_sub(self.stop.iter().map(|s| s.len()).max().unwrap_or(0));
-        let search_from = (0..=search_from)
-            .rev()
-            .find(|i| self.text.is_char_boundary(*i))
-            .unwrap_or(0);
-        let hit = self
-            .stop
-            .iter()
-            .filter_map(|s| {
-                self.text[search_from..]
-                    .find(s.as_str())
-                    .map(|i| i + search_from)
-            })
-            .min();
-        if let Some(cut) = hit {
-            self.text.truncate(cut);
-            let out = self.text[self.sent.min(cut)..].to_string();
-            self.sent = cut;
-            return (out, true);
-        }
-        // Hold back the longest tail that is a proper prefix of some stop string.
-        let mut hold = 0;
-        for s in &self.stop {
-            for l in (1..s.len()).rev() {
-                if s.is_char_boundary(l) && self.text.ends_with(&s[..l]) {
-                    hold = hold.max(l);
-                    break;
-                }
-            }
-        }
-        let upto = self.text.len() - hold;
-        let out = if upto > self.sent {
-            self.text[self.sent..upto].to_string()
-        } else {
-            String::new()
-        };
-        self.sent = self.sent.max(upto);
-        (out, false)
-    }
-
-    /// Releases whatever was held back.
-    pub fn flush(&mut self) -> String {
-        let out = self.text[self.sent..].to_string();
-        self.sent = self.text.len();
-        out
-    }
+    pub stats: PlainStats,
 }
 
 /// Validates a request against the engine's limits.
-pub fn validate(engine: &Engine, req: &GenerateRequest) -> Result<()> {
+pub fn validate(engine: &Engine, req: &PlainRequest) -> Result<()> {
     if req.prompt_tokens.is_empty() {
         return Err(Error::invalid("empty prompt"));
     }
@@ -169,12 +74,12 @@ pub fn validate(engine: &Engine, req: &GenerateRequest) -> Result<()> {
 
 /// Generates on a fresh session named `session`, which is released before returning (also on error).
 /// `on_delta(text, token_ids)` receives each piece of output as it is released.
-pub fn generate(
+pub fn generate_plain(
     engine: &mut Engine,
     session: &str,
-    req: &GenerateRequest,
+    req: &PlainRequest,
     mut on_delta: impl FnMut(&str, &[u32]),
-) -> Result<Generation> {
+) -> Result<PlainOutput> {
     validate(engine, req)?;
     engine.open_session(session)?;
     let result = run(engine, session, req, &mut on_delta);
@@ -187,14 +92,14 @@ pub fn generate(
 fn run(
     engine: &mut Engine,
     session: &str,
-    req: &GenerateRequest,
+    req: &PlainRequest,
     on_delta: &mut dyn FnMut(&str, &[u32]),
-) -> Result<Generation> {
+) -> Result<PlainOutput> {
     let start = Instant::now();
     let tokenizer = engine.tokenizer().clone();
     let limit = engine.model().config().max_context;
     let mut sampler = Sampler::new(req.sampling.clone())?;
-    let mut stats = GenerationStats {
+    let mut stats = PlainStats {
         prompt_tokens: req.prompt_tokens.len(),
         ..Default::default()
     };
@@ -247,36 +152,10 @@ fn run(
     } else {
         0.0
     };
-    Ok(Generation {
-        text: filter.text,
+    Ok(PlainOutput {
+        text: filter.into_text(),
         token_ids,
         finish_reason: finish,
         stats,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stop_filter_holds_back_partial_matches_and_cuts() {
-        let mut f = StopFilter {
-            stop: vec!["END".into()],
-            text: String::new(),
-            sent: 0,
-        };
-        assert_eq!(f.push("abc E"), ("abc ".to_string(), false));
-        assert_eq!(f.push("N"), (String::new(), false));
-        assert_eq!(f.push("Dxyz"), (String::new(), true));
-        assert_eq!(f.text, "abc ");
-        let mut g = StopFilter {
-            stop: vec!["END".into()],
-            text: String::new(),
-            sent: 0,
-        };
-        assert_eq!(g.push("E"), (String::new(), false));
-        assert_eq!(g.push("x"), ("Ex".to_string(), false));
-        assert_eq!(g.flush(), "");
-    }
 }

@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{Content, Value};
 
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use parse_text::Tokenizer;
+
 use crate::error::{Error, Result};
 use crate::model::{Arch, Layer, Model, ModelConfig, Weights};
 use crate::ops::RopeStyle;
@@ -230,7 +233,7 @@ pub fn gguf_config(g: &GgufFile, opts: &LoadOptions) -> Result<ModelConfig> {
         },
         max_context: opts.max_context.map_or(ctx, |m| m.min(ctx)),
     };
-    cfg.validate().map_err(|e| Error::model(&g.path, e))?;
+    cfg.validate().map_err(|e| Error::model(&g.path, e.0))?;
     Ok(cfg)
 }
 
@@ -264,11 +267,11 @@ pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Model> {
             bq: bias(g, p("attn_q.bias"), qd)?,
             bk: bias(g, p("attn_k.bias"), kvd)?,
             bv: bias(g, p("attn_v.bias"), kvd)?,
-            wo: fast(g.matrix(&p("attn_output.weight"), d, qd)?),
+            wo: fast(g.matrix(&p("attn_output.weight"), d, qd)?).into(),
             ffn_norm: g.vector(&p("ffn_norm.weight"), d)?,
             w_gate: fast(g.matrix(&p("ffn_gate.weight"), f, d)?),
             w_up: fast(g.matrix(&p("ffn_up.weight"), f, d)?),
-            w_down: fast(g.matrix(&p("ffn_down.weight"), d, f)?),
+            w_down: fast(g.matrix(&p("ffn_down.weight"), d, f)?).into(),
         });
     }
     let embed = fast(g.matrix("token_embd.weight", cfg.vocab_size, d)?);
@@ -331,7 +334,7 @@ pub fn hf_config(path: &Path, opts: &LoadOptions) -> Result<ModelConfig> {
         rope_style: RopeStyle::Neox,
         max_context: opts.max_context.map_or(ctx, |m| m.min(ctx)),
     };
-    cfg.validate().map_err(|e| Error::model(path, e))?;
+    cfg.validate().map_err(|e| Error::model(path, e.0))?;
     Ok(cfg)
 }
 
@@ -374,7 +377,7 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
             .to_vec1::<f32>()?)
     };
     let mat = |data: Vec<f32>, rows: usize, cols: usize| {
-        QMatrix::from_f32(GgmlDType::F32, rows, cols, &data).map_err(Error::invalid)
+        QMatrix::from_f32(GgmlDType::F32, rows, cols, &data).map_err(Error::from)
     };
     let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
@@ -400,11 +403,11 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
             bq,
             bk,
             bv,
-            wo: mat(take(&p("self_attn.o_proj.weight"), &[d, qd])?, d, qd)?,
+            wo: mat(take(&p("self_attn.o_proj.weight"), &[d, qd])?, d, qd)?.into(),
             ffn_norm: take(&p("post_attention_layernorm.weight"), &[d])?,
             w_gate: mat(take(&p("mlp.gate_proj.weight"), &[f, d])?, f, d)?,
             w_up: mat(take(&p("mlp.up_proj.weight"), &[f, d])?, f, d)?,
-            w_down: mat(take(&p("mlp.down_proj.weight"), &[d, f])?, d, f)?,
+            w_down: mat(take(&p("mlp.down_proj.weight"), &[d, f])?, d, f)?.into(),
         });
     }
     let embed = mat(
@@ -427,4 +430,29 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
             lm_head,
         },
     )
+}
+
+/// The tokenizer a GGUF file carries in its metadata (vocabulary, merges, token types, pre-tokenizer, special tokens,
+/// chat template).
+pub fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer> {
+    let inner =
+        tokenizers::Tokenizer::from_gguf(content).map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let id = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
+    let template = content
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .map(|s| s.as_str());
+    let add_bos = content
+        .metadata
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.to_bool().ok())
+        .unwrap_or(false);
+    Ok(Tokenizer::from_parts(
+        inner,
+        id("tokenizer.ggml.eos_token_id"),
+        id("tokenizer.ggml.bos_token_id"),
+        add_bos,
+        template,
+    ))
 }

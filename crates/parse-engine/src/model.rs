@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::ops::{self, AttnShape, Rope, RopeStyle};
+use crate::parallel::{Layout, Linear, Split};
 use crate::quant::QMatrix;
 use parse_core::mask::BlockMask;
 
@@ -29,6 +30,17 @@ impl Arch {
     }
 }
 
+/// A configuration whose dimensions do not fit together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Self {
+        Error::InvalidInput(e.0)
+    }
+}
+
 /// Hyper-parameters of a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -48,7 +60,7 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     /// Checks the relations between dimensions that the forward relies on.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let nonzero = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -60,16 +72,16 @@ impl ModelConfig {
             ("max_context", self.max_context),
         ];
         if let Some((name, _)) = nonzero.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("{name} is zero"));
+            return Err(ConfigError(format!("{name} is zero")));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
+            return Err(ConfigError(format!(
                 "{} attention heads do not divide into {} KV heads",
                 self.n_heads, self.n_kv_heads
-            ));
+            )));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(format!("head_dim {} is odd", self.head_dim));
+            return Err(ConfigError(format!("head_dim {} is odd", self.head_dim)));
         }
         Ok(())
     }
@@ -78,6 +90,24 @@ impl ModelConfig {
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.n_layers * self.n_kv_heads * self.head_dim * std::mem::size_of::<f32>()
     }
+}
+
+/// What makes a model a shard: its place in the group, how it is split, and the whole model's configuration.
+#[derive(Debug, Clone)]
+pub struct ShardInfo {
+    pub rank: usize,
+    pub world: usize,
+    pub layout: Layout,
+    pub o: Split,
+    pub down: Split,
+    /// Each rank's width of the attention output (heads x head size), of the MLP, and of the hidden state.
+    pub q_widths: Vec<usize>,
+    pub f_widths: Vec<usize>,
+    pub d_widths: Vec<usize>,
+    /// The unsharded model's configuration.
+    pub full: ModelConfig,
+    /// Matrices that could not take the requested layout, and why.
+    pub notes: Vec<String>,
 }
 
 /// One transformer block's weights.
@@ -90,11 +120,13 @@ pub struct Layer {
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
     pub bv: Option<Vec<f32>>,
-    pub wo: QMatrix,
+    /// Row-parallel or output-split on a tensor-parallel shard.
+    pub wo: Linear,
     pub ffn_norm: Vec<f32>,
     pub w_gate: QMatrix,
     pub w_up: QMatrix,
-    pub w_down: QMatrix,
+    /// Row-parallel or output-split on a tensor-parallel shard.
+    pub w_down: Linear,
 }
 
 /// A model's weights.
@@ -194,8 +226,8 @@ pub struct Model {
     pub(crate) cfg: ModelConfig,
     pub(crate) w: Weights,
     rope: Rope,
-    /// Set on a tensor-parallel shard: the partial outputs of `o` and `down` are summed over the group.
-    pub(crate) tp: Option<crate::tp::ShardOf>,
+    /// Set on a tensor-parallel shard (its split layers carry their communicators).
+    shard: Option<ShardInfo>,
 }
 
 fn check_matrix(name: &str, m: &QMatrix, rows: usize, cols: usize) -> Result<()> {
@@ -233,7 +265,7 @@ fn add_bias(x: &mut [f32], b: Option<&Vec<f32>>) {
 impl Model {
     /// Assembles a model, checking every weight's shape against the configuration.
     pub fn new(cfg: ModelConfig, w: Weights) -> Result<Self> {
-        cfg.validate().map_err(Error::invalid)?;
+        cfg.validate()?;
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
         if w.layers.len() != cfg.n_layers {
@@ -255,10 +287,10 @@ impl Model {
             check_matrix(&n("q"), &l.wq, qd, d)?;
             check_matrix(&n("k"), &l.wk, kvd, d)?;
             check_matrix(&n("v"), &l.wv, kvd, d)?;
-            check_matrix(&n("o"), &l.wo, d, qd)?;
+            check_matrix(&n("o"), l.wo.weight(), d, qd)?;
             check_matrix(&n("gate"), &l.w_gate, f, d)?;
             check_matrix(&n("up"), &l.w_up, f, d)?;
-            check_matrix(&n("down"), &l.w_down, d, f)?;
+            check_matrix(&n("down"), l.w_down.weight(), d, f)?;
             for (name, b, len) in [
                 ("q bias", &l.bq, qd),
                 ("k bias", &l.bk, kvd),
@@ -274,25 +306,26 @@ impl Model {
             cfg,
             w,
             rope,
-            tp: None,
+            shard: None,
         })
     }
 
-    /// A shard assembled by `tp` (its matrices are cut to the shard's layout, which `new`'s checks do not know).
-    pub(crate) fn from_shard(cfg: ModelConfig, w: Weights, tp: crate::tp::ShardOf) -> Result<Self> {
-        cfg.validate().map_err(Error::invalid)?;
+    /// A shard assembled by `tp::shard` (its matrices are cut to the shard's layout, which `new`'s checks do not
+    /// know).
+    pub(crate) fn from_shard(cfg: ModelConfig, w: Weights, shard: ShardInfo) -> Result<Self> {
+        cfg.validate()?;
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.rope_style);
         Ok(Model {
             cfg,
             w,
             rope,
-            tp: Some(tp),
+            shard: Some(shard),
         })
     }
 
     /// The tensor-parallel shard this model is, if it is one.
-    pub fn shard_of(&self) -> Option<&crate::tp::ShardOf> {
-        self.tp.as_ref()
+    pub fn shard_of(&self) -> Option<&ShardInfo> {
+        self.shard.as_ref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -306,10 +339,18 @@ impl Model {
     /// Bytes of weight storage.
     pub fn weight_bytes(&self) -> usize {
         let mats = |l: &Layer| {
-            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                .iter()
-                .map(|m| m.storage_bytes())
-                .sum::<usize>()
+            [
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                l.wo.weight(),
+                &l.w_gate,
+                &l.w_up,
+                l.w_down.weight(),
+            ]
+            .iter()
+            .map(|m| m.storage_bytes())
+            .sum::<usize>()
         };
         self.w.embed.storage_bytes()
             + self.w.lm_head.as_ref().map_or(0, |m| m.storage_bytes())
@@ -405,35 +446,6 @@ impl Model {
         Ok(())
     }
 
-    /// `out = W x` for a matrix that may be split over a tensor-parallel group as `split`: unsharded, a plain
-    /// matmul; row-parallel, a matmul of this rank's input slice and a sum over the group; split by output rows,
-    /// the input slices gathered (`in_widths`), a matmul, and the output slices gathered.
-    fn project(
-        &self,
-        w: &QMatrix,
-        split: Option<crate::tp::Split>,
-        in_widths: &[usize],
-        x: &[f32],
-        n: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        use crate::tp::Split;
-        match (&self.tp, split) {
-            (Some(t), Some(Split::Rows)) => {
-                w.matmul(x, n, out)?;
-                t.comm.all_reduce_sum(out).map_err(Error::Comm)
-            }
-            (Some(t), Some(Split::Out)) => {
-                let full = t.gather(x, n, in_widths)?;
-                let mut part = vec![0f32; n * w.rows()];
-                w.matmul(&full, n, &mut part)?;
-                out.copy_from_slice(&t.gather(&part, n, &t.d_widths)?);
-                Ok(())
-            }
-            _ => w.matmul(x, n, out),
-        }
-    }
-
     fn layers(
         &self,
         cache: &mut KvCache,
@@ -472,15 +484,7 @@ impl Model {
             kc.extend_from_slice(&k);
             vc.extend_from_slice(&v);
             ops::attention(&q, kc, vc, mask.rows(), shape, &mut attn);
-            let tp = self.tp.as_ref();
-            self.project(
-                &l.wo,
-                tp.map(|t| t.o),
-                tp.map_or(&[][..], |t| &t.q_widths),
-                &attn,
-                n,
-                &mut o,
-            )?;
+            l.wo.forward(&attn, n, &mut o)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -488,14 +492,7 @@ impl Model {
             l.w_gate.matmul(&h, n, &mut gate)?;
             l.w_up.matmul(&h, n, &mut up)?;
             ops::swiglu(&mut gate, &up);
-            self.project(
-                &l.w_down,
-                tp.map(|t| t.down),
-                tp.map_or(&[][..], |t| &t.f_widths),
-                &gate,
-                n,
-                &mut o,
-            )?;
+            l.w_down.forward(&gate, n, &mut o)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -546,7 +543,7 @@ impl Model {
                 .map(|_| rng.random_range(-scale..scale))
                 .collect();
             QMatrix::from_f32(candle_core::quantized::GgmlDType::F32, rows, cols, &data)
-                .map_err(Error::invalid)
+                .map_err(Error::from)
         };
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
@@ -560,11 +557,11 @@ impl Model {
                 bq: None,
                 bk: None,
                 bv: None,
-                wo: mat(d, qd)?,
+                wo: mat(d, qd)?.into(),
                 ffn_norm: vec![1.0; d],
                 w_gate: mat(f, d)?,
                 w_up: mat(f, d)?,
-                w_down: mat(d, f)?,
+                w_down: mat(d, f)?.into(),
             });
         }
         let embed = mat(cfg.vocab_size, d)?;

@@ -312,23 +312,40 @@ fn drive(
     }
 }
 
-fn check_layout<T: GgmlType>(dtype: GgmlDType, rows: usize, cols: usize) -> Result<(), String> {
+/// A matrix that cannot have the requested layout (size, block alignment, format).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LayoutError(pub String);
+
+impl From<LayoutError> for Error {
+    fn from(e: LayoutError) -> Self {
+        Error::InvalidInput(e.0)
+    }
+}
+
+fn check_layout<T: GgmlType>(
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+) -> Result<(), LayoutError> {
     if std::mem::size_of::<T>() * dtype.block_size() != dtype.type_size() * T::BLCK_SIZE {
-        return Err(format!(
+        return Err(LayoutError(format!(
             "block layout of {dtype:?} does not match this build"
-        ));
+        )));
     }
     if T::BLCK_SIZE != <T::VecDotType as GgmlType>::BLCK_SIZE {
-        return Err(format!("{dtype:?} has mismatched activation blocks"));
+        return Err(LayoutError(format!(
+            "{dtype:?} has mismatched activation blocks"
+        )));
     }
     if !cols.is_multiple_of(T::BLCK_SIZE) {
-        return Err(format!(
+        return Err(LayoutError(format!(
             "row length {cols} is not a multiple of the {dtype:?} block size {}",
             T::BLCK_SIZE
-        ));
+        )));
     }
     if rows == 0 || cols == 0 {
-        return Err("empty matrix".into());
+        return Err(LayoutError("empty matrix".into()));
     }
     Ok(())
 }
@@ -349,14 +366,14 @@ impl QMatrix {
         rows: usize,
         cols: usize,
         bytes: &[u8],
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LayoutError> {
         let expected = storage_bytes(dtype, rows, cols)
-            .ok_or_else(|| format!("{rows}x{cols} does not fit {dtype:?}"))?;
+            .ok_or_else(|| LayoutError(format!("{rows}x{cols} does not fit {dtype:?}")))?;
         if bytes.len() != expected {
-            return Err(format!(
+            return Err(LayoutError(format!(
                 "expected {expected} bytes of {dtype:?}, got {}",
                 bytes.len()
-            ));
+            )));
         }
         macro_rules! mk {
             ($variant:ident, $t:ty) => {{
@@ -388,7 +405,7 @@ impl QMatrix {
             GgmlDType::Q4K => mk!(Q4K, BlockQ4K),
             GgmlDType::Q5K => mk!(Q5K, BlockQ5K),
             GgmlDType::Q6K => mk!(Q6K, BlockQ6K),
-            other => return Err(format!("{other:?} weights are not supported")),
+            other => return Err(LayoutError(format!("{other:?} weights are not supported"))),
         })
     }
 
@@ -398,13 +415,13 @@ impl QMatrix {
         rows: usize,
         cols: usize,
         data: &[f32],
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LayoutError> {
         if data.len() != rows * cols {
-            return Err(format!(
+            return Err(LayoutError(format!(
                 "expected {} values, got {}",
                 rows * cols,
                 data.len()
-            ));
+            )));
         }
         macro_rules! mk {
             ($variant:ident, $t:ty) => {{
@@ -425,7 +442,7 @@ impl QMatrix {
             GgmlDType::Q4K => mk!(Q4K, BlockQ4K),
             GgmlDType::Q5K => mk!(Q5K, BlockQ5K),
             GgmlDType::Q6K => mk!(Q6K, BlockQ6K),
-            other => return Err(format!("cannot quantize to {other:?}")),
+            other => return Err(LayoutError(format!("cannot quantize to {other:?}"))),
         })
     }
 
@@ -488,19 +505,19 @@ impl QMatrix {
 
     /// Input columns `range` (a shard along the input dimension). A range that does not start and end on block
     /// boundaries cannot be cut out of a quantized matrix: `Err` names the block size.
-    pub fn select_cols(&self, range: std::ops::Range<usize>) -> Result<Self, String> {
+    pub fn select_cols(&self, range: std::ops::Range<usize>) -> Result<Self, LayoutError> {
         let b = self.block_size();
         if range.end > self.cols() || range.start >= range.end {
-            return Err(format!(
+            return Err(LayoutError(format!(
                 "columns {range:?} of a matrix with {}",
                 self.cols()
-            ));
+            )));
         }
         if !range.start.is_multiple_of(b) || !range.end.is_multiple_of(b) {
-            return Err(format!(
+            return Err(LayoutError(format!(
                 "columns {range:?} cut through {b}-wide {:?} blocks",
                 self.dtype()
-            ));
+            )));
         }
         Ok(dispatch_map!(self, m => m.select_cols(range.clone())))
     }

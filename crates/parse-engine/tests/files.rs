@@ -73,10 +73,10 @@ fn write_gguf(
         mat(p("attn_q.weight"), &l.wq, &mut tensors);
         mat(p("attn_k.weight"), &l.wk, &mut tensors);
         mat(p("attn_v.weight"), &l.wv, &mut tensors);
-        mat(p("attn_output.weight"), &l.wo, &mut tensors);
+        mat(p("attn_output.weight"), l.wo.weight(), &mut tensors);
         mat(p("ffn_gate.weight"), &l.w_gate, &mut tensors);
         mat(p("ffn_up.weight"), &l.w_up, &mut tensors);
-        mat(p("ffn_down.weight"), &l.w_down, &mut tensors);
+        mat(p("ffn_down.weight"), l.w_down.weight(), &mut tensors);
         for (name, b) in [
             ("attn_q.bias", &l.bq),
             ("attn_k.bias", &l.bk),
@@ -154,10 +154,10 @@ fn quantized_copy(model: &Model, formats: &[GgmlDType]) -> Model {
             &mut l.wq,
             &mut l.wk,
             &mut l.wv,
-            &mut l.wo,
+            l.wo.weight_mut(),
             &mut l.w_gate,
             &mut l.w_up,
-            &mut l.w_down,
+            l.w_down.weight_mut(),
         ] {
             q(m);
         }
@@ -309,26 +309,27 @@ fn sessions_over_capacity_fail_before_touching_the_cache() {
     // Empty prompts are refused by the chat encoder and by generation.
     assert!(matches!(
         e.tokenizer()
-            .encode_chat(&[parse_engine::Message::new("user", "  ")]),
+            .encode_chat(&[parse_engine::Message::user("  ")])
+            .map_err(Error::from),
         Err(Error::InvalidInput(_))
     ));
-    let req = parse_engine::GenerateRequest {
+    let req = parse_engine::PlainRequest {
         prompt_tokens: vec![],
         max_new_tokens: 4,
         sampling: Default::default(),
         stop: vec![],
     };
     assert!(matches!(
-        parse_engine::generate(&mut e, "g", &req, |_, _| {}),
+        parse_engine::generate_plain(&mut e, "g", &req, |_, _| {}),
         Err(Error::InvalidInput(_))
     ));
-    let req = parse_engine::GenerateRequest {
+    let req = parse_engine::PlainRequest {
         prompt_tokens: vec![1],
         max_new_tokens: 0,
         ..req
     };
     assert!(matches!(
-        parse_engine::generate(&mut e, "g", &req, |_, _| {}),
+        parse_engine::generate_plain(&mut e, "g", &req, |_, _| {}),
         Err(Error::InvalidInput(_))
     ));
 }
@@ -361,10 +362,10 @@ fn safetensors_checkpoints_load_exactly() {
                 ("self_attn.q_proj.weight", &l.wq),
                 ("self_attn.k_proj.weight", &l.wk),
                 ("self_attn.v_proj.weight", &l.wv),
-                ("self_attn.o_proj.weight", &l.wo),
+                ("self_attn.o_proj.weight", l.wo.weight()),
                 ("mlp.gate_proj.weight", &l.w_gate),
                 ("mlp.up_proj.weight", &l.w_up),
-                ("mlp.down_proj.weight", &l.w_down),
+                ("mlp.down_proj.weight", l.w_down.weight()),
             ] {
                 put(p(name), m.to_f32(), &[m.rows(), m.cols()]);
             }

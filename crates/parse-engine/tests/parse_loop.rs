@@ -1,6 +1,6 @@
 //! The PARSE loop on real engines: single-pass equivalence of the packed verification block, and the exact limits
 //! of every mode, on tiny random models and on the shipped pair. The reference outputs come from
-//! `parse_engine::generate`, a plain decode loop independent of the PARSE loop.
+//! `parse_engine::generate_plain`, a plain decode loop independent of the PARSE loop.
 
 mod common;
 
@@ -12,7 +12,7 @@ use parse_core::{
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_engine::model::{Arch, ModelConfig};
 use parse_engine::ops::RopeStyle;
-use parse_engine::{Engine, GenerateRequest, Message, Model, Tokenizer};
+use parse_engine::{Engine, Message, Model, PlainRequest, Tokenizer};
 use rand::{Rng, SeedableRng};
 
 fn reference_tokenizer() -> Tokenizer {
@@ -105,7 +105,7 @@ fn request(
     let tok = e.tokenizer();
     GenerationRequest {
         session: "req".into(),
-        prompt: tok.encode_chat(&[Message::new("user", prompt)]).unwrap(),
+        prompt: tok.encode_chat(&[Message::user(prompt)]).unwrap(),
         max_new_tokens: max,
         mode,
         sampling: Default::default(),
@@ -122,13 +122,13 @@ fn request(
 }
 
 fn plain_greedy(e: &mut Engine, prompt: &[u32], max: usize) -> Vec<u32> {
-    let req = GenerateRequest {
+    let req = PlainRequest {
         prompt_tokens: prompt.to_vec(),
         max_new_tokens: max,
         sampling: Default::default(),
         stop: vec![],
     };
-    parse_engine::generate(e, "plain", &req, |_, _| {})
+    parse_engine::generate_plain(e, "plain", &req, |_, _| {})
         .unwrap()
         .token_ids
 }

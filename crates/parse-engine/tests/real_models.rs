@@ -10,7 +10,7 @@ use parse_engine::{BlockMask, Engine, Message, sampling::argmax};
 fn continuation(engine: &mut Engine, prompt: &str) -> (Vec<u32>, Vec<u32>) {
     let ids = engine
         .tokenizer()
-        .encode_chat(&[Message::new("user", prompt)])
+        .encode_chat(&[Message::user(prompt)])
         .unwrap();
     engine.open_session("cont").unwrap();
     let mut logits = engine
@@ -80,7 +80,7 @@ fn packed_branches_match_one_token_steps_on_the_real_target() {
     let mut e = common::target().lock().unwrap_or_else(|e| e.into_inner());
     let ids = e
         .tokenizer()
-        .encode_chat(&[Message::new("user", common::PROMPTS[3])])
+        .encode_chat(&[Message::user(common::PROMPTS[3])])
         .unwrap();
     let a = e.tokenizer().encode("101, 103 and 107").unwrap();
     let b = e.tokenizer().encode("Sure: 109").unwrap();
@@ -144,10 +144,7 @@ fn target_greedy_tokens_match_candle_transformers_quantized_qwen2() {
     let mut e = common::target().lock().unwrap_or_else(|e| e.into_inner());
     let mut total_agree = 0;
     for prompt in common::PROMPTS {
-        let ids = e
-            .tokenizer()
-            .encode_chat(&[Message::new("user", prompt)])
-            .unwrap();
+        let ids = e.tokenizer().encode_chat(&[Message::user(prompt)]).unwrap();
         e.open_session("ours").unwrap();
         let mut ours = e.forward_causal("ours", &ids, &[ids.len() - 1]).unwrap();
         let input = Tensor::new(ids.as_slice(), &Device::Cpu)
@@ -243,7 +240,7 @@ fn gguf_tokenizer_matches_the_reference_tokenizer_json_on_every_eval_prompt() {
     for file in [common::TARGET_FILE, common::DRAFT_FILE] {
         let mut f = std::fs::File::open(common::model_path(file)).unwrap();
         let content = gguf_file::Content::read(&mut f).unwrap();
-        let ours = parse_engine::Tokenizer::from_gguf(&content).unwrap();
+        let ours = parse_engine::load::tokenizer_from_gguf(&content).unwrap();
         let texts = eval_texts();
         assert!(texts.len() > 1600, "eval prompts found: {}", texts.len());
         for text in &texts {
@@ -252,7 +249,7 @@ fn gguf_tokenizer_matches_the_reference_tokenizer_json_on_every_eval_prompt() {
             assert_eq!(&ours.decode(&a, false).unwrap(), text);
         }
         // The chat layout with its special tokens encodes the same way too.
-        let chat = ours.template().render(&[Message::new("user", "hi")]);
+        let chat = ours.template().render(&[Message::user("hi")]);
         assert_eq!(
             ours.encode(&chat).unwrap(),
             reference.encode(&chat).unwrap()

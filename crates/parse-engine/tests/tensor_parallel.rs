@@ -15,8 +15,8 @@ use parse_comm::{Comm, CommError, TcpComm, loopback_group};
 use parse_engine::model::{Arch, Layer, ModelConfig, Weights};
 use parse_engine::ops::RopeStyle;
 use parse_engine::quant::QMatrix;
-use parse_engine::tp::{Layout, Split};
-use parse_engine::{BlockMask, Engine, EngineConfig, Error, MaskRow, Model, Tokenizer};
+use parse_engine::tp::{self, Layout, Leader, Member, Split};
+use parse_engine::{BlockMask, Engine, EngineConfig, EngineOps, Error, MaskRow, Model, Tokenizer};
 
 fn tokenizer() -> Tokenizer {
     let p = common::shared_dir().join("models/qwen2.5-tokenizer.json");
@@ -55,10 +55,10 @@ fn model(c: ModelConfig, dtype: GgmlDType) -> Model {
             wq: q(&l.wq),
             wk: q(&l.wk),
             wv: q(&l.wv),
-            wo: q(&l.wo),
+            wo: q(l.wo.weight()).into(),
             w_gate: q(&l.w_gate),
             w_up: q(&l.w_up),
-            w_down: q(&l.w_down),
+            w_down: q(l.w_down.weight()).into(),
             ..l.clone()
         })
         .collect();
@@ -79,9 +79,9 @@ fn engine(m: Model, tok: &Tokenizer) -> Engine {
 /// A follower's thread (its `follow` result) and its communicator (to kill it).
 type Follower = (JoinHandle<Result<(), Error>>, Arc<TcpComm>);
 
-/// A group: the leader's engine and its followers.
+/// A group: the leader and its followers.
 struct Group {
-    leader: Engine,
+    leader: Leader,
     followers: Vec<Follower>,
 }
 
@@ -92,12 +92,10 @@ fn group(engines: Vec<Engine>, layout: Layout) -> Group {
     for (e, c) in engines.into_iter().zip(comms) {
         let c = Arc::new(c);
         let dyn_c: Arc<dyn Comm> = c.clone();
-        let e = e.into_tensor_parallel(dyn_c, layout).unwrap();
-        if c.rank() == 0 {
-            leader = Some(e);
-        } else {
-            let mut e = e;
-            followers.push((std::thread::spawn(move || e.follow()), c));
+        match tp::join(e, dyn_c, layout).unwrap() {
+            Member::Leader(l) => leader = Some(l),
+            Member::Follower(f) => followers.push((std::thread::spawn(move || f.follow()), c)),
+            Member::Alone(_) => panic!("a group of one"),
         }
     }
     Group {
@@ -133,7 +131,7 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Greedy decoding by one-token steps after `prompt`.
-fn greedy(e: &mut Engine, session: &str, prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy(e: &mut dyn EngineOps, session: &str, prompt: &[u32], n: usize) -> Vec<u32> {
     e.open_session(session).unwrap();
     let l = e
         .forward_causal(session, prompt, &[prompt.len() - 1])
@@ -172,7 +170,7 @@ fn tp_equals_tp1(m: Model, world: usize, layout: Layout) {
     let all: Vec<usize> = (0..prompt.len()).collect();
 
     // The prompt, every row read out.
-    for e in [&mut single, &mut g.leader] {
+    for e in [&mut single as &mut dyn EngineOps, &mut g.leader] {
         e.open_session("s").unwrap();
     }
     let a = single.forward_causal("s", &prompt, &all).unwrap();
@@ -220,7 +218,7 @@ fn tp_equals_tp1(m: Model, world: usize, layout: Layout) {
             "{layout:?} world {world}, packed row {i}: {d}"
         );
     }
-    for e in [&mut single, &mut g.leader] {
+    for e in [&mut single as &mut dyn EngineOps, &mut g.leader] {
         e.truncate("s", c + 2).unwrap();
     }
     let a = single.forward_causal("s", &[99, 100], &[0, 1]).unwrap();
@@ -229,7 +227,7 @@ fn tp_equals_tp1(m: Model, world: usize, layout: Layout) {
         close(a.row(1), b.row(1)),
         "{layout:?} world {world}: after truncate"
     );
-    for e in [&mut single, &mut g.leader] {
+    for e in [&mut single as &mut dyn EngineOps, &mut g.leader] {
         e.release("s").unwrap();
     }
     // Greedy decoding.
@@ -274,7 +272,15 @@ fn k_quantized_model_never_splits_a_super_block() {
             "{t:?}"
         );
         for l in &s.weights().layers {
-            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            for w in [
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                l.wo.weight(),
+                &l.w_gate,
+                &l.w_up,
+                l.w_down.weight(),
+            ] {
                 assert_eq!(w.dtype(), GgmlDType::Q4K);
             }
         }
@@ -384,14 +390,11 @@ fn default_target_at_tp_2_decodes_the_same_greedy_tokens_as_tp_1() {
     let tok = single.tokenizer().clone();
     let prompts: Vec<Vec<u32>> = common::PROMPTS[..3]
         .iter()
-        .map(|p| {
-            tok.encode_chat(&[parse_engine::Message::new("user", p)])
-                .unwrap()
-        })
+        .map(|p| tok.encode_chat(&[parse_engine::Message::user(p)]).unwrap())
         .collect();
     let mut g = group(vec![load(), load()], Layout::Exact);
     for (i, prompt) in prompts.iter().enumerate() {
-        let want = greedy(&mut single, &format!("tp1-{i}"), prompt, 32);
+        let want = greedy(&mut *single, &format!("tp1-{i}"), prompt, 32);
         let got = greedy(&mut g.leader, &format!("tp2-{i}"), prompt, 32);
         assert_eq!(got, want, "prompt {i}: {}", common::PROMPTS[i]);
     }
@@ -402,11 +405,11 @@ fn default_target_at_tp_2_decodes_the_same_greedy_tokens_as_tp_1() {
     // rounding difference can move a value across a quantization step: the prompt's logits end up within a few
     // tenths of TP = 1 (a wrong shard is off by whole units). This is why the exact layout is the default.
     let mut g = group(vec![load(), load()], Layout::Megatron);
-    let t = g.leader.model().shard_of().unwrap().clone();
+    let t = g.leader.engine().model().shard_of().unwrap().clone();
     assert_eq!((t.o, t.down), (Split::Rows, Split::Rows), "{t:?}");
     assert_eq!(t.f_widths, [4608, 4352]);
     let all: Vec<usize> = (0..prompts[0].len()).collect();
-    for e in [&mut *single, &mut g.leader] {
+    for e in [&mut *single as &mut dyn EngineOps, &mut g.leader] {
         e.open_session("m").unwrap();
     }
     let a = single.forward_causal("m", &prompts[0], &all).unwrap();

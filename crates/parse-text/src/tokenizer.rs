@@ -1,35 +1,74 @@
 //! Tokenizer and chat template.
 //!
-//! The tokenizer is built from the GGUF file's own metadata (vocabulary, merges, token types, pre-tokenizer name)
-//! so any GGUF works without extra files; a `tokenizer.json` is the alternative. The chat template is chosen from
+//! The engine builds the tokenizer from the GGUF file's own metadata (vocabulary, merges, token types, pre-tokenizer
+//! name) so any GGUF works without extra files, and hands the pieces to [`Tokenizer::from_parts`]; a
+//! `tokenizer.json` is the alternative ([`Tokenizer::from_file`]). The chat template is chosen from
 //! the template text the model ships: ChatML (Qwen; with Qwen2.5's default system prompt when the template carries
 //! one and the caller gives none), Llama 3 headers, or Mistral `[INST]`. A template in another form is not
 //! interpreted (no Jinja engine): such models get a plain `User:` / `Assistant:` layout and a warning in the log.
 
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::tokenizer::TokenizerFromGguf;
-
-use crate::error::{Error, Result};
+use crate::{Error, Result};
 
 /// Qwen2.5's default system prompt, used by its template when the conversation has none.
 pub const QWEN25_DEFAULT_SYSTEM: &str =
     "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
 
+/// Who speaks a chat turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChatRole {
+    System,
+    User,
+    Assistant,
+}
+
+impl ChatRole {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ChatRole::System => "system",
+            ChatRole::User => "user",
+            ChatRole::Assistant => "assistant",
+        }
+    }
+}
+
+impl std::str::FromStr for ChatRole {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "system" => Ok(ChatRole::System),
+            "user" => Ok(ChatRole::User),
+            "assistant" => Ok(ChatRole::Assistant),
+            other => Err(Error::InvalidInput(format!(
+                "unknown role `{other}` (system, user, assistant)"
+            ))),
+        }
+    }
+}
+
 /// A chat turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
-    pub role: String,
+    pub role: ChatRole,
     pub content: String,
 }
 
 impl Message {
-    pub fn new(role: &str, content: &str) -> Self {
+    pub fn new(role: ChatRole, content: &str) -> Self {
         Message {
-            role: role.to_string(),
+            role,
             content: content.to_string(),
         }
+    }
+
+    pub fn system(content: &str) -> Self {
+        Self::new(ChatRole::System, content)
+    }
+
+    pub fn user(content: &str) -> Self {
+        Self::new(ChatRole::User, content)
     }
 }
 
@@ -70,7 +109,7 @@ impl ChatTemplate {
         let mut out = String::new();
         match self {
             ChatTemplate::ChatMl { default_system } => {
-                if messages.first().is_none_or(|m| m.role != "system")
+                if messages.first().is_none_or(|m| m.role != ChatRole::System)
                     && let Some(s) = default_system
                 {
                     out.push_str(&format!("<|im_start|>system\n{s}<|im_end|>\n"));
@@ -78,7 +117,8 @@ impl ChatTemplate {
                 for m in messages {
                     out.push_str(&format!(
                         "<|im_start|>{}\n{}<|im_end|>\n",
-                        m.role, m.content
+                        m.role.as_str(),
+                        m.content
                     ));
                 }
                 out.push_str("<|im_start|>assistant\n");
@@ -88,7 +128,7 @@ impl ChatTemplate {
                 for m in messages {
                     out.push_str(&format!(
                         "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
-                        m.role,
+                        m.role.as_str(),
                         m.content.trim()
                     ));
                 }
@@ -97,11 +137,11 @@ impl ChatTemplate {
             ChatTemplate::Mistral => {
                 let system: Vec<&str> = messages
                     .iter()
-                    .filter(|m| m.role == "system")
+                    .filter(|m| m.role == ChatRole::System)
                     .map(|m| m.content.as_str())
                     .collect();
-                for m in messages.iter().filter(|m| m.role != "system") {
-                    if m.role == "user" {
+                for m in messages.iter().filter(|m| m.role != ChatRole::System) {
+                    if m.role == ChatRole::User {
                         let sys = if system.is_empty() {
                             String::new()
                         } else {
@@ -115,10 +155,10 @@ impl ChatTemplate {
             }
             ChatTemplate::Plain => {
                 for m in messages {
-                    let role = match m.role.as_str() {
-                        "system" => "System",
-                        "assistant" => "Assistant",
-                        _ => "User",
+                    let role = match m.role {
+                        ChatRole::System => "System",
+                        ChatRole::Assistant => "Assistant",
+                        ChatRole::User => "User",
                     };
                     out.push_str(&format!("{role}: {}\n", m.content));
                 }
@@ -148,30 +188,6 @@ const END_TOKENS: [&str; 5] = [
 ];
 
 impl Tokenizer {
-    /// Builds the tokenizer from GGUF metadata.
-    pub fn from_gguf(content: &Content) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_gguf(content)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let id = |k: &str| content.metadata.get(k).and_then(|v| v.to_u32().ok());
-        let template = content
-            .metadata
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok())
-            .map(|s| s.as_str());
-        let add_bos = content
-            .metadata
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.to_bool().ok())
-            .unwrap_or(false);
-        Ok(Self::assemble(
-            inner,
-            id("tokenizer.ggml.eos_token_id"),
-            id("tokenizer.ggml.bos_token_id"),
-            add_bos,
-            template,
-        ))
-    }
-
     /// Loads a Hugging Face `tokenizer.json`; the chat template comes from a `tokenizer_config.json` beside it when
     /// there is one.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -203,7 +219,7 @@ impl Tokenizer {
             .and_then(|c| c.get("add_bos_token"))
             .and_then(|v| v.as_bool())
             .unwrap_or(false);
-        Ok(Self::assemble(
+        Ok(Self::from_parts(
             inner,
             eos,
             bos,
@@ -212,7 +228,10 @@ impl Tokenizer {
         ))
     }
 
-    fn assemble(
+    /// A tokenizer from its parts: the vocabulary and merges, the end and begin tokens the model declares (the
+    /// usual end tokens of the supported layouts are added), whether a begin token leads every prompt, and the
+    /// model's chat template text (which picks the layout).
+    pub fn from_parts(
         inner: tokenizers::Tokenizer,
         eos: Option<u32>,
         bos: Option<u32>,
@@ -299,7 +318,7 @@ impl Tokenizer {
     /// Token ids of a chat conversation, ready for the assistant's reply.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
         if messages.iter().all(|m| m.content.trim().is_empty()) {
-            return Err(Error::invalid("empty prompt"));
+            return Err(Error::InvalidInput("empty prompt".into()));
         }
         let text = self.template.render(messages);
         let mut ids = self.encode(&text)?;
@@ -401,17 +420,14 @@ mod tests {
             Some(&format!("<|im_start|>{QWEN25_DEFAULT_SYSTEM}")),
             |_| false,
         );
-        let s = t.render(&[Message::new("user", "hi")]);
+        let s = t.render(&[Message::user("hi")]);
         assert_eq!(
             s,
             format!(
                 "<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
             )
         );
-        let s = t.render(&[
-            Message::new("system", "be brief"),
-            Message::new("user", "hi"),
-        ]);
+        let s = t.render(&[Message::system("be brief"), Message::user("hi")]);
         assert!(s.starts_with("<|im_start|>system\nbe brief<|im_end|>\n"));
         assert!(!s.contains("Alibaba"));
         assert_eq!(

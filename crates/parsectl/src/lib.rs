@@ -6,11 +6,11 @@ pub mod ops;
 use std::io::Write;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
+use parse_core::{Mode, Verdict};
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
-use parse_engine::generate::StopFilter;
-use parse_engine::tokenizer::StreamDecoder;
 use parse_engine::{Engine, EngineConfig, Message, SamplingParams};
+use parse_text::TextSink;
 use serde_json::json;
 
 /// Exit code for bad input (arguments, prompt).
@@ -40,6 +40,12 @@ pub enum CliError {
     Unhealthy(String),
     #[error("{:?}: {}", .0.code(), .0.message())]
     Admin(tonic::Status),
+}
+
+impl From<parse_text::Error> for CliError {
+    fn from(e: parse_text::Error) -> Self {
+        CliError::Engine(e.into())
+    }
 }
 
 impl CliError {
@@ -92,41 +98,6 @@ pub struct HealthArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Mode {
-    /// The target model alone.
-    Target,
-    /// The draft model alone.
-    Draft,
-    /// Classic draft-model speculative decoding (lossless; greedy or sampled).
-    TokenSpec,
-    /// Parallel prefix verification of whole draft segments.
-    Parse,
-    /// PARSE whose target extend steps use token-level speculation.
-    #[value(name = "parse+token-spec")]
-    ParseTokenSpec,
-}
-
-impl From<Mode> for parse_core::Mode {
-    fn from(m: Mode) -> Self {
-        match m {
-            Mode::Target => parse_core::Mode::Target,
-            Mode::Draft => parse_core::Mode::Draft,
-            Mode::TokenSpec => parse_core::Mode::TokenSpec,
-            Mode::Parse => parse_core::Mode::Parse,
-            Mode::ParseTokenSpec => parse_core::Mode::ParseTokenSpec,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum VerdictArg {
-    /// Lowest target probability of a segment's tokens.
-    Likelihood,
-    /// The target's yes/no answer to a verification suffix.
-    Judge,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -211,8 +182,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub stop: Vec<String>,
     /// Segment verdict (parse modes).
-    #[arg(long, value_enum, default_value_t = VerdictArg::Likelihood)]
-    pub verdict: VerdictArg,
+    #[arg(long, value_enum, default_value_t = Verdict::Likelihood)]
+    pub verdict: Verdict,
     /// Acceptance threshold: > 1 accepts only exact matches, 0 accepts every draft.
     #[arg(long, default_value_t = 1e-3)]
     pub tau: f32,
@@ -262,7 +233,7 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
     if let Some(addr) = &args.router {
         return generate_remote(addr, args);
     }
-    let mode: parse_core::Mode = args.mode.into();
+    let mode = args.mode;
     let uses_target = args.mode != Mode::Draft;
     let uses_draft = args.mode != Mode::Target;
     let mut target = match uses_target {
@@ -293,9 +264,9 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
     }
     let mut messages = Vec::new();
     if let Some(s) = &args.system {
-        messages.push(Message::new("system", s));
+        messages.push(Message::system(s));
     }
-    messages.push(Message::new("user", &args.prompt));
+    messages.push(Message::user(&args.prompt));
     let req = parse_core::GenerationRequest {
         session: "cli".into(),
         prompt: tokenizer.encode_chat(&messages)?,
@@ -308,10 +279,7 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
             seed: args.seed,
         },
         policy: parse_core::AcceptPolicy {
-            verdict: match args.verdict {
-                VerdictArg::Likelihood => parse_core::Verdict::Likelihood,
-                VerdictArg::Judge => parse_core::Verdict::Judge,
-            },
+            verdict: args.verdict,
             tau: args.tau,
             exact_floor: !args.no_exact_floor,
         },
@@ -331,54 +299,44 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
     req.validate().map_err(|e| CliError::Usage(e.message))?;
     let stream = !args.json;
     let mut stdout = std::io::stdout();
-    let mut decoder = StreamDecoder::new();
-    let mut filter = StopFilter::new(args.stop.clone());
+    let mut text_sink = TextSink::new(tokenizer.clone(), args.stop.clone());
     let mut failure = None;
     let mut sink = |tokens: &[u32], _source: parse_core::Source| -> bool {
-        for &t in tokens {
-            let delta = match decoder.push(&tokenizer, t) {
-                Ok(d) => d,
-                Err(e) => {
-                    failure = Some(e);
-                    return false;
-                }
-            };
-            if let Some(delta) = delta {
-                let (out, stopped) = filter.push(&delta);
+        match text_sink.push(tokens) {
+            Ok(out) => {
                 if stream {
                     let _ = stdout.write_all(out.as_bytes());
                     let _ = stdout.flush();
                 }
-                if stopped {
-                    return false;
-                }
+                !text_sink.stopped()
+            }
+            Err(e) => {
+                failure = Some(e);
+                false
             }
         }
-        true
     };
     let outcome = {
         let mut verifier = target.as_mut().map(EngineVerifier::new);
         let mut drafter = draft.as_mut().map(EngineDrafter::new);
-        let result = match (&mut drafter, &mut verifier) {
-            (Some(d), Some(v)) => parse_core::generate(d, v, &req, &mut sink),
-            (None, Some(v)) => {
-                parse_core::generate(&mut parse_core::driver::NoDrafter, v, &req, &mut sink)
-            }
-            (Some(d), None) => {
-                parse_core::generate(d, &mut parse_core::driver::NoVerifier, &req, &mut sink)
-            }
-            (None, None) => Err(parse_core::Error::invalid("no model")),
-        };
-        result.map_err(CliError::Core)?
+        parse_core::generate_with(
+            drafter.as_mut().map(|d| d as &mut dyn parse_core::Drafter),
+            verifier
+                .as_mut()
+                .map(|v| v as &mut dyn parse_core::Verifier),
+            &req,
+            &mut sink,
+        )
+        .map_err(CliError::Core)?
     };
     if let Some(e) = failure {
         return Err(e.into());
     }
-    let tail = filter.flush();
+    let tail = text_sink.flush();
     if stream {
         let _ = stdout.write_all(tail.as_bytes());
     }
-    let text = filter.text().to_string();
+    let text = text_sink.text().to_string();
     // A stop string makes the sink stop the loop, which then reports `stop` itself.
     let finish = outcome.finish_reason.as_str();
     if args.json {
@@ -424,7 +382,7 @@ fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
         Some(t) => Some(std::time::Duration::from_secs_f64(t)),
         None => None,
     };
-    let mode = parse_core::Mode::from(args.mode).as_str().to_string();
+    let mode = args.mode.as_str().to_string();
     let req = parse_client::GenerateRequest {
         prompt: args.prompt.clone(),
         system: args.system.clone().unwrap_or_default(),
@@ -437,10 +395,7 @@ fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
         }),
         mode,
         tau: Some(args.tau),
-        verdict: match args.verdict {
-            VerdictArg::Likelihood => "likelihood".into(),
-            VerdictArg::Judge => "judge".into(),
-        },
+        verdict: args.verdict.as_str().into(),
         exact_floor: Some(!args.no_exact_floor),
         segmenter: Some(parse_client::Segmenter {
             min_tokens: Some(args.min_segment_tokens as u32),

@@ -1,14 +1,15 @@
-//! The draft worker: one draft model behind `parse.v1.Drafter`.
+//! The draft worker: one draft model behind `parse.v1.Drafter`, in the shared worker shell (`parse-worker`): a
+//! scheduler task owns the engine, and every step is a command to it.
 //!
-//! `Draft` streams tokens one message per token (`max_tokens` 0 only prepares the session: prefill); the engine lock is taken per token, so a stream whose caller is busy
-//! (verifying) blocks nobody. A new `Draft` for a session supersedes the previous one (its producer stops before its
-//! next step), and a dropped stream stops its producer at the next send. Sessions idle for longer than the TTL are
-//! released. At most `max_streams` drafts run at once; beyond that the worker answers RESOURCE_EXHAUSTED.
+//! `Draft` streams tokens one message per token (`max_tokens` 0 only prepares the session: prefill); each token is
+//! one command, so drafts of several sessions take turns and a stream whose caller is busy (verifying) blocks
+//! nobody. A new `Draft` for a session supersedes the previous one (its producer stops before its next step), and a
+//! dropped stream stops its producer at the next send. Sessions idle for longer than the TTL are released. At most
+//! `max_streams` drafts run at once; beyond that the worker answers RESOURCE_EXHAUSTED.
 
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use parse_core::{Drafter as _, Error as CoreError};
 use parse_engine::Engine;
@@ -19,9 +20,11 @@ use parse_proto::v1::{
     DrainResponse, GetModelInfoRequest, GetModelInfoResponse, ReleaseRequest, ReleaseResponse,
 };
 use parse_proto::{check_session, sampling_from, status_from_core};
+use parse_worker::{Shell, ShellConfig};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 /// Limits of a draft worker.
@@ -45,68 +48,37 @@ impl Default for DraftWorkerConfig {
     }
 }
 
-struct Inner {
-    drafter: EngineDrafter<Engine>,
-    /// Per session: the epoch of its current draft (a newer `Draft` call stops older producers) and last use.
-    sessions: HashMap<String, (u64, Instant)>,
-}
-
 /// The `Drafter` service.
 #[derive(Clone)]
 pub struct DraftWorker {
-    inner: Arc<Mutex<Inner>>,
+    shell: Shell<EngineDrafter<Engine>>,
     streams: Arc<Semaphore>,
     cfg: DraftWorkerConfig,
-    info: GetModelInfoResponse,
-    /// Started by `Drain`: no new sessions.
-    pub drain: parse_discovery::Drain,
-}
-
-fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
-    // A panic while holding the lock is a bug, but the data (sessions, caches) stays usable: keep serving.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What the workers say about their model.
-pub fn model_info(engine: &Engine) -> Result<GetModelInfoResponse, CoreError> {
-    let tok = engine.tokenizer();
-    let (layout, default_system) = match tok.template() {
-        parse_engine::ChatTemplate::ChatMl { default_system } => {
-            ("chatml", default_system.clone().unwrap_or_default())
-        }
-        parse_engine::ChatTemplate::Llama3 => ("llama3", String::new()),
-        parse_engine::ChatTemplate::Mistral => ("mistral", String::new()),
-        parse_engine::ChatTemplate::Plain => ("plain", String::new()),
-    };
-    let cfg = engine.model().config();
-    Ok(GetModelInfoResponse {
-        model: engine
-            .path()
-            .file_name()
-            .map(|f| f.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        vocab_size: cfg.vocab_size as u32,
-        max_context: cfg.max_context as u32,
-        tokenizer_json: tok.to_portable().map_err(CoreError::from)?,
-        chat_layout: layout.to_string(),
-        default_system,
-        eos_ids: tok.eos_ids().to_vec(),
-        tp_size: engine.tensor_parallel().1 as u32,
-    })
 }
 
 impl DraftWorker {
-    pub fn new(engine: Engine, cfg: DraftWorkerConfig) -> Result<Self, CoreError> {
-        let info = model_info(&engine)?;
+    /// A worker that stops with `cancel` (the process's root token, or a test's).
+    pub fn new(
+        engine: Engine,
+        cfg: DraftWorkerConfig,
+        cancel: CancellationToken,
+    ) -> Result<Self, CoreError> {
+        let info = parse_worker::model_info(&engine, 1)?;
+        let shell = Shell::new(
+            EngineDrafter::new(engine),
+            info,
+            ShellConfig {
+                // Every stream's next step, plus the unary calls of as many sessions.
+                queue: 2 * cfg.max_streams.max(1),
+                session_ttl: cfg.session_ttl,
+                name: "draft worker",
+            },
+            cancel,
+        );
         Ok(DraftWorker {
-            inner: Arc::new(Mutex::new(Inner {
-                drafter: EngineDrafter::new(engine),
-                sessions: HashMap::new(),
-            })),
+            shell,
             streams: Arc::new(Semaphore::new(cfg.max_streams)),
             cfg,
-            info,
-            drain: parse_discovery::Drain::default(),
         })
     }
 
@@ -116,44 +88,19 @@ impl DraftWorker {
             .max_encoding_message_size(64 << 20)
     }
 
+    /// The worker's drain (started by `Drain`).
+    pub fn drain(&self) -> &parse_discovery::Drain {
+        &self.shell.drain
+    }
+
     /// Sessions holding draft state (tests and admin).
     pub fn open_sessions(&self) -> usize {
-        lock(&self.inner).drafter.sessions().count()
+        self.shell.open_sessions()
     }
 
     /// Releases sessions idle for longer than the TTL; returns how many.
-    pub fn expire_idle(&self) -> usize {
-        let mut g = lock(&self.inner);
-        let ttl = self.cfg.session_ttl;
-        let old: Vec<String> = g
-            .sessions
-            .iter()
-            .filter(|(_, (_, t))| t.elapsed() > ttl)
-            .map(|(s, _)| s.clone())
-            .collect();
-        for s in &old {
-            g.sessions.remove(s);
-            if let Err(e) = g.drafter.release(s) {
-                tracing::warn!(session = %s, "releasing an idle session: {}", e.message);
-            }
-        }
-        if !old.is_empty() {
-            tracing::info!(count = old.len(), "released idle draft sessions");
-        }
-        old.len()
-    }
-
-    /// Runs [`DraftWorker::expire_idle`] every quarter TTL until the process ends.
-    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
-        let w = self.clone();
-        tokio::spawn(async move {
-            let every = (w.cfg.session_ttl / 4).max(Duration::from_millis(50));
-            loop {
-                tokio::time::sleep(every).await;
-                let w2 = w.clone();
-                let _ = tokio::task::spawn_blocking(move || w2.expire_idle()).await;
-            }
-        })
+    pub async fn expire_idle(&self) -> usize {
+        self.shell.expire_idle().await
     }
 }
 
@@ -169,9 +116,6 @@ impl Drafter for DraftWorker {
     ) -> Result<Response<Self::DraftStream>, Status> {
         let r = request.into_inner();
         check_session(&r.session)?;
-        if self.drain.is_draining() && !lock(&self.inner).sessions.contains_key(&r.session) {
-            return Err(Status::unavailable("the draft worker is draining"));
-        }
         if r.context.is_empty() {
             return Err(Status::invalid_argument("empty context"));
         }
@@ -181,7 +125,7 @@ impl Drafter for DraftWorker {
                 self.cfg.max_tokens_per_draft
             )));
         }
-        let vocab = self.info.vocab_size;
+        let vocab = self.shell.info().vocab_size;
         if r.context.iter().any(|t| *t >= vocab) {
             return Err(Status::invalid_argument(format!(
                 "token ids must be below the vocabulary size {vocab}"
@@ -194,28 +138,23 @@ impl Drafter for DraftWorker {
                 self.cfg.max_streams
             ))
         })?;
-        let inner = self.inner.clone();
-        // Begin under the lock, in a blocking task (prefill may take a while).
+        let draining = self.shell.drain.is_draining();
         let session = r.session.clone();
-        let epoch = tokio::task::spawn_blocking({
-            let inner = inner.clone();
-            move || -> Result<u64, Status> {
-                let mut g = lock(&inner);
-                let e = g
-                    .sessions
-                    .entry(session.clone())
-                    .or_insert((0, Instant::now()));
-                e.0 += 1;
-                e.1 = Instant::now();
-                let epoch = e.0;
-                g.drafter
-                    .begin(&session, &r.context, &sampling)
-                    .map_err(status_from_core)?;
+        // Begin (prefill may take a while): a new epoch supersedes the session's running draft.
+        let epoch = self
+            .shell
+            .call(move |st| {
+                if draining && !st.book.contains(&session) {
+                    return Err(CoreError::new(
+                        parse_core::ErrorKind::Unavailable,
+                        "the draft worker is draining",
+                    ));
+                }
+                let epoch = st.book.next_epoch(&session);
+                st.backend.begin(&session, &r.context, &sampling)?;
                 Ok(epoch)
-            }
-        })
-        .await
-        .map_err(|e| parse_proto::status_from_join("draft task", e))??;
+            })
+            .await?;
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
         if r.max_tokens == 0 {
             // Prefill only: the stream ends at once.
@@ -223,21 +162,24 @@ impl Drafter for DraftWorker {
         }
         let session = r.session;
         let max = r.max_tokens as usize;
-        tokio::task::spawn_blocking(move || {
+        let shell = self.shell.clone();
+        tokio::spawn(async move {
             let _permit = permit;
             let mut sent = 0usize;
-            while sent < max {
-                let chunk = {
-                    let mut g = lock(&inner);
-                    match g.sessions.get_mut(&session) {
-                        Some(e) if e.0 == epoch => e.1 = Instant::now(),
-                        // Superseded by a newer draft, or released.
-                        _ => return,
-                    }
-                    g.drafter.next(&session, 1)
-                };
-                let msg = match chunk {
-                    Ok(c) => {
+            while sent < max && !tx.is_closed() {
+                let s = session.clone();
+                let step = shell
+                    .call_waiting(move |st| {
+                        // Superseded by a newer draft, or released: nothing more to send.
+                        if st.book.epoch(&s) != Some(epoch) {
+                            return Ok(None);
+                        }
+                        st.book.touch(&s);
+                        st.backend.next(&s, 1).map(Some)
+                    })
+                    .await;
+                match step {
+                    Ok(Some(c)) => {
                         sent += c.tokens.len();
                         let done = c.done || c.tokens.is_empty();
                         let m = DraftResponse {
@@ -246,15 +188,16 @@ impl Drafter for DraftWorker {
                             probs: c.probs,
                             done,
                         };
-                        if tx.blocking_send(Ok(m)).is_err() || done {
+                        if tx.send(Ok(m)).await.is_err() || done {
                             return;
                         }
-                        continue;
                     }
-                    Err(e) => Err(status_from_core(e)),
-                };
-                let _ = tx.blocking_send(msg);
-                return;
+                    Ok(None) => return,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                }
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -266,15 +209,10 @@ impl Drafter for DraftWorker {
     ) -> Result<Response<DistributionResponse>, Status> {
         let r = request.into_inner();
         check_session(&r.session)?;
-        let inner = self.inner.clone();
-        let d = tokio::task::spawn_blocking(move || {
-            lock(&inner)
-                .drafter
-                .distribution(&r.session, r.index as usize)
-        })
-        .await
-        .map_err(|e| parse_proto::status_from_join("draft task", e))?
-        .map_err(status_from_core)?;
+        let d = self
+            .shell
+            .call(move |st| st.backend.distribution(&r.session, r.index as usize))
+            .await?;
         Ok(Response::new(DistributionResponse {
             tokens: d.iter().map(|x| x.0).collect(),
             probs: d.iter().map(|x| x.1).collect(),
@@ -287,15 +225,12 @@ impl Drafter for DraftWorker {
     ) -> Result<Response<ReleaseResponse>, Status> {
         let r = request.into_inner();
         check_session(&r.session)?;
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut g = lock(&inner);
-            g.sessions.remove(&r.session);
-            g.drafter.release(&r.session)
-        })
-        .await
-        .map_err(|e| parse_proto::status_from_join("draft task", e))?
-        .map_err(status_from_core)?;
+        self.shell
+            .call_waiting(move |st| {
+                st.book.remove(&r.session);
+                st.backend.release(&r.session)
+            })
+            .await?;
         Ok(Response::new(ReleaseResponse {}))
     }
 
@@ -303,11 +238,11 @@ impl Drafter for DraftWorker {
         &self,
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
+        Ok(Response::new(self.shell.info().clone()))
     }
 
     async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        if self.drain.start() {
+        if self.shell.drain.start() {
             tracing::info!("drain requested");
         }
         Ok(Response::new(DrainResponse {
@@ -333,7 +268,7 @@ pub async fn serve_reporting(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ready: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let reaper = worker.spawn_reaper();
+    let reaper = worker.shell.spawn_reaper();
     let result =
         parse_proto::serve::run_reporting(worker.into_server(), listener, shutdown, ready).await;
     reaper.abort();

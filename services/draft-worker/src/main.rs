@@ -48,6 +48,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
     let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    let engine_stop = tokio_util::sync::CancellationToken::new();
     let worker = DraftWorker::new(
         engine,
         DraftWorkerConfig {
@@ -55,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
             session_ttl: Duration::from_secs(args.session_ttl_s),
             ..Default::default()
         },
+        engine_stop.clone(),
     )
     .map_err(|e| anyhow::anyhow!(e.message))?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
@@ -73,7 +75,7 @@ async fn main() -> anyhow::Result<()> {
     // Until a signal, or a drain that has finished its sessions; deregistered either way.
     let w = worker.clone();
     let until = async move {
-        w.drain
+        w.drain()
             .serve_until(
                 registration,
                 || w.open_sessions() == 0,
@@ -81,5 +83,7 @@ async fn main() -> anyhow::Result<()> {
             )
             .await
     };
-    serve_reporting(worker, listener, until, ready).await
+    let served = serve_reporting(worker, listener, until, ready).await;
+    engine_stop.cancel();
+    served
 }

@@ -12,15 +12,12 @@ pub use admin::serve_admin;
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parse_core::{
     AcceptPolicy, Error as CoreError, ErrorKind, GenerationRequest, Mode, Source, Verdict,
 };
-use parse_engine::generate::StopFilter;
-use parse_engine::tokenizer::StreamDecoder;
-use parse_engine::{Message, Tokenizer};
+use parse_discovery::{Discovery, EtcdDiscovery, Role, StaticDiscovery};
 use parse_proto::v1::generation_server::{Generation, GenerationServer};
 use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{
@@ -28,9 +25,11 @@ use parse_proto::v1::{
     TextDelta, TokenSource, generate_stream_response::Event,
 };
 use parse_proto::{sampling_from, segmenter_from, status_from_core};
+use parse_text::{ChatRole, Message, TextSink, Tokenizer};
 use tokio::sync::{OnceCell, Semaphore, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::pool::Pool;
@@ -90,6 +89,8 @@ pub struct Router {
     pub(crate) admin: Arc<admin::AdminState>,
     model: Arc<OnceCell<Arc<ModelCtx>>>,
     in_flight: Arc<Semaphore>,
+    /// The router's root token: cancelled at shutdown, it cancels every request (each holds a child).
+    cancel: CancellationToken,
 }
 
 type Sender = mpsc::Sender<Result<GenerateStreamResponse, Status>>;
@@ -119,8 +120,8 @@ fn source_of(s: Source) -> TokenSource {
 }
 
 impl Router {
-    /// A router over the configured pools; with `etcd`, it follows the registered workers (call it inside a tokio
-    /// runtime: the watches run on it).
+    /// A router over the workers the configuration names: `--draft`/`--target` addresses (static discovery), or
+    /// the workers registered in etcd. Call it inside a tokio runtime: the discovery watches run on it.
     pub fn new(cfg: RouterConfig) -> anyhow::Result<Self> {
         if cfg.etcd.is_empty() && cfg.targets.is_empty() {
             anyhow::bail!("the router needs at least one target worker (--target ADDR) or --etcd");
@@ -129,39 +130,67 @@ impl Router {
         if !cfg.etcd.is_empty() && has_static {
             anyhow::bail!("--etcd discovers the workers: give no --draft/--target with it");
         }
-        let drafts = Arc::new(Pool::new("draft", &cfg.drafts, cfg.connect_timeout)?);
-        let targets = Arc::new(Pool::new("target", &cfg.targets, cfg.connect_timeout)?);
-        if !cfg.etcd.is_empty() {
-            use parse_discovery::{Discovery, EtcdDiscovery, Role};
-            let d = EtcdDiscovery::new(cfg.etcd.clone(), Duration::from_secs(5))?;
-            for (role, pool) in [
-                (Role::Draft, drafts.clone()),
-                (Role::Target, targets.clone()),
-            ] {
-                let mut rx = d.watch(role);
-                tokio::spawn(async move {
-                    loop {
-                        let members: Vec<(String, String)> = rx
-                            .borrow_and_update()
-                            .values()
-                            .map(|w| (w.id.clone(), w.address.clone()))
-                            .collect();
-                        pool.sync(&members);
-                        if rx.changed().await.is_err() {
-                            return;
-                        }
-                    }
-                });
+        let discovery: Arc<dyn Discovery> = if cfg.etcd.is_empty() {
+            for a in cfg.drafts.iter().chain(&cfg.targets) {
+                pool::check_address(a)?;
             }
+            Arc::new(StaticDiscovery::new(&cfg.drafts, &cfg.targets))
+        } else {
+            Arc::new(EtcdDiscovery::new(
+                cfg.etcd.clone(),
+                Duration::from_secs(5),
+            )?)
+        };
+        Ok(Self::with_discovery(cfg, discovery.as_ref()))
+    }
+
+    /// A router whose pools follow `discovery` (static, etcd, or in memory for tests); `cfg`'s worker lists only
+    /// order the members they name. Call it inside a tokio runtime.
+    pub fn with_discovery(cfg: RouterConfig, discovery: &dyn Discovery) -> Self {
+        let drafts = Arc::new(Pool::new("draft", cfg.connect_timeout));
+        let targets = Arc::new(Pool::new("target", cfg.connect_timeout));
+        let cancel = CancellationToken::new();
+        for (role, pool, listed) in [
+            (Role::Draft, drafts.clone(), cfg.drafts.clone()),
+            (Role::Target, targets.clone(), cfg.targets.clone()),
+        ] {
+            let mut rx = discovery.watch(role);
+            // Workers named by flags keep the flags' order (the first listed wins ties between idle workers).
+            let members = move |m: &parse_discovery::Members| -> Vec<(String, String)> {
+                let mut v: Vec<(String, String)> = m
+                    .values()
+                    .map(|w| (w.id.clone(), w.address.clone()))
+                    .collect();
+                v.sort_by_key(|(_, a)| listed.iter().position(|l| l == a).unwrap_or(usize::MAX));
+                v
+            };
+            // The members known now, before the first request; later changes as they come.
+            pool.sync(&members(&rx.borrow_and_update()));
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        changed = rx.changed() => if changed.is_err() { return },
+                    }
+                    pool.sync(&members(&rx.borrow_and_update()));
+                }
+            });
         }
-        Ok(Router {
+        Router {
             admin: admin::initial_state(cfg.default_mode, cfg.default_policy),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg: Arc::new(cfg),
             drafts,
             targets,
             model: Arc::new(OnceCell::new()),
-        })
+            cancel,
+        }
+    }
+
+    /// Cancels every request in flight and stops following discovery (shutdown).
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
     }
 
     pub fn into_server(self) -> GenerationServer<Self> {
@@ -239,9 +268,9 @@ impl Router {
             }
             let mut v = Vec::new();
             if !r.system.is_empty() {
-                v.push(Message::new("system", &r.system));
+                v.push(Message::system(&r.system));
             }
-            v.push(Message::new("user", &r.prompt));
+            v.push(Message::user(&r.prompt));
             v
         } else {
             if !r.prompt.is_empty() {
@@ -249,18 +278,10 @@ impl Router {
                     "give either `prompt` or `messages`, not both",
                 ));
             }
-            for msg in &r.messages {
-                if !matches!(msg.role.as_str(), "system" | "user" | "assistant") {
-                    return Err(CoreError::invalid(format!(
-                        "unknown role `{}` (system, user, assistant)",
-                        msg.role
-                    )));
-                }
-            }
             r.messages
                 .iter()
-                .map(|x| Message::new(&x.role, &x.content))
-                .collect()
+                .map(|x| Ok(Message::new(x.role.parse::<ChatRole>()?, &x.content)))
+                .collect::<Result<_, parse_text::Error>>()?
         };
         let max_new = r.max_new_tokens as usize;
         if max_new == 0 || max_new > self.cfg.max_new_tokens_limit {
@@ -359,12 +380,24 @@ impl Router {
         };
         let session = format!("{request_id}/{}", uuid::Uuid::new_v4().simple());
         let (req, stop) = self.build(&m, &r, &session).map_err(status_from_core)?;
-        let cancelled = Arc::new(AtomicBool::new(false));
+        // The request's token: cancelled when the client goes away (below), when the router shuts down (a child
+        // of its root), or once the request is over (the guard).
+        let cancel = self.cancel.child_token();
         let ctx = CallCtx {
             handle: tokio::runtime::Handle::current(),
-            cancelled: cancelled.clone(),
+            cancel: cancel.clone(),
             deadline,
         };
+        // A client gone mid-call cancels the call at once (the worker sees its RPC cancelled), not at the next output.
+        let closed = tx.clone();
+        let watch_cancel = cancel.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = closed.closed() => watch_cancel.cancel(),
+                _ = watch_cancel.cancelled() => {}
+            }
+        });
+        let _done = cancel.clone().drop_guard();
         let drafts = self.drafts.clone();
         let targets = self.targets.clone();
         let draft_ahead = self.cfg.draft_ahead;
@@ -379,29 +412,17 @@ impl Router {
             let mut drafter = RemoteDrafter::new(drafts, ctx.clone(), tok.clone(), 256);
             drafter.draft_ahead = draft_ahead;
             let mut verifier = RemoteVerifier::new(targets, ctx.clone());
-            let mut decoder = StreamDecoder::new();
-            let mut filter = StopFilter::new(stop);
+            let mut text_sink = TextSink::new(tok, stop);
             let mut failure: Option<CoreError> = None;
             let mut sink = |tokens: &[u32], source: Source| -> bool {
-                let mut text = String::new();
-                let mut stopped = false;
-                for &t in tokens {
-                    match decoder.push(&tok, t) {
-                        Ok(Some(d)) => {
-                            let (out, hit) = filter.push(&d);
-                            text.push_str(&out);
-                            if hit {
-                                stopped = true;
-                                break;
-                            }
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            failure = Some(e.into());
-                            return false;
-                        }
+                let text = match text_sink.push(tokens) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        failure = Some(e.into());
+                        return false;
                     }
-                }
+                };
+                let stopped = text_sink.stopped();
                 let delta = GenerateStreamResponse {
                     event: Some(Event::Delta(TextDelta {
                         text,
@@ -410,29 +431,13 @@ impl Router {
                     })),
                 };
                 if tx.blocking_send(Ok(delta)).is_err() {
-                    // The client went away: stop the loop (it releases the sessions) and every pending call.
-                    cancelled.store(true, Ordering::Relaxed);
+                    // The client went away: stop the loop (it releases the sessions).
                     return false;
                 }
                 !stopped && ctx.deadline.is_none_or(|d| Instant::now() < d)
             };
-            let result = if req.mode == Mode::Target {
-                parse_core::generate(
-                    &mut parse_core::driver::NoDrafter,
-                    &mut verifier,
-                    &req,
-                    &mut sink,
-                )
-            } else if req.mode == Mode::Draft {
-                parse_core::generate(
-                    &mut drafter,
-                    &mut parse_core::driver::NoVerifier,
-                    &req,
-                    &mut sink,
-                )
-            } else {
-                parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink)
-            };
+            // Both stand ready; the loop uses the ones the request's mode needs.
+            let result = parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink);
             let result = match (result, failure) {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
@@ -458,7 +463,7 @@ impl Router {
                 let _ = tx.blocking_send(Err(Status::deadline_exceeded("deadline exceeded")));
                 return;
             }
-            let tail = filter.flush();
+            let tail = text_sink.flush();
             if !tail.is_empty() {
                 let _ = tx.blocking_send(Ok(GenerateStreamResponse {
                     event: Some(Event::Delta(TextDelta {
@@ -560,7 +565,9 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let probers = router.spawn_probers();
+    let root = router.cancel.clone();
     let result = parse_proto::serve::run(router.into_server(), listener, shutdown).await;
+    root.cancel();
     for p in probers {
         p.abort();
     }

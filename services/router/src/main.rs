@@ -35,12 +35,12 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     max_new_tokens_limit: usize,
     /// Mode of requests that name none.
-    #[arg(long, default_value = "parse")]
-    default_mode: String,
+    #[arg(long, value_enum, default_value_t = Mode::Parse)]
+    default_mode: Mode,
     #[arg(long, default_value_t = 1e-3)]
     default_tau: f32,
-    #[arg(long, default_value = "likelihood")]
-    default_verdict: String,
+    #[arg(long, value_enum, default_value_t = Verdict::Likelihood)]
+    default_verdict: Verdict,
     /// Address of the admin API (parse.v1.Admin).
     #[arg(long, env = "PARSE_ADMIN_LISTEN", default_value = "127.0.0.1:50052")]
     admin_listen: SocketAddr,
@@ -62,10 +62,9 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let err = |e: parse_core::Error| anyhow::anyhow!(e.message);
-    let default_mode: Mode = args.default_mode.parse().map_err(err)?;
-    let verdict: Verdict = args.default_verdict.parse().map_err(err)?;
+    let default_mode = args.default_mode;
     let policy = AcceptPolicy {
-        verdict,
+        verdict: args.default_verdict,
         tau: args.default_tau,
         ..Default::default()
     };

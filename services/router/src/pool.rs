@@ -93,21 +93,19 @@ fn worker(
     })
 }
 
+/// Checks that `addr` can be dialled (a flag's worker address).
+pub fn check_address(addr: &str) -> Result<(), tonic::transport::Error> {
+    endpoint(addr, Duration::from_secs(1)).map(|_| ())
+}
+
 impl Pool {
-    pub fn new(
-        role: &'static str,
-        addrs: &[String],
-        connect_timeout: Duration,
-    ) -> Result<Self, tonic::transport::Error> {
-        let mut workers = Vec::new();
-        for a in addrs {
-            workers.push(Arc::new(worker(a, a, connect_timeout)?));
-        }
-        Ok(Pool {
+    /// An empty pool; discovery fills it ([`Pool::sync`]).
+    pub fn new(role: &'static str, connect_timeout: Duration) -> Self {
+        Pool {
             role,
-            workers: RwLock::new(workers),
+            workers: RwLock::new(Vec::new()),
             connect_timeout,
-        })
+        }
     }
 
     /// The current members.

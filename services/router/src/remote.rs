@@ -9,13 +9,11 @@
 //!   extensions), re-prefills it on another worker and retries the call.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
 use parse_core::policy::VerifyOutput;
 use parse_core::{Error, ErrorKind, Result, SamplingParams, SegmenterConfig, VerifyPlan};
-use parse_engine::Tokenizer;
 use parse_proto::v1::drafter_client::DrafterClient;
 use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{
@@ -23,9 +21,11 @@ use parse_proto::v1::{
     ReleaseRequest, TruncateRequest,
 };
 use parse_proto::{core_from_status, dist_from, verify_output_from, verify_request};
+use parse_text::Tokenizer;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
+use tokio_util::sync::CancellationToken;
 use tonic::Streaming;
 
 use crate::pool::{Lease, Pool};
@@ -34,14 +34,31 @@ use crate::pool::{Lease, Pool};
 #[derive(Clone)]
 pub struct CallCtx {
     pub handle: Handle,
-    /// Set when the client went away.
-    pub cancelled: Arc<AtomicBool>,
+    /// The request's token (a child of the router's): cancelled when the client goes away or the router shuts
+    /// down. A cancelled request drops its in-flight worker calls, which cancels them on the workers.
+    pub cancel: CancellationToken,
     pub deadline: Option<Instant>,
 }
 
 impl CallCtx {
+    /// Runs a worker call on the runtime until it answers or the request is cancelled (CANCELLED, and the call's
+    /// future is dropped: the worker sees the RPC cancelled).
+    fn call<T>(
+        &self,
+        f: impl std::future::Future<Output = std::result::Result<T, tonic::Status>>,
+    ) -> std::result::Result<T, tonic::Status> {
+        self.handle.block_on(async {
+            tokio::select! {
+                r = f => r,
+                _ = self.cancel.cancelled() => {
+                    Err(tonic::Status::cancelled("the client cancelled the request"))
+                }
+            }
+        })
+    }
+
     fn check(&self) -> Result<()> {
-        if self.cancelled.load(Ordering::Relaxed) {
+        if self.cancel.is_cancelled() {
             return Err(Error::new(
                 ErrorKind::Cancelled,
                 "the client cancelled the request",
@@ -66,7 +83,7 @@ impl CallCtx {
 /// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled.
 fn is_lost(ctx: &CallCtx, e: &Error) -> bool {
     e.kind == ErrorKind::Unavailable
-        || (e.kind == ErrorKind::Cancelled && !ctx.cancelled.load(Ordering::Relaxed))
+        || (e.kind == ErrorKind::Cancelled && !ctx.cancel.is_cancelled())
 }
 
 /// A Draft stream the loop reads: the call's own, or one opened ahead by `prefetch` and read into a buffer by a
@@ -227,7 +244,7 @@ impl Drafter for RemoteDrafter {
                     sampling: Some((&self.sampling).into()),
                     max_tokens: 0,
                 });
-                let drained = self.ctx.handle.block_on(async {
+                let drained = self.ctx.call(async {
                     let mut s = client.draft(req).await?.into_inner();
                     while s.message().await?.is_some() {}
                     Ok::<(), tonic::Status>(())
@@ -270,7 +287,7 @@ impl Drafter for RemoteDrafter {
                     sampling: Some((&self.sampling).into()),
                     max_tokens: want.min(self.max_tokens),
                 });
-                match self.ctx.handle.block_on(client.draft(req)) {
+                match self.ctx.call(client.draft(req)) {
                     Ok(r) => {
                         self.stream = Some(DraftStream::Direct(Box::new(r.into_inner())));
                         self.stream_base = self.received + chunk.tokens.len();
@@ -290,7 +307,7 @@ impl Drafter for RemoteDrafter {
             let Some(stream) = self.stream.as_mut() else {
                 break;
             };
-            match self.ctx.handle.block_on(stream.message()) {
+            match self.ctx.call(stream.message()) {
                 Ok(Some(m)) => {
                     chunk.tokens.extend(m.tokens);
                     chunk.pieces.extend(m.pieces);
@@ -338,8 +355,7 @@ impl Drafter for RemoteDrafter {
         });
         let r = self
             .ctx
-            .handle
-            .block_on(client.distribution(req))
+            .call(client.distribution(req))
             .map_err(|s| core_from_status(&s))?
             .into_inner();
         dist_from(r.tokens, r.probs)
@@ -484,8 +500,7 @@ impl RemoteVerifier {
             sampling: Some((&self.sampling).into()),
         });
         self.ctx
-            .handle
-            .block_on(client.open_session(req))
+            .call(client.open_session(req))
             .map_err(|s| core_from_status(&s))?;
         Ok(())
     }
@@ -551,7 +566,7 @@ impl Verifier for RemoteVerifier {
                 prompt: prompt.to_vec(),
                 sampling: wire_sampling,
             });
-            ctx.handle.block_on(c.open_session(req))
+            ctx.call(c.open_session(req))
         })?;
         self.cache = prompt[..prompt.len() - 1].to_vec();
         self.opened = true;
@@ -561,7 +576,7 @@ impl Verifier for RemoteVerifier {
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput> {
         let wire = verify_request(session, plan);
         let r = self.with_failover(session, |ctx, c| {
-            ctx.handle.block_on(c.verify(ctx.request(wire.clone())))
+            ctx.call(c.verify(ctx.request(wire.clone())))
         })?;
         self.cache.extend(&plan.tokens);
         verify_output_from(r.into_inner())
@@ -582,7 +597,7 @@ impl Verifier for RemoteVerifier {
         };
         let r = self
             .with_failover(session, |ctx, c| {
-                ctx.handle.block_on(c.extend(ctx.request(req.clone())))
+                ctx.call(c.extend(ctx.request(req.clone())))
             })?
             .into_inner();
         if r.tokens.is_empty() {
@@ -598,7 +613,7 @@ impl Verifier for RemoteVerifier {
 
     fn truncate(&mut self, session: &str, len: usize) -> Result<()> {
         self.with_failover(session, |ctx, c| {
-            ctx.handle.block_on(c.truncate(ctx.request(TruncateRequest {
+            ctx.call(c.truncate(ctx.request(TruncateRequest {
                 session: session.to_string(),
                 len: len as u32,
             })))

@@ -1,21 +1,20 @@
 //! The target worker: one target model behind `parse.v1.Verifier`, alone or as rank 0 (the leader) of a
-//! tensor-parallel group whose followers run `Engine::follow` (see `parse_engine::tp`).
+//! tensor-parallel group whose followers run `tp::Follower::follow` (see `parse_engine::tp`), in the shared worker
+//! shell (`parse-worker`): a scheduler task owns the engine and runs every call as a command.
 //!
-//! Every call runs in a blocking task under the engine lock. At most `max_queue` calls may wait or run at once;
-//! beyond that the worker answers RESOURCE_EXHAUSTED instead of queueing without limit. Sessions idle for longer
-//! than the TTL are released.
+//! At most `max_queue` calls may wait or run at once; beyond that the worker answers RESOURCE_EXHAUSTED instead of
+//! queueing without limit. Sessions idle for longer than the TTL are released.
 //!
-//! A leader sends its followers a heartbeat every `heartbeat` when idle. Once a collective fails (a follower died
-//! or hung) the group is broken: in-flight and later calls fail with UNAVAILABLE, and health turns NOT_SERVING so
-//! that routers stop sending work here; the group has to be restarted.
+//! A leader sends its followers a heartbeat every `heartbeat`. Once a collective fails (a follower died or hung)
+//! the group is broken: in-flight and later calls fail with UNAVAILABLE, and health turns NOT_SERVING so that
+//! routers stop sending work here; the group has to be restarted.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _};
-use parse_engine::Engine;
+use parse_engine::EngineOps;
 use parse_engine::backend::EngineVerifier;
 use parse_proto::v1::verifier_server::{Verifier, VerifierServer};
 use parse_proto::v1::{
@@ -24,7 +23,9 @@ use parse_proto::v1::{
     TruncateRequest, TruncateResponse, VerifyRequest, VerifyResponse,
 };
 use parse_proto::{check_session, plan_from, sampling_from, segmenter_from, status_from_core};
-use tokio::sync::{Semaphore, watch};
+use parse_worker::{Shell, ShellConfig, State};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 /// Limits of a target worker.
@@ -51,45 +52,49 @@ impl Default for TargetWorkerConfig {
     }
 }
 
-struct Inner {
-    verifier: EngineVerifier<Engine>,
-    last_used: HashMap<String, Instant>,
-}
+/// What the target worker's scheduler drives: an engine, or a tensor-parallel leader.
+pub type TargetEngine = Box<dyn EngineOps + Send>;
+type Backend = EngineVerifier<TargetEngine>;
 
 /// The `Verifier` service.
 #[derive(Clone)]
 pub struct TargetWorker {
-    inner: Arc<Mutex<Inner>>,
-    queue: Arc<Semaphore>,
+    shell: Shell<Backend>,
     cfg: TargetWorkerConfig,
-    info: GetModelInfoResponse,
+    tp: usize,
     /// Health: false once the tensor-parallel group broke, or while the discovery registration is lost.
     ready: Arc<watch::Sender<bool>>,
     group_ok: Arc<AtomicBool>,
     registered: Arc<AtomicBool>,
-    /// Started by `Drain`: no new sessions.
-    pub drain: parse_discovery::Drain,
-}
-
-fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl TargetWorker {
-    pub fn new(engine: Engine, cfg: TargetWorkerConfig) -> Result<Self, CoreError> {
-        let info = parse_draft_worker::model_info(&engine)?;
-        Ok(TargetWorker {
-            inner: Arc::new(Mutex::new(Inner {
-                verifier: EngineVerifier::new(engine),
-                last_used: HashMap::new(),
-            })),
-            queue: Arc::new(Semaphore::new(cfg.max_queue)),
-            cfg,
+    /// A worker over `engine` (an `Engine`, or a `tp::Leader`) that stops with `cancel`.
+    pub fn new(
+        engine: impl EngineOps + Send + 'static,
+        cfg: TargetWorkerConfig,
+        cancel: CancellationToken,
+    ) -> Result<Self, CoreError> {
+        let tp = engine.world_size();
+        let info = parse_worker::model_info(engine.engine(), tp)?;
+        let engine: TargetEngine = Box::new(engine);
+        let shell = Shell::new(
+            EngineVerifier::new(engine),
             info,
+            ShellConfig {
+                queue: cfg.max_queue,
+                session_ttl: cfg.session_ttl,
+                name: "target worker",
+            },
+            cancel,
+        );
+        Ok(TargetWorker {
+            shell,
+            cfg,
+            tp,
             ready: Arc::new(watch::channel(true).0),
             group_ok: Arc::new(AtomicBool::new(true)),
             registered: Arc::new(AtomicBool::new(true)),
-            drain: parse_discovery::Drain::default(),
         })
     }
 
@@ -119,41 +124,52 @@ impl TargetWorker {
         *self.ready.borrow()
     }
 
-    /// Marks the worker unhealthy when the engine's group broke.
-    fn check_group(&self, g: &Inner) {
-        if !g.verifier.engine().group_healthy() && self.group_ok.swap(false, Ordering::Relaxed) {
+    /// The worker's drain (started by `Drain`).
+    pub fn drain(&self) -> &parse_discovery::Drain {
+        &self.shell.drain
+    }
+
+    /// Marks the worker unhealthy when the group reported broken.
+    fn note_group(&self, healthy: bool) {
+        if !healthy && self.group_ok.swap(false, Ordering::Relaxed) {
             tracing::error!("tensor-parallel group broken: reporting NOT_SERVING");
             self.publish();
         }
     }
 
     /// One heartbeat through the group (no-op without one); returns whether the group is whole.
-    pub fn heartbeat(&self) -> bool {
-        let mut g = lock(&self.inner);
-        if g.verifier.engine().tensor_parallel().1 > 1
-            && g.verifier.engine().group_healthy()
-            && let Err(e) = g.verifier.engine_mut().ping()
-        {
-            tracing::error!("tensor-parallel heartbeat failed: {e}");
-        }
-        self.check_group(&g);
+    pub async fn heartbeat(&self) -> bool {
+        let healthy = self
+            .shell
+            .call_waiting(|st| {
+                let e = st.backend.engine_mut();
+                if e.healthy()
+                    && let Err(err) = e.heartbeat()
+                {
+                    tracing::error!("tensor-parallel heartbeat failed: {err}");
+                }
+                Ok(e.healthy())
+            })
+            .await
+            .unwrap_or(false);
+        self.note_group(healthy);
         self.group_ok.load(Ordering::Relaxed)
     }
 
     /// Checks the followers every `heartbeat` (only on a tensor-parallel leader).
     pub fn spawn_heartbeat(&self) -> Option<tokio::task::JoinHandle<()>> {
-        let tp = lock(&self.inner).verifier.engine().tensor_parallel().1 > 1;
-        if !tp {
+        if self.tp <= 1 {
             return None;
         }
         let w = self.clone();
         Some(tokio::spawn(async move {
             loop {
-                tokio::time::sleep(w.cfg.heartbeat).await;
-                let w2 = w.clone();
-                match tokio::task::spawn_blocking(move || w2.heartbeat()).await {
-                    Ok(true) => {}
-                    _ => return,
+                tokio::select! {
+                    _ = w.shell.cancel_token().cancelled() => return,
+                    _ = tokio::time::sleep(w.cfg.heartbeat) => {}
+                }
+                if !w.heartbeat().await {
+                    return;
                 }
             }
         }))
@@ -167,45 +183,16 @@ impl TargetWorker {
 
     /// Sessions with a KV cache (tests and admin).
     pub fn open_sessions(&self) -> usize {
-        lock(&self.inner).verifier.engine().sessions().count()
+        self.shell.open_sessions()
     }
 
     /// Releases sessions idle for longer than the TTL; returns how many.
-    pub fn expire_idle(&self) -> usize {
-        let mut g = lock(&self.inner);
-        let ttl = self.cfg.session_ttl;
-        let old: Vec<String> = g
-            .last_used
-            .iter()
-            .filter(|(_, t)| t.elapsed() > ttl)
-            .map(|(s, _)| s.clone())
-            .collect();
-        for s in &old {
-            g.last_used.remove(s);
-            if let Err(e) = g.verifier.release(s) {
-                tracing::warn!(session = %s, "releasing an idle session: {}", e.message);
-            }
-        }
-        if !old.is_empty() {
-            tracing::info!(count = old.len(), "released idle target sessions");
-        }
-        old.len()
-    }
-
-    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
-        let w = self.clone();
-        tokio::spawn(async move {
-            let every = (w.cfg.session_ttl / 4).max(Duration::from_millis(50));
-            loop {
-                tokio::time::sleep(every).await;
-                let w2 = w.clone();
-                let _ = tokio::task::spawn_blocking(move || w2.expire_idle()).await;
-            }
-        })
+    pub async fn expire_idle(&self) -> usize {
+        self.shell.expire_idle().await
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<(), Status> {
-        let vocab = self.info.vocab_size;
+        let vocab = self.shell.info().vocab_size;
         if tokens.iter().any(|t| *t >= vocab) {
             return Err(Status::invalid_argument(format!(
                 "token ids must be below the vocabulary size {vocab}"
@@ -214,41 +201,28 @@ impl TargetWorker {
         Ok(())
     }
 
-    /// Runs `f` on the verifier in a blocking task, within the queue bound, marking `session` used.
+    /// Runs `f` on the verifier through the scheduler, within the queue bound, keeping `session`'s entry in the
+    /// book (used now, or gone with its cache).
     async fn call<T: Send + 'static>(
         &self,
         session: String,
-        f: impl FnOnce(&mut EngineVerifier<Engine>) -> Result<T, CoreError> + Send + 'static,
+        f: impl FnOnce(&mut Backend) -> Result<T, CoreError> + Send + 'static,
     ) -> Result<T, Status> {
         check_session(&session)?;
-        let permit = self.queue.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!(
-                "target worker busy: {} calls queued",
-                self.cfg.max_queue
-            ))
-        })?;
-        let inner = self.inner.clone();
-        let me = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let mut g = lock(&inner);
-            let out = f(&mut g.verifier);
-            me.check_group(&g);
-            if g.verifier.engine().sessions().len(&session).is_ok() {
-                g.last_used.insert(session, Instant::now());
-            } else {
-                g.last_used.remove(&session);
-            }
-            out
-        })
-        .await
-        .map_err(|e| parse_proto::status_from_join("target task", e))?
-        .map_err(|e| {
-            if e.kind == parse_core::ErrorKind::Internal {
-                tracing::error!("{}", e.message);
-            }
-            status_from_core(e)
-        })
+        let (out, healthy) = self
+            .shell
+            .call(move |st: &mut State<Backend>| {
+                let out = f(&mut st.backend);
+                if st.backend.engine().sessions().len(&session).is_ok() {
+                    st.book.touch(&session);
+                } else {
+                    st.book.remove(&session);
+                }
+                Ok((out, st.backend.ops().healthy()))
+            })
+            .await?;
+        self.note_group(healthy);
+        out.map_err(status_from_core)
     }
 }
 
@@ -259,11 +233,11 @@ impl Verifier for TargetWorker {
         request: Request<OpenSessionRequest>,
     ) -> Result<Response<OpenSessionResponse>, Status> {
         let r = request.into_inner();
-        if self.drain.is_draining() {
+        if self.shell.drain.is_draining() {
             return Err(Status::unavailable("the target worker is draining"));
         }
         self.check_tokens(&r.prompt)?;
-        let max = self.info.max_context as usize;
+        let max = self.shell.info().max_context as usize;
         if r.prompt.len() >= max {
             return Err(Status::invalid_argument(format!(
                 "prompt of {} tokens does not fit the model's context of {max}",
@@ -350,11 +324,11 @@ impl Verifier for TargetWorker {
         &self,
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
-        Ok(Response::new(self.info.clone()))
+        Ok(Response::new(self.shell.info().clone()))
     }
 
     async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        if self.drain.start() {
+        if self.shell.drain.start() {
             tracing::info!("drain requested");
         }
         Ok(Response::new(DrainResponse {
@@ -369,7 +343,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let reaper = worker.spawn_reaper();
+    let reaper = worker.shell.spawn_reaper();
     let heartbeat = worker.spawn_heartbeat();
     let ready = worker.ready.subscribe();
     let result =
@@ -380,13 +354,12 @@ pub async fn serve(
         h.abort();
     }
     // Followers leave their loop when the leader stops; a broken group has nothing to tell them.
-    let mut g = lock(&worker.inner);
-    if g.verifier.engine().tensor_parallel().1 > 1
-        && g.verifier.engine().group_healthy()
-        && let Err(e) = g.verifier.engine_mut().stop_followers()
+    if let Err(e) = worker
+        .shell
+        .call_waiting(|st| st.backend.engine_mut().shutdown().map_err(CoreError::from))
+        .await
     {
-        tracing::warn!("stopping the followers: {e}");
+        tracing::warn!("stopping the followers: {}", e.message());
     }
-    drop(g);
     result.map_err(|e| anyhow::anyhow!(e))
 }

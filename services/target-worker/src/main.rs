@@ -14,9 +14,9 @@ use std::time::Duration;
 use clap::Parser;
 use parse_comm::{Comm, TcpComm, TcpConfig};
 use parse_discovery::{AnnounceArgs, Role, model_name};
-use parse_engine::tp::Layout;
+use parse_engine::tp::{Layout, Member};
 use parse_engine::{Engine, EngineConfig};
-use parse_target_worker::{TargetWorker, TargetWorkerConfig, serve};
+use parse_target_worker::{TargetEngine, TargetWorker, TargetWorkerConfig, serve};
 
 #[derive(Parser)]
 #[command(
@@ -152,8 +152,8 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
-    let mut engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
-    if args.tp > 1 {
+    let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    let member = if args.tp > 1 {
         let addrs = match (&args.tp_group, &args.tp_listen) {
             (Some(group), Some(listen)) => {
                 tracing::info!(
@@ -190,29 +190,36 @@ async fn main() -> anyhow::Result<()> {
         } else {
             Arc::new(tcp)
         };
-        engine = tokio::task::spawn_blocking(move || engine.into_tensor_parallel(comm, layout))
-            .await??;
-    }
+        tokio::task::spawn_blocking(move || parse_engine::tp::join(engine, comm, layout)).await??
+    } else {
+        Member::Alone(engine)
+    };
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
-    if args.rank > 0 {
-        tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
-        let (ready, watch) = tokio::sync::watch::channel(true);
-        let health = tokio::spawn(parse_proto::serve::run_health_only(
-            listener,
-            parse_proto::serve::shutdown_signal(),
-            watch,
-        ));
-        let followed = tokio::task::spawn_blocking(move || engine.follow()).await?;
-        ready.send_replace(false);
-        health.abort();
-        return match followed {
-            Ok(()) => {
-                tracing::info!("the leader stopped the group");
-                Ok(())
-            }
-            Err(e) => Err(anyhow::anyhow!("leaving the tensor-parallel group: {e}")),
-        };
-    }
+    let engine: TargetEngine = match member {
+        Member::Alone(e) => Box::new(e),
+        Member::Leader(l) => Box::new(l),
+        Member::Follower(follower) => {
+            tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
+            let (ready, watch) = tokio::sync::watch::channel(true);
+            let health = tokio::spawn(parse_proto::serve::run_health_only(
+                listener,
+                parse_proto::serve::shutdown_signal(),
+                watch,
+            ));
+            let followed = tokio::task::spawn_blocking(move || follower.follow()).await?;
+            ready.send_replace(false);
+            health.abort();
+            return match followed {
+                Ok(()) => {
+                    tracing::info!("the leader stopped the group");
+                    Ok(())
+                }
+                Err(e) => Err(anyhow::anyhow!("leaving the tensor-parallel group: {e}")),
+            };
+        }
+    };
+    // The engine's scheduler outlives the server: after the last call, the leader still tells its followers to stop.
+    let engine_stop = tokio_util::sync::CancellationToken::new();
     let worker = TargetWorker::new(
         engine,
         TargetWorkerConfig {
@@ -220,6 +227,7 @@ async fn main() -> anyhow::Result<()> {
             session_ttl: Duration::from_secs(args.session_ttl_s),
             ..Default::default()
         },
+        engine_stop.clone(),
     )
     .map_err(|e| anyhow::anyhow!(e.message))?;
     tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
@@ -237,7 +245,7 @@ async fn main() -> anyhow::Result<()> {
     // Until a signal, or a drain that has finished its sessions; deregistered either way.
     let w = worker.clone();
     let until = async move {
-        w.drain
+        w.drain()
             .serve_until(
                 registration,
                 || w.open_sessions() == 0,
@@ -245,5 +253,7 @@ async fn main() -> anyhow::Result<()> {
             )
             .await
     };
-    serve(worker, listener, until).await
+    let served = serve(worker, listener, until).await;
+    engine_stop.cancel();
+    served
 }
