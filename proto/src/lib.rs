@@ -23,15 +23,21 @@ pub mod v1 {
 /// The encoded descriptors of `parse.v1`, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("parse_v1_descriptor");
 
-/// A core error as a gRPC status (INTERNAL details are logged by the caller, not returned).
+/// A core error as a gRPC status, by meaning: the one mapping every service uses. INTERNAL details are logged here
+/// (inside the caller's span, which names the request) and never returned: the client reads "internal error".
 pub fn status_from_core(e: CoreError) -> Status {
     let code = match e.kind {
         ErrorKind::InvalidInput => Code::InvalidArgument,
         ErrorKind::ResourceExhausted => Code::ResourceExhausted,
+        ErrorKind::NotFound => Code::NotFound,
+        ErrorKind::AlreadyExists => Code::AlreadyExists,
         ErrorKind::Unavailable => Code::Unavailable,
         ErrorKind::Cancelled => Code::Cancelled,
         ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
-        ErrorKind::Internal => Code::Internal,
+        ErrorKind::Internal => {
+            tracing::error!(error = %e.message, "internal error");
+            return Status::internal("internal error");
+        }
     };
     Status::new(code, e.message)
 }
@@ -40,9 +46,11 @@ pub fn status_from_core(e: CoreError) -> Status {
 /// `Unavailable`, which the router treats as a lost worker.
 pub fn core_from_status(s: &Status) -> CoreError {
     let kind = match s.code() {
-        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition | Code::NotFound => {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
             ErrorKind::InvalidInput
         }
+        Code::NotFound => ErrorKind::NotFound,
+        Code::AlreadyExists => ErrorKind::AlreadyExists,
         Code::ResourceExhausted => ErrorKind::ResourceExhausted,
         Code::Unavailable | Code::Unknown | Code::Aborted => ErrorKind::Unavailable,
         Code::Cancelled => ErrorKind::Cancelled,
@@ -321,7 +329,7 @@ pub fn status_from_join(what: &str, e: tokio::task::JoinError) -> tonic::Status 
     if e.is_cancelled() {
         tonic::Status::unavailable(format!("{what}: the server is shutting down"))
     } else {
-        tonic::Status::internal(format!("{what}: {e}"))
+        status_from_core(CoreError::internal(format!("{what}: {e}")))
     }
 }
 
@@ -363,6 +371,17 @@ mod tests {
             core_from_status(&Status::unavailable("gone")).kind,
             ErrorKind::Unavailable
         );
+        let s = status_from_core(CoreError::new(ErrorKind::NotFound, "unknown session `x`"));
+        assert_eq!(s.code(), Code::NotFound);
+        assert_eq!(core_from_status(&s).kind, ErrorKind::NotFound);
+        let s = status_from_core(CoreError::new(
+            ErrorKind::AlreadyExists,
+            "session `x` exists",
+        ));
+        assert_eq!(s.code(), Code::AlreadyExists);
+        // INTERNAL details stay in the log.
+        let s = status_from_core(CoreError::internal("cache index 7 out of range"));
+        assert_eq!((s.code(), s.message()), (Code::Internal, "internal error"));
         let seg = segmenter_from(
             Some(&v1::Segmenter {
                 min_tokens: Some(2),
