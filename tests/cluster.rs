@@ -8,6 +8,7 @@ use parse_client::{Client, ClientError, Event, GenerateRequest, Sampling, Stats}
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, Mode, SamplingParams, SegmenterConfig,
 };
+use parse_discovery::Role;
 use parse_draft_worker::DraftWorkerConfig;
 use parse_engine::Message;
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
@@ -483,7 +484,7 @@ fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_grou
 
 #[test]
 fn the_router_follows_membership_as_workers_come_and_go() {
-    use parse_discovery::{MemoryDiscovery, Role, WorkerInfo};
+    use parse_discovery::{MemoryDiscovery, WorkerInfo};
     let members = MemoryDiscovery::new();
     let info = |role: Role, id: &str, address: String| WorkerInfo {
         id: id.into(),
@@ -517,7 +518,7 @@ fn the_router_follows_membership_as_workers_come_and_go() {
         members.insert(info(Role::Target, "t0", targets[0].endpoint()));
         assert!(eventually(Duration::from_secs(2), || router
             .worker
-            .members("target")
+            .members(Role::Target)
             .len()
             == 1));
         let out = client.generate(req("parse", 40)).await.unwrap();
@@ -527,7 +528,7 @@ fn the_router_follows_membership_as_workers_come_and_go() {
         members.remove(Role::Target, "t0");
         members.insert(info(Role::Target, "t1", targets[1].endpoint()));
         assert!(eventually(Duration::from_secs(2), || {
-            router.worker.members("target") == [("t1".to_string(), targets[1].endpoint())]
+            router.worker.members(Role::Target) == [("t1".to_string(), targets[1].endpoint())]
         }));
         let out = client.generate(req("parse", 40)).await.unwrap();
         assert_eq!(out.token_ids, want);
@@ -535,7 +536,7 @@ fn the_router_follows_membership_as_workers_come_and_go() {
         members.remove(Role::Draft, "d");
         assert!(eventually(Duration::from_secs(2), || router
             .worker
-            .members("draft")
+            .members(Role::Draft)
             .is_empty()));
         let err = client.generate(req("parse", 40)).await.unwrap_err();
         assert!(matches!(err, ClientError::InvalidArgument(_)), "{err:?}");

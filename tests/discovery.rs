@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use parse_client::{Client, GenerateRequest};
+use parse_discovery::Role;
 use parse_router::RouterConfig;
 use parse_tests::*;
 
@@ -64,11 +65,11 @@ fn registrations_are_visible_and_a_killed_worker_expires_and_is_dropped() {
     assert!(
         eventually(Duration::from_secs(3), || ids(&router
             .worker
-            .members("target"))
+            .members(Role::Target))
             == ["t1", "t2"]
-            && ids(&router.worker.members("draft")) == ["d1"]),
+            && ids(&router.worker.members(Role::Draft)) == ["d1"]),
         "{:?}",
-        router.worker.members("target")
+        router.worker.members(Role::Target)
     );
     let r = rt();
     let endpoint = router.endpoint();
@@ -90,7 +91,7 @@ fn registrations_are_visible_and_a_killed_worker_expires_and_is_dropped() {
     assert!(
         eventually(Duration::from_secs(3), || ids(&router
             .worker
-            .members("target"))
+            .members(Role::Target))
             == ["t1"]),
         "the router still lists t2"
     );
@@ -148,10 +149,10 @@ fn etcd_stopped_and_restarted_mid_run_loses_no_request() {
     let router = etcd_router(&etcd);
     assert!(eventually(Duration::from_secs(5), || router
         .worker
-        .members("target")
+        .members(Role::Target)
         .len()
         == 1
-        && router.worker.members("draft").len() == 1));
+        && router.worker.members(Role::Draft).len() == 1));
     let endpoint = router.endpoint();
     let client = std::thread::spawn(move || {
         rt().block_on(async {
@@ -183,7 +184,7 @@ fn etcd_stopped_and_restarted_mid_run_loses_no_request() {
         "{:?}",
         etcd.get_prefix("/parse/v1/workers/")
     );
-    assert_eq!(ids(&router.worker.members("target")), ["t1"]);
+    assert_eq!(ids(&router.worker.members(Role::Target)), ["t1"]);
 }
 
 fn admin_client(
@@ -328,10 +329,10 @@ fn drain_finishes_in_flight_requests_then_the_worker_deregisters_and_stops() {
     );
     assert!(eventually(Duration::from_secs(5), || router
         .worker
-        .members("target")
+        .members(Role::Target)
         .len()
         == 2
-        && router.worker.members("draft").len() == 1));
+        && router.worker.members(Role::Draft).len() == 1));
     let endpoint = router.endpoint();
     let drained = rt().block_on(async {
         let mut c = Client::connect(&endpoint).await.unwrap();

@@ -169,7 +169,14 @@ pub fn verify_request(session: &str, plan: &VerifyPlan) -> v1::VerifyRequest {
 }
 
 /// A plan from the wire, checked for internal consistency (the engine checks the mask against its cache).
-pub fn plan_from(r: &v1::VerifyRequest) -> Result<VerifyPlan, CoreError> {
+impl TryFrom<&v1::VerifyRequest> for VerifyPlan {
+    type Error = CoreError;
+    fn try_from(r: &v1::VerifyRequest) -> Result<Self, CoreError> {
+        plan_from(r)
+    }
+}
+
+fn plan_from(r: &v1::VerifyRequest) -> Result<VerifyPlan, CoreError> {
     let n = r.tokens.len();
     let l = r.draft.len();
     if n == 0 || l == 0 || r.positions.len() != n || r.mask.len() != n || n < l + 1 {
@@ -232,6 +239,8 @@ impl From<&VerifyOutput> for v1::VerifyResponse {
                 .map(|r| v1::RowScore {
                     argmax: r.argmax,
                     prob: r.prob,
+                    top_prob: r.top_prob,
+                    entropy: r.entropy,
                 })
                 .collect(),
             judge: o
@@ -267,6 +276,8 @@ pub fn verify_output_from(r: v1::VerifyResponse) -> Result<VerifyOutput, CoreErr
             .map(|x| RowScore {
                 argmax: x.argmax,
                 prob: x.prob,
+                top_prob: x.top_prob,
+                entropy: x.entropy,
             })
             .collect(),
         judge: r
@@ -347,19 +358,22 @@ mod tests {
             })
             .unwrap();
         let wire = verify_request("s", &plan);
-        assert_eq!(plan_from(&wire).unwrap(), plan);
+        assert_eq!(VerifyPlan::try_from(&wire).unwrap(), plan);
         let mut bad = wire.clone();
         bad.positions.pop();
-        assert_eq!(plan_from(&bad).unwrap_err().kind, ErrorKind::InvalidInput);
+        assert_eq!(
+            VerifyPlan::try_from(&bad).unwrap_err().kind,
+            ErrorKind::InvalidInput
+        );
         let mut bad = wire.clone();
         bad.boundaries = vec![1];
-        assert!(plan_from(&bad).is_err());
+        assert!(VerifyPlan::try_from(&bad).is_err());
         let mut bad = wire.clone();
         bad.mask[0].spans.push(1);
-        assert!(plan_from(&bad).is_err());
+        assert!(VerifyPlan::try_from(&bad).is_err());
         let mut bad = wire;
         bad.draft[0] = 99;
-        assert!(plan_from(&bad).is_err());
+        assert!(VerifyPlan::try_from(&bad).is_err());
     }
 
     #[test]

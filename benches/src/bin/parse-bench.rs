@@ -8,6 +8,11 @@
 //! MT-Bench / XSum the share of outputs identical to the target's and their mean common-prefix fraction. Writes
 //! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md` and `<out-dir>/<suite>.png` (speed-up against quality, one line
 //! per mode and verdict over the tau sweep, target mode as the cross-hair).
+//!
+//! Every prompt's result is also kept in `<out-dir>/<suite>-runs/<run>/<i>.json`; `--resume` reuses them, so a long
+//! run survives an interruption (timings of reused prompts come from the run that made them: same machine and
+//! build, but not the same process). MT-Bench and XSum have no reference answer here: their quality is the ROUGE-L F1
+//! of each output against the same run's `target` output (1.0 = the target's own text).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -49,6 +54,15 @@ struct Args {
     /// Seconds a HumanEval test may run.
     #[arg(long, default_value_t = 10)]
     test_timeout: u64,
+    /// Skip the first K records (with --n: records K..K+N).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
+    /// Rows after a mismatch that must agree again (entropy verdict).
+    #[arg(long, default_value_t = parse_core::policy::DEFAULT_LOOKAHEAD)]
+    lookahead: usize,
+    /// Reuse per-prompt results of an earlier (interrupted) run with the same settings.
+    #[arg(long)]
+    resume: bool,
 }
 
 struct Record {
@@ -71,6 +85,7 @@ fn records(args: &Args) -> Result<Vec<Record>> {
     for (i, line) in text
         .lines()
         .filter(|l| !l.trim().is_empty())
+        .skip(args.skip)
         .take(args.n)
         .enumerate()
     {
@@ -187,6 +202,39 @@ fn asdiv_correct(rec: &Value, reply: &str) -> bool {
     pick.is_some_and(|g| (g - want).abs() < 1e-6 * want.abs().max(1.0))
 }
 
+/// One prompt's result, kept on disk for `--resume`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Saved {
+    tokens: Vec<u32>,
+    stats: Stats,
+}
+
+/// ROUGE-L F1 between two token sequences (longest common subsequence).
+fn rouge_l(reference: &[u32], candidate: &[u32]) -> f64 {
+    if reference.is_empty() || candidate.is_empty() {
+        return f64::from(u8::from(reference == candidate));
+    }
+    let mut prev = vec![0usize; candidate.len() + 1];
+    for r in reference {
+        let mut cur = vec![0usize; candidate.len() + 1];
+        for (j, c) in candidate.iter().enumerate() {
+            cur[j + 1] = if r == c {
+                prev[j] + 1
+            } else {
+                cur[j].max(prev[j + 1])
+            };
+        }
+        prev = cur;
+    }
+    let lcs = prev[candidate.len()] as f64;
+    let (p, r) = (lcs / candidate.len() as f64, lcs / reference.len() as f64);
+    if lcs == 0.0 {
+        0.0
+    } else {
+        2.0 * p * r / (p + r)
+    }
+}
+
 struct RunCfg {
     mode: Mode,
     verdict: Verdict,
@@ -254,7 +302,14 @@ fn main() -> Result<()> {
 
     let mut target_outputs: Vec<Vec<u32>> = Vec::new();
     let mut rows = Vec::new();
+    let runs_dir = args.out_dir.join(format!("{}-runs", args.suite));
     for cfg in &runs {
+        let run_dir = runs_dir.join(format!(
+            "{}-b{budget}-la{}",
+            label(cfg).replace([' ', '=', '+'], "_"),
+            args.lookahead
+        ));
+        std::fs::create_dir_all(&run_dir)?;
         let mut total = Stats::default();
         let mut outputs = Vec::new();
         let mut quality = 0.0;
@@ -270,17 +325,29 @@ fn main() -> Result<()> {
                     verdict: cfg.verdict,
                     tau: cfg.tau,
                     exact_floor: true,
+                    lookahead: args.lookahead,
                 },
                 segmenter: SegmenterConfig::default(),
                 window: DraftWindow::default(),
                 eos: tok.eos_ids().to_vec(),
                 judge_suffix: tok.judge_suffix()?,
             };
-            let out = {
-                let mut v = EngineVerifier::new(&mut target);
-                let mut d = EngineDrafter::new(&mut draft);
-                parse_core::generate(&mut d, &mut v, &req, &mut |_, _| true)
-                    .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?
+            let saved = run_dir.join(format!("{}.json", i + args.skip));
+            let out = match std::fs::read_to_string(&saved) {
+                Ok(text) if args.resume => serde_json::from_str::<Saved>(&text)
+                    .with_context(|| format!("{}", saved.display()))?,
+                _ => {
+                    let mut v = EngineVerifier::new(&mut target);
+                    let mut d = EngineDrafter::new(&mut draft);
+                    let o = parse_core::generate(&mut d, &mut v, &req, &mut |_, _| true)
+                        .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
+                    let s = Saved {
+                        tokens: o.tokens,
+                        stats: o.stats,
+                    };
+                    std::fs::write(&saved, serde_json::to_string(&s)?)?;
+                    s
+                }
             };
             let s = &out.stats;
             for (a, b) in [
@@ -308,7 +375,7 @@ fn main() -> Result<()> {
                 )?)),
                 "asdiv" => f64::from(u8::from(asdiv_correct(&recs[i].raw, &reply))),
                 _ => match target_outputs.get(i) {
-                    Some(t) => f64::from(u8::from(*t == out.tokens)),
+                    Some(t) => rouge_l(t, &out.tokens),
                     None => 1.0,
                 },
             };
@@ -353,6 +420,8 @@ fn main() -> Result<()> {
             "token_acceptance": ratio(total.draft_tokens_accepted, total.draft_tokens_proposed),
             "segment_acceptance": ratio(total.segments_accepted, total.segments_proposed),
             "quality": quality / n,
+            "solved": quality,
+            "draft_share": per_tok(total.draft_tokens_accepted),
             "prefix_agreement_with_target": prefix_share / n,
             "draft_s": total.draft_ms / 1e3,
             "verify_s": total.verify_ms / 1e3,
@@ -365,10 +434,10 @@ fn main() -> Result<()> {
     let quality_name = match args.suite.as_str() {
         "humaneval" => "pass@1",
         "asdiv" => "accuracy",
-        _ => "identical to target",
+        _ => "ROUGE-L vs target",
     };
     let mut md = format!(
-        "### {} ({} prompts, up to {budget} new tokens, greedy)\n\n| run | tok/s | x target | target passes/tok | target positions/tok | token acc. | segment acc. | {quality_name} | delta vs target | draft / verify / extend s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        "### {} ({} prompts, up to {budget} new tokens, greedy)\n\n| run | tok/s | x target | target passes/tok | target positions/tok | draft share of output | token acc. | segment acc. | {quality_name} | delta vs target | draft / verify / extend s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
         args.suite,
         prompts.len()
     );
@@ -379,12 +448,13 @@ fn main() -> Result<()> {
         r["quality_delta_points"] = json!((q - base_q) * 100.0);
         let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
         md.push_str(&format!(
-            "| {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.3} | {:.3} | {:.1}% | {:+.1} | {:.0} / {:.0} / {:.0} |\n",
+            "| {} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} | {:.3} | {:.3} | {:.1}% | {:+.1} | {:.0} / {:.0} / {:.0} |\n",
             r["run"].as_str().unwrap_or_default(),
             tps,
             tps / base_tps,
             f("target_passes_per_token"),
             f("target_positions_per_token"),
+            f("draft_share"),
             f("token_acceptance"),
             f("segment_acceptance"),
             q * 100.0,
@@ -450,4 +520,20 @@ fn plot(
         &series,
         (base_q * 100.0, 1.0),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rouge_l_counts_the_longest_common_subsequence() {
+        assert_eq!(rouge_l(&[1, 2, 3, 4], &[1, 2, 3, 4]), 1.0);
+        assert_eq!(rouge_l(&[1, 2, 3], &[4, 5]), 0.0);
+        // LCS [1, 3, 4] of 4 and 5 tokens: P = 3/5, R = 3/4, F1 = 2/3.
+        let f = rouge_l(&[1, 2, 3, 4], &[1, 3, 9, 4, 9]);
+        assert!((f - 2.0 / 3.0).abs() < 1e-12, "{f}");
+        assert_eq!(rouge_l(&[], &[]), 1.0);
+        assert_eq!(rouge_l(&[1], &[]), 0.0);
+    }
 }

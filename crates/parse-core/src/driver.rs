@@ -549,6 +549,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 verdict: crate::policy::Verdict::Likelihood,
                 tau: f32::INFINITY,
                 exact_floor: true,
+                ..Default::default()
             }
         } else {
             self.req.policy

@@ -87,7 +87,16 @@ impl Verifier for FakeVerifier {
                 Some(_) => 1e-4,
                 None => f32::NAN,
             };
-            rows.push(RowScore { argmax, prob });
+            rows.push(RowScore {
+                argmax,
+                prob,
+                top_prob: 0.9,
+                entropy: if plan.draft.get(t) == Some(&argmax) {
+                    0.4
+                } else {
+                    1.5
+                },
+            });
             if let Some(d) = plan.draft.get(t) {
                 ctx.push(*d);
             }
@@ -205,6 +214,7 @@ fn request(
             verdict,
             tau,
             exact_floor: true,
+            ..Default::default()
         },
         segmenter: SegmenterConfig {
             min_tokens: 2,
@@ -254,7 +264,7 @@ fn limits_hold_exactly_in_every_mode() {
             if max == 200 {
                 assert_ne!(target, draft, "the fake draft must disagree somewhere");
             }
-            for verdict in [Verdict::Likelihood, Verdict::Judge] {
+            for verdict in Verdict::ALL {
                 assert_eq!(
                     run(Mode::Target, 0.5, verdict, prompt, max).0.tokens,
                     target

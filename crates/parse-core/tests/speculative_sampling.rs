@@ -79,10 +79,10 @@ impl Verifier for Target {
         let mut rows = Vec::new();
         for t in 0..=plan.draft.len() {
             let d = target_dist(&ctx);
-            rows.push(RowScore {
-                argmax: 1,
-                prob: plan.draft.get(t).map_or(f32::NAN, |x| prob(&d, *x)),
-            });
+            rows.push(RowScore::new(
+                1,
+                plan.draft.get(t).map_or(f32::NAN, |x| prob(&d, *x)),
+            ));
             dists.push(d);
             if let Some(x) = plan.draft.get(t) {
                 ctx.push(*x);

@@ -23,6 +23,24 @@ pub fn token_prob(logits: &[f32], token: u32) -> f32 {
     }
 }
 
+/// The target's view of one row at temperature 1: the probability of `token` (NaN without one), the probability
+/// of the greedy token, and the entropy in nats. One pass over the row.
+pub fn row_view(logits: &[f32], token: Option<u32>) -> (f32, f32, f32) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
+    let (mut sum, mut weighted) = (0f64, 0f64);
+    for v in logits {
+        let z = (*v - max) as f64;
+        let e = z.exp();
+        sum += e;
+        weighted += z * e;
+    }
+    let prob = token
+        .and_then(|t| logits.get(t as usize))
+        .map_or(f32::NAN, |v| (((*v - max) as f64).exp() / sum) as f32);
+    let entropy = sum.ln() - weighted / sum;
+    (prob, (1.0 / sum) as f32, entropy.max(0.0) as f32)
+}
+
 /// The request's sampling distribution over `logits` as `(token, probability)`, zero entries dropped.
 fn sparse_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f32)> {
     distribution(logits, params)
@@ -132,9 +150,12 @@ impl<E: EngineOps> Verifier for EngineVerifier<E> {
         let rows = (0..=l)
             .map(|t| {
                 let row = logits.row(t);
+                let (prob, top_prob, entropy) = row_view(row, plan.draft.get(t).copied());
                 RowScore {
                     argmax: argmax(row),
-                    prob: plan.draft.get(t).map_or(f32::NAN, |d| token_prob(row, *d)),
+                    prob,
+                    top_prob,
+                    entropy,
                 }
             })
             .collect();

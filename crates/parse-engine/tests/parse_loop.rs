@@ -113,6 +113,7 @@ fn request(
             verdict,
             tau,
             exact_floor: true,
+            ..Default::default()
         },
         segmenter: SegmenterConfig::default(),
         window: DraftWindow::default(),
@@ -212,7 +213,7 @@ fn limits_on_tiny_random_models() {
         &mut draft,
         &common::PROMPTS[..3],
         24,
-        &[Verdict::Likelihood, Verdict::Judge],
+        &Verdict::ALL,
     );
 }
 
@@ -225,6 +226,6 @@ fn limits_on_the_real_pair() {
         &mut draft,
         &common::PROMPTS[..3],
         40,
-        &[Verdict::Likelihood],
+        &[Verdict::Likelihood, Verdict::Relative, Verdict::Entropy],
     );
 }

@@ -181,12 +181,16 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Segment verdict (parse modes).
-    #[arg(long, value_enum, default_value_t = Verdict::Likelihood)]
-    pub verdict: Verdict,
-    /// Acceptance threshold: > 1 accepts only exact matches, 0 accepts every draft.
-    #[arg(long, default_value_t = 1e-3)]
-    pub tau: f32,
+    /// Segment verdict (parse modes) [default: the project's default, see docs/parse.md].
+    #[arg(long, value_enum)]
+    pub verdict: Option<Verdict>,
+    /// Acceptance threshold: > 1 accepts only exact matches, 0 accepts every draft [default: the project's
+    /// default for the verdict].
+    #[arg(long)]
+    pub tau: Option<f32>,
+    /// Rows after a mismatch that must agree with the target again (entropy verdict).
+    #[arg(long, default_value_t = parse_core::policy::DEFAULT_LOOKAHEAD)]
+    pub lookahead: usize,
     /// Do not accept at least the tokens equal to the target's greedy choice.
     #[arg(long)]
     pub no_exact_floor: bool,
@@ -278,11 +282,9 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
             top_p: args.top_p,
             seed: args.seed,
         },
-        policy: parse_core::AcceptPolicy {
-            verdict: args.verdict,
-            tau: args.tau,
-            exact_floor: !args.no_exact_floor,
-        },
+        policy: parse_core::AcceptPolicy::for_verdict(args.verdict, args.tau)
+            .with_exact_floor(!args.no_exact_floor)
+            .with_lookahead(args.lookahead),
         segmenter: parse_core::SegmenterConfig {
             min_tokens: args.min_segment_tokens,
             max_tokens: args.max_segment_tokens,
@@ -394,8 +396,8 @@ fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
             seed: args.seed,
         }),
         mode,
-        tau: Some(args.tau),
-        verdict: args.verdict.as_str().into(),
+        tau: args.tau,
+        verdict: args.verdict.map(|v| v.as_str().into()).unwrap_or_default(),
         exact_floor: Some(!args.no_exact_floor),
         segmenter: Some(parse_client::Segmenter {
             min_tokens: Some(args.min_segment_tokens as u32),

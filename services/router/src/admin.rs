@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use parse_core::{AcceptPolicy, DraftWindow, Mode, Outcome, Verdict};
+use parse_discovery::Role;
 use parse_proto::v1::admin_server::{Admin, AdminServer};
 use parse_proto::v1::drafter_client::DrafterClient;
 use parse_proto::v1::verifier_client::VerifierClient;
@@ -199,10 +200,10 @@ pub struct AdminState {
     pub stats: StatsBook,
 }
 
-fn state_of(role: &str, w: &Worker) -> WorkerState {
+fn state_of(role: Role, w: &Worker) -> WorkerState {
     WorkerState {
         id: w.id.clone(),
-        role: role.to_string(),
+        role: role.as_str().to_string(),
         address: w.addr.clone(),
         healthy: w.healthy(),
         draining: w.draining(),
@@ -240,8 +241,8 @@ impl Admin for AdminService {
         self.authorize(&request)?;
         let mut workers = Vec::new();
         for (role, pool) in [
-            ("draft", &self.router.drafts),
-            ("target", &self.router.targets),
+            (Role::Draft, &self.router.drafts),
+            (Role::Target, &self.router.targets),
         ] {
             workers.extend(pool.workers().iter().map(|w| state_of(role, w)));
         }
@@ -255,8 +256,8 @@ impl Admin for AdminService {
         self.authorize(&request)?;
         let id = request.into_inner().id;
         let found = [
-            ("draft", &self.router.drafts),
-            ("target", &self.router.targets),
+            (Role::Draft, &self.router.drafts),
+            (Role::Target, &self.router.targets),
         ]
         .into_iter()
         .find_map(|(role, pool)| {
@@ -272,7 +273,7 @@ impl Admin for AdminService {
         w.set_draining();
         let mut req = Request::new(DrainRequest {});
         req.set_timeout(Duration::from_secs(5));
-        let open = if role == "draft" {
+        let open = if role == Role::Draft {
             DrafterClient::new(w.channel.clone()).drain(req).await
         } else {
             VerifierClient::new(w.channel.clone()).drain(req).await
@@ -285,7 +286,7 @@ impl Admin for AdminService {
         })?
         .into_inner()
         .open_sessions;
-        tracing::info!(%id, role, open, "draining");
+        tracing::info!(%id, role = role.as_str(), open, "draining");
         Ok(Response::new(DrainWorkerResponse {
             worker: Some(state_of(role, &w)),
             open_sessions: open,

@@ -147,8 +147,8 @@ impl Router {
     /// A router whose pools follow `discovery` (static, etcd, or in memory for tests); `cfg`'s worker lists only
     /// order the members they name. Call it inside a tokio runtime.
     pub fn with_discovery(cfg: RouterConfig, discovery: &dyn Discovery) -> Self {
-        let drafts = Arc::new(Pool::new("draft", cfg.connect_timeout));
-        let targets = Arc::new(Pool::new("target", cfg.connect_timeout));
+        let drafts = Arc::new(Pool::new(Role::Draft, cfg.connect_timeout));
+        let targets = Arc::new(Pool::new(Role::Target, cfg.connect_timeout));
         let cancel = CancellationToken::new();
         for (role, pool, listed) in [
             (Role::Draft, drafts.clone(), cfg.drafts.clone()),
@@ -197,12 +197,11 @@ impl Router {
         GenerationServer::new(self)
     }
 
-    /// `(id, address)` of the current members of a pool (`draft` or `target`).
-    pub fn members(&self, role: &str) -> Vec<(String, String)> {
-        let pool = if role == "draft" {
-            &self.drafts
-        } else {
-            &self.targets
+    /// `(id, address)` of the current members of a role's pool.
+    pub fn members(&self, role: Role) -> Vec<(String, String)> {
+        let pool = match role {
+            Role::Draft => &self.drafts,
+            Role::Target => &self.targets,
         };
         pool.workers()
             .iter()
@@ -308,11 +307,16 @@ impl Router {
             r.mode.parse()?
         };
         let mut policy = live.accept;
+        if !r.verdict.is_empty() {
+            // Another verdict than the router's comes with its own default tau (tau means something else).
+            let verdict = r.verdict.parse::<Verdict>()?;
+            if verdict != policy.verdict {
+                policy.verdict = verdict;
+                policy.tau = verdict.default_tau();
+            }
+        }
         if let Some(t) = r.tau {
             policy.tau = t;
-        }
-        if !r.verdict.is_empty() {
-            policy.verdict = r.verdict.parse::<Verdict>()?;
         }
         if let Some(f) = r.exact_floor {
             policy.exact_floor = f;

@@ -37,10 +37,12 @@ struct Args {
     /// Mode of requests that name none.
     #[arg(long, value_enum, default_value_t = Mode::Parse)]
     default_mode: Mode,
-    #[arg(long, default_value_t = 1e-3)]
-    default_tau: f32,
-    #[arg(long, value_enum, default_value_t = Verdict::Likelihood)]
-    default_verdict: Verdict,
+    /// Acceptance threshold of requests that name none [default: the verdict's default, see docs/parse.md].
+    #[arg(long)]
+    default_tau: Option<f32>,
+    /// Verdict of requests that name none [default: the project's default, see docs/parse.md].
+    #[arg(long, value_enum)]
+    default_verdict: Option<Verdict>,
     /// Address of the admin API (parse.v1.Admin).
     #[arg(long, env = "PARSE_ADMIN_LISTEN", default_value = "127.0.0.1:50052")]
     admin_listen: SocketAddr,
@@ -63,11 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let err = |e: parse_core::Error| anyhow::anyhow!(e.message);
     let default_mode = args.default_mode;
-    let policy = AcceptPolicy {
-        verdict: args.default_verdict,
-        tau: args.default_tau,
-        ..Default::default()
-    };
+    let policy = AcceptPolicy::for_verdict(args.default_verdict, args.default_tau);
     policy.validate().map_err(err)?;
     let router = Router::new(RouterConfig {
         drafts: args.drafts.clone(),

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use parse_discovery::Role;
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -60,7 +61,7 @@ impl Drop for Lease {
 
 /// Workers of one role.
 pub struct Pool {
-    pub role: &'static str,
+    pub role: Role,
     workers: RwLock<Vec<Arc<Worker>>>,
     connect_timeout: Duration,
 }
@@ -100,7 +101,7 @@ pub fn check_address(addr: &str) -> Result<(), tonic::transport::Error> {
 
 impl Pool {
     /// An empty pool; discovery fills it ([`Pool::sync`]).
-    pub fn new(role: &'static str, connect_timeout: Duration) -> Self {
+    pub fn new(role: Role, connect_timeout: Duration) -> Self {
         Pool {
             role,
             workers: RwLock::new(Vec::new()),
@@ -131,7 +132,7 @@ impl Pool {
         ws.retain(|w| {
             let keep = members.iter().any(|(id, a)| *id == w.id && *a == w.addr);
             if !keep {
-                tracing::info!(role = self.role, id = %w.id, addr = %w.addr, "worker left");
+                tracing::info!(role = self.role.as_str(), id = %w.id, addr = %w.addr, "worker left");
             }
             keep
         });
@@ -142,11 +143,13 @@ impl Pool {
             }
             match worker(id, addr, self.connect_timeout) {
                 Ok(w) => {
-                    tracing::info!(role = self.role, %id, %addr, "worker joined");
+                    tracing::info!(role = self.role.as_str(), %id, %addr, "worker joined");
                     ws.push(Arc::new(w));
                     changed = true;
                 }
-                Err(e) => tracing::warn!(role = self.role, %id, %addr, "unusable address: {e}"),
+                Err(e) => {
+                    tracing::warn!(role = self.role.as_str(), %id, %addr, "unusable address: {e}")
+                }
             }
         }
         changed
@@ -180,7 +183,7 @@ impl Pool {
                         && r.into_inner().status == ServingStatus::Serving as i32
                     {
                         w.healthy.store(true, Ordering::Relaxed);
-                        tracing::info!(role = pool.role, addr = %w.addr, "worker back");
+                        tracing::info!(role = pool.role.as_str(), addr = %w.addr, "worker back");
                     }
                 }
             }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _};
+use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _, VerifyPlan};
 use parse_engine::EngineOps;
 use parse_engine::backend::EngineVerifier;
 use parse_proto::v1::verifier_server::{Verifier, VerifierServer};
@@ -22,7 +22,7 @@ use parse_proto::v1::{
     GetModelInfoResponse, OpenSessionRequest, OpenSessionResponse, ReleaseRequest, ReleaseResponse,
     TruncateRequest, TruncateResponse, VerifyRequest, VerifyResponse,
 };
-use parse_proto::{check_session, plan_from, sampling_from, segmenter_from, status_from_core};
+use parse_proto::{check_session, sampling_from, segmenter_from, status_from_core};
 use parse_worker::{Shell, ShellConfig, State};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -259,7 +259,7 @@ impl Verifier for TargetWorker {
     ) -> Result<Response<VerifyResponse>, Status> {
         let r = request.into_inner();
         self.check_tokens(&r.tokens)?;
-        let plan = plan_from(&r).map_err(status_from_core)?;
+        let plan = VerifyPlan::try_from(&r).map_err(status_from_core)?;
         let session = r.session;
         let out = self
             .call(session.clone(), move |v| v.verify(&session, &plan))
