@@ -24,7 +24,12 @@ case "$what" in
   both) cmd="($main_cmd) && $test_cmd" ;;
   *) echo "usage: $0 [main|tests|both]" >&2; exit 2 ;;
 esac
+# The host's local certificate authorities (a network that inspects TLS needs them on every machine of it) go into
+# the container's trust store before anything else runs.
+cas=/usr/local/share/ca-certificates
+cmd="update-ca-certificates >/dev/null && $cmd"
 docker run --rm \
+  -v "$cas:$cas:ro" \
   -v "$work:/work" \
   -v "${RUSTUP_HOME:-$HOME/.rustup}:/root/.rustup" \
   -v "${CARGO_HOME:-$HOME/.cargo}/bin:/opt/cargo/bin:ro" \

@@ -70,11 +70,16 @@ impl LivePolicy {
         if let Some(m) = &r.default_mode {
             p.mode = m.parse().map_err(bad)?;
         }
+        if let Some(v) = &r.verdict {
+            // A new verdict brings its own default tau unless the same call sets one (tau means something else).
+            let v = v.parse::<Verdict>().map_err(bad)?;
+            if v != p.accept.verdict {
+                p.accept.verdict = v;
+                p.accept.tau = v.default_tau();
+            }
+        }
         if let Some(t) = r.tau {
             p.accept.tau = t;
-        }
-        if let Some(v) = &r.verdict {
-            p.accept.verdict = v.parse::<Verdict>().map_err(bad)?;
         }
         if let Some(n) = r.draft_segments {
             if !(1..=64).contains(&n) {
