@@ -17,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 git clone -q "$repo" "$work/main"
 cp -r "$repo/../shared" "$work/shared"
 main_cmd='deploy/setup.sh && deploy/local/up.sh && target/release/parsectl generate --router 127.0.0.1:50051 --mode parse --max-new-tokens 128 "Write a Python function that returns the n-th Fibonacci number."; status=$?; deploy/local/down.sh; exit $status'
-test_cmd='deploy/setup.sh --tests && deploy/models/fetch.py && cargo test --release --workspace'
+test_cmd='deploy/setup.sh --tests && deploy/models/fetch.py && cargo build --release --workspace && cargo test --release --workspace'
 case "$what" in
   main) cmd="$main_cmd" ;;
   tests) cmd="$test_cmd" ;;
