@@ -4,6 +4,10 @@
 //! to this run's own one-token decode step, which is what verification cost depends on.
 //!
 //! `cargo run --release -p parse-bench --bin engine-bench -- [--models target,draft] [--context 256] [--reps 5]`
+//!
+//! With `--llama-bench PATH` (built by `benches/llama-cpp/build.sh`), the same run also measures llama.cpp's
+//! `llama-bench` on the same GGUF files, threads and context depth, and prints both engines' figures and their
+//! ratios in one table. `PARSE_CPU_KERNELS=avx2|vnni` forces this engine's kernel variant.
 
 use std::time::Instant;
 
@@ -32,6 +36,80 @@ struct Args {
     /// Write the JSON report here as well.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// llama.cpp's `llama-bench` binary: measure it on the same files in the same run and print the ratios.
+    #[arg(long)]
+    llama_bench: Option<std::path::PathBuf>,
+    /// Repetitions for llama-bench.
+    #[arg(long, default_value_t = 3)]
+    llama_reps: usize,
+}
+
+/// llama.cpp's figures for one model: decode tok/s (`tg32` after `context` tokens) and 64-token prompt tok/s
+/// (`pp64` after `context` tokens; llama-bench computes logits at the last row of a prompt only).
+fn llama_cpp(bin: &std::path::Path, file: &std::path::Path, args: &Args) -> Result<(f64, f64)> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let out = std::process::Command::new(bin)
+        .args(["-m", &file.display().to_string()])
+        .args(["-t", &threads.to_string(), "-p", "64", "-n", "32"])
+        .args([
+            "-d",
+            &args.context.to_string(),
+            "-r",
+            &args.llama_reps.to_string(),
+        ])
+        .args(["-o", "json"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama-bench failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+    );
+    let runs: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("llama-bench JSON")?;
+    let pick = |prompt: u64, generated: u64| -> Result<f64> {
+        runs.as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| {
+                r["n_prompt"].as_u64() == Some(prompt) && r["n_gen"].as_u64() == Some(generated)
+            })
+            .and_then(|r| r["avg_ts"].as_f64())
+            .with_context(|| format!("no pp{prompt}/tg{generated} result from llama-bench"))
+    };
+    Ok((pick(0, 32)?, pick(64, 0)?))
+}
+
+/// The CPU's model name and the SIMD features that matter to the kernels.
+fn cpu_description() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let have: Vec<&str> = [
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx_vnni",
+        "amx_int8",
+    ]
+    .into_iter()
+    .filter(|f| flags.split_whitespace().any(|x| x == *f))
+    .collect();
+    format!("{} ({})", field("model name"), have.join(", "))
 }
 
 fn file_for(model: &str) -> Result<&'static str> {
@@ -53,6 +131,11 @@ fn context_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
 
 fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
     let path = model_dir().join(file_for(name)?);
+    // llama.cpp first, so its run does not share the machine with this engine's loaded model.
+    let llama = match &args.llama_bench {
+        Some(bin) => Some(llama_cpp(bin, &path, args)?),
+        None => None,
+    };
     let t0 = Instant::now();
     let mut e = Engine::load(&EngineConfig::new(&path))
         .with_context(|| format!("loading {}", path.display()))?;
@@ -118,6 +201,7 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
         "blocks": blocks,
         "kv_bytes_per_token": per_token,
         "kv_mib_per_1000_tokens": kv_1000 as f64 / (1 << 20) as f64,
+        "llama_cpp": llama.map(|(decode, pp64)| json!({ "decode_tokens_per_s": decode, "pp64_tokens_per_s": pp64 })),
     }))
 }
 
@@ -155,7 +239,64 @@ fn main() -> Result<()> {
         }
         reports.push(r);
     }
-    let report = json!({ "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), "models": reports });
+    if args.llama_bench.is_some() {
+        println!("\n### Against llama.cpp (same files, threads and context depth, one run)\n");
+        println!("| model | measure | llama.cpp tok/s | ours tok/s | ours / llama.cpp |");
+        println!("|---|---|---:|---:|---:|");
+        for r in &reports {
+            let l = &r["llama_cpp"];
+            let ours_decode = r["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+            let block = r["blocks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|b| b["tokens"] == 64);
+            let rows = [
+                (
+                    "decode",
+                    l["decode_tokens_per_s"].as_f64(),
+                    Some(ours_decode),
+                ),
+                (
+                    "64-token block, ours with logits at every row",
+                    l["pp64_tokens_per_s"].as_f64(),
+                    block
+                        .and_then(|b| b["ms_readout_all"].as_f64())
+                        .map(|ms| 64e3 / ms),
+                ),
+                (
+                    "64-token block, logits at the last row",
+                    l["pp64_tokens_per_s"].as_f64(),
+                    block
+                        .and_then(|b| b["ms_readout_last"].as_f64())
+                        .map(|ms| 64e3 / ms),
+                ),
+            ];
+            for (what, theirs, ours) in rows {
+                if let (Some(t), Some(o)) = (theirs, ours) {
+                    println!(
+                        "| {} | {what} | {t:.1} | {o:.1} | {:.2} |",
+                        r["model"].as_str().unwrap_or(""),
+                        o / t
+                    );
+                }
+            }
+        }
+    }
+    let cpu = cpu_description();
+    let kernels = parse_engine::kernels::active().to_string();
+    println!(
+        "\nCPU: {cpu}; kernels: {kernels}; threads: {}",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
+    let report = json!({
+        "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "cpu": cpu,
+        "kernels": kernels,
+        "models": reports,
+    });
     if let Some(out) = &args.out {
         std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
     }

@@ -226,19 +226,23 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-/// Matmul of a K-quant matrix through a register-tiled kernel of [`crate::kernels`].
-fn matmul_tiled<T: GgmlType<VecDotType = BlockQ8K>>(
+/// Signature of a K-quant panel of [`crate::kernels`].
+type KPanel<T> = fn(kernels::Kernels, &[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
+
+/// Matmul of a K-quant matrix through the register-tiled panels of [`crate::kernels`] (Q8_K activations).
+fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
     mat: &Mat<T>,
     x: &[f32],
     m: usize,
     out: &mut [f32],
-    tile_fn: fn(&[T], &[&[BlockQ8K]], &mut [f32]),
+    panel: KPanel<T>,
 ) {
     let (n, k) = (mat.rows, mat.cols);
     let kb = mat.blocks_per_row();
     let xq = quantize_rows::<T>(x, k, m);
+    let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+    let kern = kernels::active();
     let w = &mat.blocks;
-    let xq = &xq;
     let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
     drive(
         n,
@@ -246,18 +250,38 @@ fn matmul_tiled<T: GgmlType<VecDotType = BlockQ8K>>(
         chunk,
         |c0, dst| {
             let cw = dst.len() / m;
-            let c1 = c0 + cw;
-            let mut tile = [0f32; kernels::TILE_ROWS];
             for r0 in (0..m).step_by(kernels::TILE_ROWS) {
                 let r1 = (r0 + kernels::TILE_ROWS).min(m);
-                let rows: Vec<&[BlockQ8K]> = (r0..r1).map(|r| &xq[r * kb..(r + 1) * kb]).collect();
-                for c in c0..c1 {
-                    let t = &mut tile[..r1 - r0];
-                    tile_fn(&w[c * kb..(c + 1) * kb], &rows, t);
-                    for (i, v) in t.iter().enumerate() {
-                        dst[(r0 + i) * cw + (c - c0)] = *v;
-                    }
-                }
+                let wc = &w[c0 * kb..(c0 + cw) * kb];
+                panel(kern, wc, kb, &rows[r0..r1], &mut dst[r0 * cw..], cw);
+            }
+        },
+        out,
+    );
+}
+
+/// Signature of a 32-wide panel of [`crate::kernels`].
+type Panel32<T> = fn(kernels::Kernels, &[T], usize, &[kernels::Act32Row<'_>], &mut [f32], usize);
+
+/// Matmul of a Q8_0 or Q5_0 matrix through the panels of [`crate::kernels`] (Q8_0-rounded activations).
+fn matmul_32<T: GgmlType>(mat: &Mat<T>, x: &[f32], m: usize, out: &mut [f32], panel: Panel32<T>) {
+    let (n, k) = (mat.rows, mat.cols);
+    let kb = mat.blocks_per_row();
+    let xq = kernels::Act32::quantize(x, k, m);
+    let rows: Vec<kernels::Act32Row<'_>> = (0..m).map(|r| xq.row(r)).collect();
+    let kern = kernels::active();
+    let w = &mat.blocks;
+    let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
+    drive(
+        n,
+        m,
+        chunk,
+        |c0, dst| {
+            let cw = dst.len() / m;
+            for r0 in (0..m).step_by(kernels::TILE_ROWS) {
+                let r1 = (r0 + kernels::TILE_ROWS).min(m);
+                let wc = &w[c0 * kb..(c0 + cw) * kb];
+                panel(kern, wc, kb, &rows[r0..r1], &mut dst[r0 * cw..], cw);
             }
         },
         out,
@@ -533,10 +557,11 @@ impl QMatrix {
 
     /// Formats whose CPU dot kernels are slow (no SIMD path) are re-quantized to Q8_0, which has one. Q8_0 keeps
     /// 8 bits per weight, more than the 5 or 4 of the source, so the change in outputs is far below the source
-    /// format's own quantization error. Returns the matrix unchanged for every other format.
+    /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
+    /// main format, has its own kernels and is read as stored: 22 bytes per 32 weights instead of Q8_0's 34).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
-            QMatrix::Q4_1(_) | QMatrix::Q5_0(_) | QMatrix::Q5_1(_) => {
+            QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
                 let (rows, cols) = (self.rows(), self.cols());
                 let data = self.to_f32();
                 QMatrix::Q8_0(Mat::<BlockQ8_0>::from_f32(rows, cols, &data))
@@ -559,8 +584,10 @@ impl QMatrix {
             return Ok(());
         }
         match self {
-            QMatrix::Q4K(mat) => matmul_tiled(mat, x, m, out, kernels::q4k_dot_tile),
-            QMatrix::Q6K(mat) => matmul_tiled(mat, x, m, out, kernels::q6k_dot_tile),
+            QMatrix::Q4K(mat) => matmul_k(mat, x, m, out, kernels::q4k_panel),
+            QMatrix::Q6K(mat) => matmul_k(mat, x, m, out, kernels::q6k_panel),
+            QMatrix::Q8_0(mat) => matmul_32(mat, x, m, out, kernels::q8_0_panel),
+            QMatrix::Q5_0(mat) => matmul_32(mat, x, m, out, kernels::q5_0_panel),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }
         Ok(())

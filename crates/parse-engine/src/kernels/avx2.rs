@@ -1,0 +1,243 @@
+//! AVX2 + FMA variants (`maddubs` + `madd` per 32 products). Each computes the arithmetic of the matching
+//! `*_dot_scalar` definition in `super`, bit for bit.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// `R` activation rows against one Q4_K weight row. Lane `k` of each 32-bit accumulator collects bytes `4k..4k+4`
+/// of every 32-byte chunk (`maddubs` pairs bytes, `madd` pairs the pairs), as in [`q4k_dot_scalar`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q4k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_m = [_mm_setzero_ps(); R];
+    for (b, wb) in w.iter().enumerate() {
+        let (sc, m) = scales_mins(&wb.scales);
+        let mins = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
+        let wd = f16::from_bits(wb.d).to_f32();
+        let wdmin = f16::from_bits(wb.dmin).to_f32();
+        let mut sumi = [_mm256_setzero_si256(); R];
+        for j in 0..4 {
+            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
+            let bits = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
+            let lo = _mm256_and_si256(bits, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            let sl = _mm256_set1_epi16(sc[2 * j] as i16);
+            let sh = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                // SAFETY: qs has 256 bytes; the loads span 64j..64j+64.
+                let (al, ah) = unsafe {
+                    (
+                        _mm256_loadu_si256(q8.add(64 * j).cast()),
+                        _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
+                    )
+                };
+                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), sl);
+                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), sh);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for r in 0..R {
+            let xb = &xs[r][b];
+            let d = xb.d * wd;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            let dmin = xb.d * wdmin;
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
+            let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            let prod = _mm_madd_epi16(mins, bp);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+        let mut mlanes = [0f32; 4];
+        // SAFETY: mlanes holds 4 f32.
+        unsafe { _mm_storeu_ps(mlanes.as_mut_ptr(), acc_m[r]) };
+        lane_tree(lanes) - lane_tree4(mlanes)
+    })
+}
+
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q6k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm256_set1_epi8(0xF);
+    let m2 = _mm256_set1_epi8(3);
+    let mut acc = [0f32; R];
+    for (b, wb) in w.iter().enumerate() {
+        // SAFETY: scales has 16 bytes.
+        let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
+        let mut sumi = [_mm256_setzero_si256(); R];
+        for n in 0..2 {
+            // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n).cast()),
+                    _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n + 32).cast()),
+                    _mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast()),
+                )
+            };
+            let high = |shift: i32| -> __m256i {
+                let h = match shift {
+                    0 => qh,
+                    2 => _mm256_srli_epi16(qh, 2),
+                    4 => _mm256_srli_epi16(qh, 4),
+                    _ => _mm256_srli_epi16(qh, 6),
+                };
+                _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)
+            };
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+            ];
+            let scale: [__m256i; 4] = std::array::from_fn(|j| {
+                let g = 8 * n + 2 * j;
+                _mm256_set_m128i(
+                    _mm_set1_epi16(wb.scales[g + 1] as i16),
+                    _mm_set1_epi16(wb.scales[g] as i16),
+                )
+            });
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                for j in 0..4 {
+                    // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
+                    let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], p);
+                }
+            }
+        }
+        let wd = f16::from_bits(wb.d).to_f32();
+        for r in 0..R {
+            let xb = &xs[r][b];
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            let s = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
+            acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
+        }
+    }
+    acc
+}
+
+/// Folds the even-block and odd-block lane accumulators as in `lane_tree16`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fold16(even: __m256, odd: __m256) -> f32 {
+    let mut lanes = [0f32; 8];
+    // SAFETY: lanes holds 8 f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(even, odd)) };
+    lane_tree(lanes)
+}
+
+/// `R` activation rows against one Q8_0 weight row: `maddubs(|w|, sign(x, w))` then `madd` with ones gives the 8
+/// exact lane sums of [`q8_0_dot_scalar`] (activations never hold -128, so the sign trick cannot overflow).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q8_0(w);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for (b, wb) in w.iter().enumerate() {
+        // SAFETY: qs has 32 bytes.
+        let q = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().cast()) };
+        let aq = _mm256_sign_epi8(q, q);
+        let wd = f16::from_bits(wb.d).to_f32();
+        for r in 0..R {
+            let x = &xs[r];
+            // SAFETY: a row has 32 values per block; block b spans 32b..32b+32.
+            let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()) };
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, q)), ones);
+            let d = _mm256_set1_ps(wd * x.d[b]);
+            let h = b & 1;
+            acc[r][h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r][h]);
+        }
+    }
+    std::array::from_fn(|r| fold16(acc[r][0], acc[r][1]))
+}
+
+/// The 32 unsigned 5-bit values (`weight + 16`) of a Q5_0 block.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q5_0_unsigned(b: &RawQ5_0) -> __m256i {
+    // SAFETY: qs has 16 bytes.
+    let qs = unsafe { _mm_loadu_si128(b.qs.as_ptr().cast()) };
+    let m4 = _mm_set1_epi8(0xF);
+    let lo = _mm_and_si128(qs, m4);
+    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+    // Byte i of `bits` is 0x10 where bit i of qh is set: spread each qh byte over 8 bytes, test one bit per byte.
+    let qh = u32::from_le_bytes(b.qh) as i32;
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_or_si256(
+        _mm256_set_m128i(hi, lo),
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10)),
+    )
+}
+
+/// `R` activation rows against one Q5_0 weight row: `maddubs(q + 16, x)` then `madd` with ones, minus
+/// `16 * lane sum of x`, gives the 8 exact lane sums of [`q5_0_dot_scalar`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q5_0(w);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for (b, wb) in w.iter().enumerate() {
+        let q = q5_0_unsigned(wb);
+        let wd = f16::from_bits(wb.d).to_f32();
+        for r in 0..R {
+            let x = &xs[r];
+            // SAFETY: a row has 32 values and 8 lane sums per block; block b spans 32b.. and 8b.. .
+            let (a, ls) = unsafe {
+                (
+                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()),
+                    _mm256_loadu_si256(x.lsum.as_ptr().add(8 * b).cast()),
+                )
+            };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+            let s = _mm256_sub_epi32(p, _mm256_slli_epi32(ls, 4));
+            let d = _mm256_set1_ps(wd * x.d[b]);
+            let h = b & 1;
+            acc[r][h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r][h]);
+        }
+    }
+    std::array::from_fn(|r| fold16(acc[r][0], acc[r][1]))
+}
+
+panel_fn!(q4k_panel, q4k_tile, "avx2,fma", BlockQ4K, &[BlockQ8K]);
+panel_fn!(q6k_panel, q6k_tile, "avx2,fma", BlockQ6K, &[BlockQ8K]);
+panel_fn!(q8_0_panel, q8_0_tile, "avx2,fma", BlockQ8_0, Act32Row<'_>);
+panel_fn!(q5_0_panel, q5_0_tile, "avx2,fma", BlockQ5_0, Act32Row<'_>);

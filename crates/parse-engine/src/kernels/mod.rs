@@ -1,0 +1,786 @@
+//! CPU dot kernels for the engine's weight formats, chosen at run time by CPU feature.
+//!
+//! Each format has one arithmetic definition, written out without SIMD in a `*_dot_scalar` function; every SIMD
+//! variant (AVX2, AVX-512 VNNI) computes exactly that arithmetic, so all variants give bitwise the same results and
+//! a token's logits do not depend on the machine's kernel choice, nor on the rows that share a call:
+//! - the integer products of a block are summed exactly into fixed lanes (lane `k` takes bytes `4k..4k+4` of every
+//!   32-byte chunk), so how the SIMD instructions group them cannot change the sums;
+//! - floats accumulate per lane in a fixed order (`fma(d_x * d_w, lane as f32, acc)` over blocks) and the lanes are
+//!   summed in a fixed tree at the end.
+//!
+//! Per format:
+//! - Q4_K x Q8_K: 8 lanes of `scale * q4 * q8`; the min term through 4 lanes (lane `t` takes sub-blocks `2t` and
+//!   `2t + 1`).
+//! - Q6_K x Q8_K: a super-block's whole integer sum `S` is exact; `acc = fma(d_x * d_w, S as f32, acc)` in one chain.
+//! - Q8_0 and Q5_0 x Q8_0: 8 lanes per 32-value block; even blocks accumulate into lanes 0..8, odd blocks into lanes
+//!   8..16, and the 16 lanes are folded into 8 and summed in the tree.
+//!
+//! A call computes one weight row against up to [`TILE_ROWS`] activation rows (each weight block is unpacked once
+//! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
+//! `PARSE_CPU_KERNELS=scalar|avx2|vnni` forces a variant (tests, benchmarks); by default the best one the CPU
+//! supports is used, and the engine logs it.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8K};
+use half::f16;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
+/// Activation rows processed per call (8 measured fastest on the 2-core development machine: 4 and 6 were 10-20%
+/// slower on 64-token blocks; the kernels are instantiated for 1..=8).
+pub const TILE_ROWS: usize = 8;
+
+const QK_K: usize = 256;
+
+/// Byte layout of a Q4_K super-block (ggml's `block_q4_K`).
+#[repr(C)]
+struct RawQ4K {
+    d: u16,
+    dmin: u16,
+    scales: [u8; 12],
+    qs: [u8; QK_K / 2],
+}
+
+/// Byte layout of a Q6_K super-block (ggml's `block_q6_K`).
+#[repr(C)]
+struct RawQ6K {
+    ql: [u8; QK_K / 2],
+    qh: [u8; QK_K / 4],
+    scales: [i8; QK_K / 16],
+    d: u16,
+}
+
+/// Byte layout of a Q8_K super-block (ggml's `block_q8_K`).
+#[repr(C)]
+struct RawQ8K {
+    d: f32,
+    qs: [i8; QK_K],
+    bsums: [i16; QK_K / 16],
+}
+
+const _: () = assert!(std::mem::size_of::<RawQ4K>() == std::mem::size_of::<BlockQ4K>());
+const _: () = assert!(std::mem::align_of::<RawQ4K>() == std::mem::align_of::<BlockQ4K>());
+const _: () = assert!(std::mem::size_of::<RawQ8K>() == std::mem::size_of::<BlockQ8K>());
+const _: () = assert!(std::mem::align_of::<RawQ8K>() == std::mem::align_of::<BlockQ8K>());
+
+#[allow(unsafe_code)]
+fn raw_q4k(xs: &[BlockQ4K]) -> &[RawQ4K] {
+    // SAFETY: candle's BlockQ4K is `#[repr(C)] { d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128] }`, the same
+    // fields in the same order as RawQ4K (f16 and u16 share size, alignment and every bit pattern); size and
+    // alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ4K>(), xs.len()) }
+}
+
+const _: () = assert!(std::mem::size_of::<RawQ6K>() == std::mem::size_of::<BlockQ6K>());
+const _: () = assert!(std::mem::align_of::<RawQ6K>() == std::mem::align_of::<BlockQ6K>());
+
+#[allow(unsafe_code)]
+fn raw_q6k(xs: &[BlockQ6K]) -> &[RawQ6K] {
+    // SAFETY: candle's BlockQ6K is `#[repr(C)] { ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16 }`, the same
+    // fields in the same order as RawQ6K; size and alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ6K>(), xs.len()) }
+}
+
+#[allow(unsafe_code)]
+fn raw_q8k(xs: &[BlockQ8K]) -> &[RawQ8K] {
+    // SAFETY: candle's BlockQ8K is `#[repr(C)] { d: f32, qs: [i8; 256], bsums: [i16; 16] }`, identical to RawQ8K;
+    // size and alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ8K>(), xs.len()) }
+}
+
+/// The 6-bit sub-block scales and mins of a Q4_K super-block, as (scales, mins), 8 bytes each.
+#[inline]
+fn scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let u = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (u0, u1, u2) = (u(0), u(1), u(2));
+    let sc_lo = u0 & KMASK1;
+    let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let m_lo = u1 & KMASK1;
+    let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let join = |a: u32, b: u32| (a as u64 | ((b as u64) << 32)).to_le_bytes();
+    (join(sc_lo, sc_hi), join(m_lo, m_hi))
+}
+
+/// Lane `t` of the min term: sub-blocks `2t` and `2t + 1`.
+#[inline]
+fn min_lanes(m: &[u8; 8], bsums: &[i16; 16]) -> [i32; 4] {
+    let bp = |j: usize| bsums[2 * j] as i32 + bsums[2 * j + 1] as i32;
+    std::array::from_fn(|t| m[2 * t] as i32 * bp(2 * t) + m[2 * t + 1] as i32 * bp(2 * t + 1))
+}
+
+#[inline]
+fn lane_tree4(l: [f32; 4]) -> f32 {
+    (l[0] + l[2]) + (l[1] + l[3])
+}
+
+#[inline]
+fn lane_tree(l: [f32; 8]) -> f32 {
+    let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Reference definition of the dot product of one Q4_K row with one Q8_K row (no SIMD).
+#[allow(clippy::needless_range_loop)] // the byte index addresses weights and activations alike
+pub fn q4k_dot_scalar(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
+    let (w, x) = (raw_q4k(w), raw_q8k(x));
+    let mut acc = [0f32; 8];
+    let mut acc_m = [0f32; 4];
+    for (wb, xb) in w.iter().zip(x) {
+        let (sc, m) = scales_mins(&wb.scales);
+        let mut lanes = [0i32; 8];
+        for j in 0..4 {
+            let q = &wb.qs[32 * j..32 * j + 32];
+            for (k, lane) in lanes.iter_mut().enumerate() {
+                let mut lo = 0i32;
+                let mut hi = 0i32;
+                for b in 4 * k..4 * k + 4 {
+                    lo += (q[b] & 0xF) as i32 * xb.qs[64 * j + b] as i32;
+                    hi += (q[b] >> 4) as i32 * xb.qs[64 * j + 32 + b] as i32;
+                }
+                *lane += sc[2 * j] as i32 * lo + sc[2 * j + 1] as i32 * hi;
+            }
+        }
+        let d = xb.d * f16::from_bits(wb.d).to_f32();
+        let dmin = xb.d * f16::from_bits(wb.dmin).to_f32();
+        for (a, l) in acc.iter_mut().zip(lanes) {
+            *a = d.mul_add(l as f32, *a);
+        }
+        for (a, l) in acc_m.iter_mut().zip(min_lanes(&m, &xb.bsums)) {
+            *a = dmin.mul_add(l as f32, *a);
+        }
+    }
+    lane_tree(acc) - lane_tree4(acc_m)
+}
+
+/// The unsigned 6-bit value (0..64) of element `v` of a Q6_K super-block; the weight is `value - 32`.
+#[inline]
+fn q6k_value(b: &RawQ6K, v: usize) -> i32 {
+    let (n, rest) = (v / 128, v % 128);
+    let (part, l) = (rest / 32, rest % 32);
+    let ql = &b.ql[64 * n..64 * n + 64];
+    let qh = b.qh[32 * n + l];
+    let low = match part {
+        0 => ql[l] & 0xF,
+        1 => ql[l + 32] & 0xF,
+        2 => ql[l] >> 4,
+        _ => ql[l + 32] >> 4,
+    };
+    (low | (((qh >> (2 * part)) & 3) << 4)) as i32
+}
+
+/// Reference definition of the dot product of one Q6_K row with one Q8_K row (no SIMD).
+pub fn q6k_dot_scalar(w: &[BlockQ6K], x: &[BlockQ8K]) -> f32 {
+    let (w, x) = (raw_q6k(w), raw_q8k(x));
+    let mut acc = 0f32;
+    for (wb, xb) in w.iter().zip(x) {
+        let mut s = 0i32;
+        for g in 0..16 {
+            let group: i32 = (16 * g..16 * g + 16)
+                .map(|v| (q6k_value(wb, v) - 32) * xb.qs[v] as i32)
+                .sum();
+            s += wb.scales[g] as i32 * group;
+        }
+        let d = xb.d * f16::from_bits(wb.d).to_f32();
+        acc = d.mul_add(s as f32, acc);
+    }
+    acc
+}
+
+/// Byte layout of a Q8_0 block (ggml's `block_q8_0`).
+#[repr(C)]
+struct RawQ8_0 {
+    d: u16,
+    qs: [i8; 32],
+}
+
+/// Byte layout of a Q5_0 block (ggml's `block_q5_0`).
+#[repr(C)]
+struct RawQ5_0 {
+    d: u16,
+    qh: [u8; 4],
+    qs: [u8; 16],
+}
+
+const _: () = assert!(std::mem::size_of::<RawQ8_0>() == std::mem::size_of::<BlockQ8_0>());
+const _: () = assert!(std::mem::align_of::<RawQ8_0>() == std::mem::align_of::<BlockQ8_0>());
+const _: () = assert!(std::mem::size_of::<RawQ5_0>() == std::mem::size_of::<BlockQ5_0>());
+const _: () = assert!(std::mem::align_of::<RawQ5_0>() == std::mem::align_of::<BlockQ5_0>());
+
+#[allow(unsafe_code)]
+fn raw_q8_0(xs: &[BlockQ8_0]) -> &[RawQ8_0] {
+    // SAFETY: candle's BlockQ8_0 is `#[repr(C)] { d: f16, qs: [i8; 32] }`, the same fields in the same order as
+    // RawQ8_0; size and alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ8_0>(), xs.len()) }
+}
+
+#[allow(unsafe_code)]
+fn raw_q5_0(xs: &[BlockQ5_0]) -> &[RawQ5_0] {
+    // SAFETY: candle's BlockQ5_0 is `#[repr(C)] { d: f16, qh: [u8; 4], qs: [u8; 16] }`, the same fields in the same
+    // order as RawQ5_0; size and alignment equality is asserted at compile time above.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<RawQ5_0>(), xs.len()) }
+}
+
+/// Activation rows quantized to 8 bits in blocks of 32 (ggml's Q8_0 rounding), laid out for the 32-wide kernels:
+/// per block its scale as f32, its 32 values, and the 8 lane sums of its values (`lsum[k]` = bytes `4k..4k+4`).
+#[derive(Debug, Clone, Default)]
+pub struct Act32 {
+    kb: usize,
+    d: Vec<f32>,
+    qs: Vec<i8>,
+    lsum: Vec<i32>,
+}
+
+/// One row of an [`Act32`].
+#[derive(Clone, Copy)]
+pub struct Act32Row<'a> {
+    d: &'a [f32],
+    qs: &'a [i8],
+    lsum: &'a [i32],
+}
+
+impl Act32 {
+    /// Quantizes `m` rows of `k` values (`k` a multiple of 32).
+    pub fn quantize(x: &[f32], k: usize, m: usize) -> Self {
+        use candle_core::quantized::k_quants::GgmlType;
+        let kb = k / 32;
+        let mut blocks = vec![BlockQ8_0::zeros(); kb];
+        let mut a = Act32 {
+            kb,
+            d: Vec::with_capacity(m * kb),
+            qs: Vec::with_capacity(m * k),
+            lsum: Vec::with_capacity(m * kb * 8),
+        };
+        for row in x.chunks(k).take(m) {
+            BlockQ8_0::from_float(row, &mut blocks);
+            for b in raw_q8_0(&blocks) {
+                a.d.push(f16::from_bits(b.d).to_f32());
+                a.qs.extend_from_slice(&b.qs);
+                a.lsum.extend(
+                    b.qs.chunks(4)
+                        .map(|c| c.iter().map(|&v| v as i32).sum::<i32>()),
+                );
+            }
+        }
+        a
+    }
+
+    pub fn row(&self, r: usize) -> Act32Row<'_> {
+        let kb = self.kb;
+        Act32Row {
+            d: &self.d[r * kb..(r + 1) * kb],
+            qs: &self.qs[r * kb * 32..(r + 1) * kb * 32],
+            lsum: &self.lsum[r * kb * 8..(r + 1) * kb * 8],
+        }
+    }
+}
+
+#[inline]
+fn lane_tree16(l: [f32; 16]) -> f32 {
+    lane_tree(std::array::from_fn(|i| l[i] + l[8 + i]))
+}
+
+/// Reference definition of the dot product of one Q8_0 row with one activation row (no SIMD).
+pub fn q8_0_dot_scalar(w: &[BlockQ8_0], x: Act32Row<'_>) -> f32 {
+    let w = raw_q8_0(w);
+    let mut acc = [0f32; 16];
+    for (b, wb) in w.iter().enumerate() {
+        let d = f16::from_bits(wb.d).to_f32() * x.d[b];
+        let half = (b & 1) * 8;
+        for k in 0..8 {
+            let s: i32 = (4 * k..4 * k + 4)
+                .map(|i| wb.qs[i] as i32 * x.qs[32 * b + i] as i32)
+                .sum();
+            acc[half + k] = d.mul_add(s as f32, acc[half + k]);
+        }
+    }
+    lane_tree16(acc)
+}
+
+/// The 32 weights of a Q5_0 block, each in `-16..16`.
+#[inline]
+fn q5_0_values(b: &RawQ5_0) -> [i32; 32] {
+    let qh = u32::from_le_bytes(b.qh);
+    std::array::from_fn(|i| {
+        let low = if i < 16 {
+            b.qs[i] & 0xF
+        } else {
+            b.qs[i - 16] >> 4
+        };
+        (low as i32 | ((((qh >> i) & 1) as i32) << 4)) - 16
+    })
+}
+
+/// Reference definition of the dot product of one Q5_0 row with one activation row (no SIMD).
+pub fn q5_0_dot_scalar(w: &[BlockQ5_0], x: Act32Row<'_>) -> f32 {
+    let w = raw_q5_0(w);
+    let mut acc = [0f32; 16];
+    for (b, wb) in w.iter().enumerate() {
+        let d = f16::from_bits(wb.d).to_f32() * x.d[b];
+        let v = q5_0_values(wb);
+        let half = (b & 1) * 8;
+        for k in 0..8 {
+            let s: i32 = (4 * k..4 * k + 4)
+                .map(|i| v[i] * x.qs[32 * b + i] as i32)
+                .sum();
+            acc[half + k] = d.mul_add(s as f32, acc[half + k]);
+        }
+    }
+    lane_tree16(acc)
+}
+
+/// A family of kernel variants, from slowest to fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kernels {
+    /// The definitions without SIMD (any CPU).
+    Scalar,
+    /// AVX2 + FMA (`maddubs` + `madd` per 32 products).
+    Avx2,
+    /// AVX-512 with VNNI (`vpdpbusd`: 64 products per instruction).
+    Vnni,
+}
+
+impl Kernels {
+    pub const ALL: [Kernels; 3] = [Kernels::Scalar, Kernels::Avx2, Kernels::Vnni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Scalar => "scalar",
+            Kernels::Avx2 => "avx2",
+            Kernels::Vnni => "vnni",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" => Ok(Kernels::Scalar),
+            "avx2" => Ok(Kernels::Avx2),
+            "vnni" | "avx512" | "avx512vnni" => Ok(Kernels::Vnni),
+            "amx" => Err(
+                "AMX kernels are not implemented yet; use vnni (the fastest variant on AMX machines)".into(),
+            ),
+            other => Err(format!("unknown CPU kernels `{other}` (scalar, avx2 or vnni)")),
+        }
+    }
+
+    /// Whether this CPU can run the variant.
+    pub fn supported(self) -> bool {
+        match self {
+            Kernels::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2 => {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Vnni => {
+                Kernels::Avx2.supported()
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512dq")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The fastest variant this CPU supports.
+    pub fn best() -> Self {
+        Kernels::ALL
+            .into_iter()
+            .rev()
+            .find(|k| k.supported())
+            .unwrap_or(Kernels::Scalar)
+    }
+
+    fn code(self) -> u8 {
+        self as u8 + 1
+    }
+
+    fn from_code(c: u8) -> Option<Self> {
+        Kernels::ALL.get((c as usize).checked_sub(1)?).copied()
+    }
+}
+
+impl std::fmt::Display for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// 0: not chosen yet; otherwise `Kernels::code`.
+static ACTIVE: AtomicU8 = AtomicU8::new(0);
+
+/// The variant every matmul uses: `PARSE_CPU_KERNELS` if set (an unknown or unsupported value is logged and the
+/// best supported variant used instead), else the best this CPU supports. Chosen once per process.
+pub fn active() -> Kernels {
+    if let Some(k) = Kernels::from_code(ACTIVE.load(Ordering::Relaxed)) {
+        return k;
+    }
+    let best = Kernels::best();
+    let chosen = match std::env::var("PARSE_CPU_KERNELS") {
+        Ok(v) if !v.trim().is_empty() => match Kernels::parse(&v) {
+            Ok(k) if k.supported() => k,
+            Ok(k) => {
+                tracing::warn!(requested = %k, using = %best, "PARSE_CPU_KERNELS: this CPU lacks the features");
+                best
+            }
+            Err(e) => {
+                tracing::warn!(using = %best, "PARSE_CPU_KERNELS: {e}");
+                best
+            }
+        },
+        _ => best,
+    };
+    match ACTIVE.compare_exchange(0, chosen.code(), Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => {
+            tracing::info!(kernels = %chosen, best = %best, "CPU kernels chosen");
+            chosen
+        }
+        Err(c) => Kernels::from_code(c).unwrap_or(chosen),
+    }
+}
+
+/// Switches every later matmul of this process to `k` (tests and benchmarks compare variants in one process).
+pub fn set_active(k: Kernels) -> Result<(), String> {
+    if !k.supported() {
+        return Err(format!("this CPU cannot run the {k} kernels"));
+    }
+    ACTIVE.store(k.code(), Ordering::Relaxed);
+    Ok(())
+}
+
+/// Runs a panel: `out[r * stride + c] = dot(W[c], xs[r])` for every weight row `c` of `w` (`kb` blocks each) and
+/// activation row `r < xs.len() <= TILE_ROWS`, with the variant `k` (which must be supported; the caller took it
+/// from [`active`]).
+macro_rules! panel {
+    ($k:expr, $w:expr, $kb:expr, $xs:expr, $out:expr, $stride:expr, $scalar:path, $avx2:path, $vnni:path) => {{
+        let (k, w, kb, xs, out, stride) = ($k, $w, $kb, $xs, $out, $stride);
+        debug_assert!(xs.len() <= TILE_ROWS && kb > 0 && w.len() % kb == 0);
+        match k {
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            // SAFETY: `k` is supported by this CPU (set_active and active() only hand out supported variants).
+            Kernels::Avx2 => unsafe { $avx2(w, kb, xs, out, stride) },
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            // SAFETY: as above.
+            Kernels::Vnni => unsafe { $vnni(w, kb, xs, out, stride) },
+            _ => {
+                for (c, wc) in w.chunks(kb).enumerate() {
+                    for (r, x) in xs.iter().enumerate() {
+                        out[r * stride + c] = $scalar(wc, *x);
+                    }
+                }
+            }
+        }
+    }};
+}
+
+pub fn q4k_panel(
+    k: Kernels,
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel!(
+        k,
+        w,
+        kb,
+        xs,
+        out,
+        stride,
+        q4k_dot_scalar,
+        avx2::q4k_panel,
+        vnni::q4k_panel
+    )
+}
+
+pub fn q6k_panel(
+    k: Kernels,
+    w: &[BlockQ6K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel!(
+        k,
+        w,
+        kb,
+        xs,
+        out,
+        stride,
+        q6k_dot_scalar,
+        avx2::q6k_panel,
+        vnni::q6k_panel
+    )
+}
+
+pub fn q8_0_panel(
+    k: Kernels,
+    w: &[BlockQ8_0],
+    kb: usize,
+    xs: &[Act32Row<'_>],
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel!(
+        k,
+        w,
+        kb,
+        xs,
+        out,
+        stride,
+        q8_0_dot_scalar,
+        avx2::q8_0_panel,
+        vnni::q8_0_panel
+    )
+}
+
+pub fn q5_0_panel(
+    k: Kernels,
+    w: &[BlockQ5_0],
+    kb: usize,
+    xs: &[Act32Row<'_>],
+    out: &mut [f32],
+    stride: usize,
+) {
+    panel!(
+        k,
+        w,
+        kb,
+        xs,
+        out,
+        stride,
+        q5_0_dot_scalar,
+        avx2::q5_0_panel,
+        vnni::q5_0_panel
+    )
+}
+
+/// Weight rows ahead of the one being computed whose bytes a panel prefetches.
+const PREFETCH_ROWS: usize = 2;
+
+/// Expands to a `#[target_feature]` panel function for one format: a loop over weight rows that calls the
+/// variant's tile kernel `$tile::<R>` (instantiated for 1..=TILE_ROWS activation rows, inlined into the loop).
+macro_rules! panel_fn {
+    ($name:ident, $tile:ident, $feat:literal, $w:ty, $x:ty) => {
+        #[target_feature(enable = $feat)]
+        pub(super) unsafe fn $name(w: &[$w], kb: usize, xs: &[$x], out: &mut [f32], stride: usize) {
+            #[target_feature(enable = $feat)]
+            unsafe fn run<const R: usize>(
+                w: &[$w],
+                kb: usize,
+                xs: &[$x],
+                out: &mut [f32],
+                stride: usize,
+            ) {
+                let xs: &[$x; R] = xs.try_into().expect("tile size");
+                let row_bytes = kb * std::mem::size_of::<$w>();
+                for (c, wc) in w.chunks_exact(kb).enumerate() {
+                    // Decode streams the weights once: ask for the row after next while this one is computed.
+                    if let Some(ahead) = w.get((c + PREFETCH_ROWS) * kb) {
+                        let p = (ahead as *const $w).cast::<i8>();
+                        for off in (0..row_bytes).step_by(64) {
+                            // SAFETY: the row `ahead` starts has `row_bytes` bytes; prefetching never faults.
+                            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.add(off)) };
+                        }
+                    }
+                    // SAFETY: the caller's CPU has the features this function was compiled for.
+                    let d: [f32; R] = unsafe { $tile::<R>(wc, xs) };
+                    for (r, v) in d.into_iter().enumerate() {
+                        out[r * stride + c] = v;
+                    }
+                }
+            }
+            // SAFETY: as above; each arm instantiates `run` for the tile size it matched.
+            unsafe {
+                match xs.len() {
+                    0 => {}
+                    1 => run::<1>(w, kb, xs, out, stride),
+                    2 => run::<2>(w, kb, xs, out, stride),
+                    3 => run::<3>(w, kb, xs, out, stride),
+                    4 => run::<4>(w, kb, xs, out, stride),
+                    5 => run::<5>(w, kb, xs, out, stride),
+                    6 => run::<6>(w, kb, xs, out, stride),
+                    7 => run::<7>(w, kb, xs, out, stride),
+                    _ => run::<8>(w, kb, xs, out, stride),
+                }
+            }
+        }
+    };
+}
+use panel_fn;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::k_quants::GgmlType;
+    use rand::{Rng, SeedableRng};
+
+    fn blocks<T: GgmlType>(data: &[f32]) -> Vec<T> {
+        let mut b = vec![T::zeros(); data.len() / T::BLCK_SIZE];
+        T::from_float(data, &mut b);
+        b
+    }
+
+    fn random(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    /// The variants this CPU can run, saying which it cannot.
+    fn variants() -> Vec<Kernels> {
+        Kernels::ALL
+            .into_iter()
+            .filter(|k| {
+                let ok = k.supported();
+                if !ok {
+                    eprintln!("skipping the {k} kernels: this CPU lacks the features");
+                }
+                ok
+            })
+            .collect()
+    }
+
+    /// Runs `panel` for every supported variant and tile size over 5 weight rows and checks every output against
+    /// the scalar definition bit for bit.
+    fn check<W: Clone, X: Copy>(
+        name: &str,
+        w: &[W],
+        kb: usize,
+        xs: &[X],
+        panel: impl Fn(Kernels, &[W], usize, &[X], &mut [f32], usize),
+        scalar: impl Fn(&[W], X) -> f32,
+    ) {
+        let cols = w.len() / kb;
+        for k in variants() {
+            for n in 1..=TILE_ROWS {
+                let stride = cols + 3;
+                let mut out = vec![f32::NAN; n * stride];
+                panel(k, w, kb, &xs[..n], &mut out, stride);
+                for r in 0..n {
+                    for c in 0..cols {
+                        let want = scalar(&w[c * kb..(c + 1) * kb], xs[r]);
+                        let got = out[r * stride + c];
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{name} {k}: tile of {n}, row {r}, col {c}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_variant_equals_the_scalar_definition_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let kb = 6;
+        let k = kb * QK_K;
+        let w = random(&mut rng, 5 * k, 1.0);
+        let xf: Vec<Vec<f32>> = (0..TILE_ROWS).map(|_| random(&mut rng, k, 3.0)).collect();
+        let x8k: Vec<Vec<BlockQ8K>> = xf.iter().map(|x| blocks::<BlockQ8K>(x)).collect();
+        let refs: Vec<&[BlockQ8K]> = x8k.iter().map(|r| r.as_slice()).collect();
+        check(
+            "q4k",
+            &blocks::<BlockQ4K>(&w),
+            kb,
+            &refs,
+            q4k_panel,
+            q4k_dot_scalar,
+        );
+        check(
+            "q6k",
+            &blocks::<BlockQ6K>(&w),
+            kb,
+            &refs,
+            q6k_panel,
+            q6k_dot_scalar,
+        );
+        // 32-wide formats: an even and an odd number of blocks per row.
+        for kb32 in [kb * 8, 7] {
+            let k32 = kb32 * 32;
+            let w32 = random(&mut rng, 5 * k32, 1.0);
+            let x: Vec<f32> = xf
+                .iter()
+                .flat_map(|r| r[..k32.min(k)].to_vec())
+                .collect::<Vec<_>>();
+            let x = if k32 <= k {
+                x
+            } else {
+                random(&mut rng, TILE_ROWS * k32, 3.0)
+            };
+            let act = Act32::quantize(&x, k32, TILE_ROWS);
+            let rows: Vec<Act32Row<'_>> = (0..TILE_ROWS).map(|r| act.row(r)).collect();
+            check(
+                "q8_0",
+                &blocks::<BlockQ8_0>(&w32),
+                kb32,
+                &rows,
+                q8_0_panel,
+                q8_0_dot_scalar,
+            );
+            check(
+                "q5_0",
+                &blocks::<BlockQ5_0>(&w32),
+                kb32,
+                &rows,
+                q5_0_panel,
+                q5_0_dot_scalar,
+            );
+        }
+    }
+
+    #[test]
+    fn the_definitions_agree_with_candles_dot_products() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(10);
+        let k = 6 * QK_K;
+        let w = random(&mut rng, k, 1.0);
+        let x = random(&mut rng, k, 3.0);
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-4 * a.abs().max(1.0);
+        let x8k = blocks::<BlockQ8K>(&x);
+        let (w4, w6) = (blocks::<BlockQ4K>(&w), blocks::<BlockQ6K>(&w));
+        let (a, b) = (BlockQ4K::vec_dot(k, &w4, &x8k), q4k_dot_scalar(&w4, &x8k));
+        assert!(close(a, b), "q4k: {a} vs {b}");
+        let (a, b) = (BlockQ6K::vec_dot(k, &w6, &x8k), q6k_dot_scalar(&w6, &x8k));
+        assert!(close(a, b), "q6k: {a} vs {b}");
+        let x80 = blocks::<BlockQ8_0>(&x);
+        let act = Act32::quantize(&x, k, 1);
+        let (w8, w5) = (blocks::<BlockQ8_0>(&w), blocks::<BlockQ5_0>(&w));
+        let (a, b) = (
+            BlockQ8_0::vec_dot(k, &w8, &x80),
+            q8_0_dot_scalar(&w8, act.row(0)),
+        );
+        assert!(close(a, b), "q8_0: {a} vs {b}");
+        let (a, b) = (
+            BlockQ5_0::vec_dot(k, &w5, &x80),
+            q5_0_dot_scalar(&w5, act.row(0)),
+        );
+        assert!(close(a, b), "q5_0: {a} vs {b}");
+    }
+
+    #[test]
+    fn kernel_names_parse_and_unknown_ones_are_errors() {
+        for k in Kernels::ALL {
+            assert_eq!(Kernels::parse(k.name()), Ok(k));
+        }
+        assert!(
+            Kernels::parse("amx")
+                .unwrap_err()
+                .contains("not implemented")
+        );
+        assert!(Kernels::parse("sse9").is_err());
+        assert!(Kernels::best().supported());
+    }
+}

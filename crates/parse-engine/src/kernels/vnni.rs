@@ -1,0 +1,344 @@
+//! AVX-512 VNNI variants: `vpdpbusd` sums 64 byte products into 16 lanes per instruction. Each computes the
+//! arithmetic of the matching `*_dot_scalar` definition in `super`, bit for bit: the integer lane sums are exact
+//! however they are grouped, and the float steps are those of the AVX2 variants.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// `R` activation rows against one Q4_K weight row. A 32-byte chunk of weights becomes one 64-byte vector (low
+/// nibbles, then high nibbles), which lines up with 64 consecutive activations; `dpbusd` gives the 4-byte sums,
+/// `dpwssd` multiplies them by the sub-block scale (low 16 bits) and accumulates. Lanes `k` and `8 + k` hold the
+/// two halves of lane `k` of [`q4k_dot_scalar`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q4k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm512_set1_epi8(0xF);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_m = [_mm_setzero_ps(); R];
+    for (b, wb) in w.iter().enumerate() {
+        let (sc, m) = scales_mins(&wb.scales);
+        let mins = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
+        let wd = f16::from_bits(wb.d).to_f32();
+        let wdmin = f16::from_bits(wb.dmin).to_f32();
+        let mut sumi = [zero; R];
+        for j in 0..4 {
+            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
+            let bits = _mm512_broadcast_i64x4(unsafe {
+                _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast())
+            });
+            let q = _mm512_and_si512(
+                _mm512_mask_blend_epi64(0xF0, bits, _mm512_srli_epi16(bits, 4)),
+                m4,
+            );
+            let scale = _mm512_inserti64x4(
+                _mm512_set1_epi32(sc[2 * j] as i32),
+                _mm256_set1_epi32(sc[2 * j + 1] as i32),
+                1,
+            );
+            for r in 0..R {
+                // SAFETY: qs has 256 bytes; the load spans 64j..64j+64.
+                let a = unsafe { _mm512_loadu_si512(xs[r][b].qs.as_ptr().add(64 * j).cast()) };
+                sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q, a), scale);
+            }
+        }
+        for r in 0..R {
+            let xb = &xs[r][b];
+            let s8 = _mm256_add_epi32(
+                _mm512_castsi512_si256(sumi[r]),
+                _mm512_extracti64x4_epi64(sumi[r], 1),
+            );
+            let d = xb.d * wd;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s8), acc[r]);
+            let dmin = xb.d * wdmin;
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
+            let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            let prod = _mm_madd_epi16(mins, bp);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+        let mut mlanes = [0f32; 4];
+        // SAFETY: mlanes holds 4 f32.
+        unsafe { _mm_storeu_ps(mlanes.as_mut_ptr(), acc_m[r]) };
+        lane_tree(lanes) - lane_tree4(mlanes)
+    })
+}
+
+/// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q6k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm512_set1_epi8(0xF);
+    let m2 = _mm512_set1_epi8(3);
+    let zero = _mm512_setzero_si512();
+    let lo16 = _mm512_set1_epi32(0xFFFF);
+    // Per-half shifts of the high-bit bytes: (0, 2) for values 0..64 of a 128-value segment, (4, 6) for 64..128.
+    let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    let mut acc = [0f32; R];
+    for (b, wb) in w.iter().enumerate() {
+        // SAFETY: scales has 16 bytes.
+        let sc_bytes = unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) };
+        let sc16 = _mm256_cvtepi8_epi16(sc_bytes);
+        let mut sumi = [zero; R];
+        for n in 0..2 {
+            // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+            let (ql, qh) = unsafe {
+                (
+                    _mm512_loadu_si512(wb.ql.as_ptr().add(64 * n).cast()),
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast())),
+                )
+            };
+            let high = |shift: __m512i| {
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
+            };
+            let q = [
+                _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01)),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                    high(shift23),
+                ),
+            ];
+            // Lane i of part p covers 4 values of group 8n + 4p + i/4: its scale, in the low 16 bits.
+            let scale: [__m512i; 2] = std::array::from_fn(|p| {
+                let g = (8 * n + 4 * p) as i8;
+                let idx = _mm_set_epi8(
+                    g + 3,
+                    g + 3,
+                    g + 3,
+                    g + 3,
+                    g + 2,
+                    g + 2,
+                    g + 2,
+                    g + 2,
+                    g + 1,
+                    g + 1,
+                    g + 1,
+                    g + 1,
+                    g,
+                    g,
+                    g,
+                    g,
+                );
+                _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc_bytes, idx)), lo16)
+            });
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                for p in 0..2 {
+                    // SAFETY: qs has 256 bytes; the load spans 128n + 64p .. +64.
+                    let a = unsafe { _mm512_loadu_si512(q8.add(128 * n + 64 * p).cast()) };
+                    sumi[r] =
+                        _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q[p], a), scale[p]);
+                }
+            }
+        }
+        let wd = f16::from_bits(wb.d).to_f32();
+        for r in 0..R {
+            let xb = &xs[r][b];
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
+            let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            let s = _mm512_reduce_add_epi32(sumi[r]).wrapping_sub(hsum256(offset));
+            acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum256(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Folds the 16 lanes (even blocks in 0..8, odd blocks in 8..16) as in `lane_tree16`.
+#[target_feature(enable = "avx512f,avx512dq,avx2")]
+#[inline]
+fn fold16(acc: __m512) -> f32 {
+    let mut lanes = [0f32; 8];
+    let s = _mm256_add_ps(
+        _mm512_castps512_ps256(acc),
+        _mm512_extractf32x8_ps::<1>(acc),
+    );
+    // SAFETY: lanes holds 8 f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
+    lane_tree(lanes)
+}
+
+/// The 64 activations of blocks `b` and `b + 1` of a row (only block `b`'s 32, zero-padded, when `pair` is false).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn act64(x: &Act32Row<'_>, b: usize, pair: bool) -> __m512i {
+    let p = x.qs[32 * b..].as_ptr();
+    if pair {
+        // SAFETY: blocks b and b + 1 exist: 64 values from 32b.
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    } else {
+        // SAFETY: block b exists: 32 values from 32b.
+        _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(p.cast()) })
+    }
+}
+
+/// The f32 block scales `d_w * d_x` of blocks `b` and `b + 1`, 8 lanes each.
+#[target_feature(enable = "avx512f,avx512dq")]
+#[inline]
+fn scales16(d0: f32, d1: f32) -> __m512 {
+    _mm512_insertf32x8::<1>(_mm512_set1_ps(d0), _mm256_set1_ps(d1))
+}
+
+/// `R` activation rows against one Q8_0 weight row, two blocks per step. `dpbusd(x + 128, w)` starting from
+/// `-128 * lane sum of w` gives the 8 exact lane sums of each block of [`q8_0_dot_scalar`]; block `b` lands in
+/// lanes `(b & 1) * 8 ..`, which is where the definition accumulates it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+#[inline]
+unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q8_0(w);
+    let x80 = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in (0..w.len()).step_by(2) {
+        let pair = b + 1 < w.len();
+        // SAFETY: qs has 32 bytes.
+        let w0 = _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(w[b].qs.as_ptr().cast()) });
+        let q = if pair {
+            // SAFETY: as above, for block b + 1.
+            _mm512_inserti64x4(
+                w0,
+                unsafe { _mm256_loadu_si256(w[b + 1].qs.as_ptr().cast()) },
+                1,
+            )
+        } else {
+            w0
+        };
+        let neg = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, x80, q));
+        let wd0 = f16::from_bits(w[b].d).to_f32();
+        let wd1 = if pair {
+            f16::from_bits(w[b + 1].d).to_f32()
+        } else {
+            0.0
+        };
+        for r in 0..R {
+            let x = &xs[r];
+            let a = _mm512_xor_si512(act64(x, b, pair), x80);
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, a, q));
+            if pair {
+                let d = scales16(wd0 * x.d[b], wd1 * x.d[b + 1]);
+                acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+            } else {
+                let d = _mm512_set1_ps(wd0 * x.d[b]);
+                acc[r] = _mm512_mask3_fmadd_ps(d, s, acc[r], 0x00FF);
+            }
+        }
+    }
+    std::array::from_fn(|r| fold16(acc[r]))
+}
+
+/// The unsigned 5-bit values (`weight + 16`) of Q5_0 blocks `b` and `b + 1` (block `b` alone when `pair` is false).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[inline]
+fn q5_0_unsigned(w: &[RawQ5_0], b: usize, pair: bool) -> __m512i {
+    let m4 = _mm_set1_epi8(0xF);
+    let nibbles = |blk: &RawQ5_0| {
+        // SAFETY: qs has 16 bytes.
+        let qs = unsafe { _mm_loadu_si128(blk.qs.as_ptr().cast()) };
+        _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+            _mm_and_si128(qs, m4),
+        )
+    };
+    let lo = _mm512_castsi256_si512(nibbles(&w[b]));
+    let mut bits = u32::from_le_bytes(w[b].qh) as u64;
+    let v = if pair {
+        bits |= (u32::from_le_bytes(w[b + 1].qh) as u64) << 32;
+        _mm512_inserti64x4(lo, nibbles(&w[b + 1]), 1)
+    } else {
+        lo
+    };
+    _mm512_or_si512(v, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)))
+}
+
+/// `R` activation rows against one Q5_0 weight row, two blocks per step: `dpbusd(q + 16, x)` starting from
+/// `-16 * lane sum of x` gives the 8 exact lane sums of each block of [`q5_0_dot_scalar`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+#[inline]
+unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q5_0(w);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in (0..w.len()).step_by(2) {
+        let pair = b + 1 < w.len();
+        let q = q5_0_unsigned(w, b, pair);
+        let wd0 = f16::from_bits(w[b].d).to_f32();
+        let wd1 = if pair {
+            f16::from_bits(w[b + 1].d).to_f32()
+        } else {
+            0.0
+        };
+        for r in 0..R {
+            let x = &xs[r];
+            let ls = if pair {
+                // SAFETY: 16 lane sums of blocks b and b + 1 from 8b.
+                unsafe { _mm512_loadu_si512(x.lsum[8 * b..].as_ptr().cast()) }
+            } else {
+                // SAFETY: 8 lane sums of block b from 8b.
+                _mm512_castsi256_si512(unsafe {
+                    _mm256_loadu_si256(x.lsum[8 * b..].as_ptr().cast())
+                })
+            };
+            let neg = _mm512_sub_epi32(zero, _mm512_slli_epi32(ls, 4));
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, q, act64(x, b, pair)));
+            if pair {
+                let d = scales16(wd0 * x.d[b], wd1 * x.d[b + 1]);
+                acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+            } else {
+                let d = _mm512_set1_ps(wd0 * x.d[b]);
+                acc[r] = _mm512_mask3_fmadd_ps(d, s, acc[r], 0x00FF);
+            }
+        }
+    }
+    std::array::from_fn(|r| fold16(acc[r]))
+}
+
+panel_fn!(
+    q4k_panel,
+    q4k_tile,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ4K,
+    &[BlockQ8K]
+);
+panel_fn!(
+    q6k_panel,
+    q6k_tile,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ6K,
+    &[BlockQ8K]
+);
+panel_fn!(
+    q8_0_panel,
+    q8_0_tile,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ8_0,
+    Act32Row<'_>
+);
+panel_fn!(
+    q5_0_panel,
+    q5_0_tile,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ5_0,
+    Act32Row<'_>
+);
