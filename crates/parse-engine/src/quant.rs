@@ -260,6 +260,55 @@ fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
     );
 }
 
+/// The AMX tile function of a K-quant format.
+#[cfg(target_arch = "x86_64")]
+type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usize);
+
+/// K-quant matmul of a block of rows through AMX tiles: 16-column groups on the tiles, any remaining columns of a
+/// chunk through the VNNI panels (the same arithmetic).
+#[cfg(target_arch = "x86_64")]
+fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    groups: AmxGroups<T>,
+    panel: KPanel<T>,
+) {
+    let (n, k) = (mat.rows, mat.cols);
+    let kb = mat.blocks_per_row();
+    let xq = quantize_rows::<T>(x, k, m);
+    let acts = kernels::amx::Acts::new(&xq, kb, m);
+    let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+    let w = &mat.blocks;
+    let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
+    drive(
+        n,
+        m,
+        chunk,
+        |c0, dst| {
+            let cw = dst.len() / m;
+            let full = cw / 16 * 16;
+            if full > 0 {
+                #[allow(unsafe_code)]
+                // SAFETY: the active variant is Amx, which is only handed out when the CPU and the OS allow it.
+                unsafe {
+                    groups(&w[c0 * kb..(c0 + full) * kb], kb, &acts, dst, cw)
+                };
+            }
+            if full < cw {
+                for r0 in (0..m).step_by(kernels::TILE_ROWS) {
+                    let r1 = (r0 + kernels::TILE_ROWS).min(m);
+                    let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
+                    let d = &mut dst[r0 * cw + full..];
+                    panel(kernels::Kernels::Vnni, wc, kb, &rows[r0..r1], d, cw);
+                }
+            }
+        },
+        out,
+    );
+}
+
 /// Signature of a 32-wide panel of [`crate::kernels`].
 type Panel32<T> = fn(kernels::Kernels, &[T], usize, &[kernels::Act32Row<'_>], &mut [f32], usize);
 
@@ -583,7 +632,16 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
+        let amx = m >= kernels::amx::MIN_ROWS && kernels::active() == kernels::Kernels::Amx;
         match self {
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q4K(mat) if amx => {
+                matmul_k_amx(mat, x, m, out, kernels::amx::q4k_groups, kernels::q4k_panel)
+            }
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q6K(mat) if amx => {
+                matmul_k_amx(mat, x, m, out, kernels::amx::q6k_groups, kernels::q6k_panel)
+            }
             QMatrix::Q4K(mat) => matmul_k(mat, x, m, out, kernels::q4k_panel),
             QMatrix::Q6K(mat) => matmul_k(mat, x, m, out, kernels::q6k_panel),
             QMatrix::Q8_0(mat) => matmul_32(mat, x, m, out, kernels::q8_0_panel),

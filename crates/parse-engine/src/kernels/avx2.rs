@@ -15,8 +15,8 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
     let w = raw_q4k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
     let m4 = _mm256_set1_epi8(0xF);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut acc_m = [_mm_setzero_ps(); R];
+    let mut acc = [0f32; R];
+    let mut acc_m = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
         let (sc, m) = scales_mins(&wb.scales);
         let mins = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
@@ -46,25 +46,19 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
         }
         for r in 0..R {
             let xb = &xs[r][b];
-            let d = xb.d * wd;
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            let s = hsum_i32(sumi[r]);
+            acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
             let dmin = xb.d * wdmin;
             // SAFETY: bsums has 16 i16 (32 bytes).
             let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
             let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             let prod = _mm_madd_epi16(mins, bp);
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            let p2 = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0b01_00_11_10));
+            let mn = _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0b10_11_00_01)));
+            acc_m[r] = dmin.mul_add(mn as f32, acc_m[r]);
         }
     }
-    std::array::from_fn(|r| {
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-        let mut mlanes = [0f32; 4];
-        // SAFETY: mlanes holds 4 f32.
-        unsafe { _mm_storeu_ps(mlanes.as_mut_ptr(), acc_m[r]) };
-        lane_tree(lanes) - lane_tree4(mlanes)
-    })
+    std::array::from_fn(|r| acc[r] - acc_m[r])
 }
 
 #[target_feature(enable = "avx2")]

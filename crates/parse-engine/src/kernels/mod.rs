@@ -9,15 +9,16 @@
 //!   summed in a fixed tree at the end.
 //!
 //! Per format:
-//! - Q4_K x Q8_K: 8 lanes of `scale * q4 * q8`; the min term through 4 lanes (lane `t` takes sub-blocks `2t` and
-//!   `2t + 1`).
+//! - Q4_K x Q8_K: a super-block's scaled products and its min term are exact integers `S` and `M`;
+//!   `acc = fma(d_x * d_w, S as f32, acc)` and `acc_m = fma(d_x * dmin_w, M as f32, acc_m)` in two chains, and the
+//!   dot product is `acc - acc_m` (a whole-super-block integer is what AMX tiles produce, so they can share it).
 //! - Q6_K x Q8_K: a super-block's whole integer sum `S` is exact; `acc = fma(d_x * d_w, S as f32, acc)` in one chain.
 //! - Q8_0 and Q5_0 x Q8_0: 8 lanes per 32-value block; even blocks accumulate into lanes 0..8, odd blocks into lanes
 //!   8..16, and the 16 lanes are folded into 8 and summed in the tree.
 //!
 //! A call computes one weight row against up to [`TILE_ROWS`] activation rows (each weight block is unpacked once
 //! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
-//! `PARSE_CPU_KERNELS=scalar|avx2|vnni` forces a variant (tests, benchmarks); by default the best one the CPU
+//! `PARSE_CPU_KERNELS=scalar|avx2|vnni|amx` forces a variant (tests, benchmarks); by default the best one the CPU
 //! supports is used, and the engine logs it.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -25,6 +26,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, BlockQ8K};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -116,47 +119,36 @@ fn min_lanes(m: &[u8; 8], bsums: &[i16; 16]) -> [i32; 4] {
 }
 
 #[inline]
-fn lane_tree4(l: [f32; 4]) -> f32 {
-    (l[0] + l[2]) + (l[1] + l[3])
-}
-
-#[inline]
 fn lane_tree(l: [f32; 8]) -> f32 {
     let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// Reference definition of the dot product of one Q4_K row with one Q8_K row (no SIMD).
+/// Reference definition of the dot product of one Q4_K row with one Q8_K row (no SIMD). Per super-block, the
+/// scaled products and the min term are exact integers `S` and `M`; `acc = fma(d_x * d_w, S, acc)` and
+/// `acc_m = fma(d_x * dmin_w, M, acc_m)` run in two chains, and the result is `acc - acc_m`.
 #[allow(clippy::needless_range_loop)] // the byte index addresses weights and activations alike
 pub fn q4k_dot_scalar(w: &[BlockQ4K], x: &[BlockQ8K]) -> f32 {
     let (w, x) = (raw_q4k(w), raw_q8k(x));
-    let mut acc = [0f32; 8];
-    let mut acc_m = [0f32; 4];
+    let mut acc = 0f32;
+    let mut acc_m = 0f32;
     for (wb, xb) in w.iter().zip(x) {
         let (sc, m) = scales_mins(&wb.scales);
-        let mut lanes = [0i32; 8];
+        let mut s = 0i32;
         for j in 0..4 {
             let q = &wb.qs[32 * j..32 * j + 32];
-            for (k, lane) in lanes.iter_mut().enumerate() {
-                let mut lo = 0i32;
-                let mut hi = 0i32;
-                for b in 4 * k..4 * k + 4 {
-                    lo += (q[b] & 0xF) as i32 * xb.qs[64 * j + b] as i32;
-                    hi += (q[b] >> 4) as i32 * xb.qs[64 * j + 32 + b] as i32;
-                }
-                *lane += sc[2 * j] as i32 * lo + sc[2 * j + 1] as i32 * hi;
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for b in 0..32 {
+                lo += (q[b] & 0xF) as i32 * xb.qs[64 * j + b] as i32;
+                hi += (q[b] >> 4) as i32 * xb.qs[64 * j + 32 + b] as i32;
             }
+            s += sc[2 * j] as i32 * lo + sc[2 * j + 1] as i32 * hi;
         }
-        let d = xb.d * f16::from_bits(wb.d).to_f32();
-        let dmin = xb.d * f16::from_bits(wb.dmin).to_f32();
-        for (a, l) in acc.iter_mut().zip(lanes) {
-            *a = d.mul_add(l as f32, *a);
-        }
-        for (a, l) in acc_m.iter_mut().zip(min_lanes(&m, &xb.bsums)) {
-            *a = dmin.mul_add(l as f32, *a);
-        }
+        let mins: i32 = min_lanes(&m, &xb.bsums).iter().sum();
+        acc = (xb.d * f16::from_bits(wb.d).to_f32()).mul_add(s as f32, acc);
+        acc_m = (xb.d * f16::from_bits(wb.dmin).to_f32()).mul_add(mins as f32, acc_m);
     }
-    lane_tree(acc) - lane_tree4(acc_m)
+    acc - acc_m
 }
 
 /// The unsigned 6-bit value (0..64) of element `v` of a Q6_K super-block; the weight is `value - 32`.
@@ -344,16 +336,19 @@ pub enum Kernels {
     Avx2,
     /// AVX-512 with VNNI (`vpdpbusd`: 64 products per instruction).
     Vnni,
+    /// The VNNI variant, with AMX-INT8 tile multiplies for Q4_K blocks of [`amx::MIN_ROWS`] rows or more.
+    Amx,
 }
 
 impl Kernels {
-    pub const ALL: [Kernels; 3] = [Kernels::Scalar, Kernels::Avx2, Kernels::Vnni];
+    pub const ALL: [Kernels; 4] = [Kernels::Scalar, Kernels::Avx2, Kernels::Vnni, Kernels::Amx];
 
     pub fn name(self) -> &'static str {
         match self {
             Kernels::Scalar => "scalar",
             Kernels::Avx2 => "avx2",
             Kernels::Vnni => "vnni",
+            Kernels::Amx => "amx",
         }
     }
 
@@ -362,10 +357,10 @@ impl Kernels {
             "scalar" => Ok(Kernels::Scalar),
             "avx2" => Ok(Kernels::Avx2),
             "vnni" | "avx512" | "avx512vnni" => Ok(Kernels::Vnni),
-            "amx" => Err(
-                "AMX kernels are not implemented yet; use vnni (the fastest variant on AMX machines)".into(),
-            ),
-            other => Err(format!("unknown CPU kernels `{other}` (scalar, avx2 or vnni)")),
+            "amx" => Ok(Kernels::Amx),
+            other => Err(format!(
+                "unknown CPU kernels `{other}` (scalar, avx2, vnni or amx)"
+            )),
         }
     }
 
@@ -386,6 +381,8 @@ impl Kernels {
                     && std::is_x86_feature_detected!("avx512dq")
                     && std::is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Amx => Kernels::Vnni.supported() && amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -471,8 +468,8 @@ macro_rules! panel {
             Kernels::Avx2 => unsafe { $avx2(w, kb, xs, out, stride) },
             #[cfg(target_arch = "x86_64")]
             #[allow(unsafe_code)]
-            // SAFETY: as above.
-            Kernels::Vnni => unsafe { $vnni(w, kb, xs, out, stride) },
+            // SAFETY: as above (AMX implies VNNI).
+            Kernels::Vnni | Kernels::Amx => unsafe { $vnni(w, kb, xs, out, stride) },
             _ => {
                 for (c, wc) in w.chunks(kb).enumerate() {
                     for (r, x) in xs.iter().enumerate() {
@@ -742,6 +739,59 @@ mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_tiles_equal_the_scalar_definition_bit_for_bit() {
+        if !Kernels::Amx.supported() {
+            eprintln!("skipping the amx kernels: this CPU or OS does not allow AMX tiles");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (kb, cols) = (3, 32);
+        let k = kb * QK_K;
+        let wf = random(&mut rng, cols * k, 1.0);
+        let (w, w6) = (blocks::<BlockQ4K>(&wf), blocks::<BlockQ6K>(&wf));
+        for m in [8, 16, 21] {
+            let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&random(&mut rng, m * k, 3.0));
+            let acts = amx::Acts::new(&xq, kb, m);
+            let stride = cols + 5;
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: checked above that the AMX variant is supported.
+            unsafe {
+                amx::q4k_groups(&w, kb, &acts, &mut out, stride)
+            };
+            for r in 0..m {
+                for c in 0..cols {
+                    let want = q4k_dot_scalar(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
+                    let got = out[r * stride + c];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "q4k m {m}, row {r}, col {c}: {got} vs {want}"
+                    );
+                }
+            }
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: checked above that the AMX variant is supported.
+            unsafe {
+                amx::q6k_groups(&w6, kb, &acts, &mut out, stride)
+            };
+            for r in 0..m {
+                for c in 0..cols {
+                    let want = q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
+                    let got = out[r * stride + c];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "q6k m {m}, row {r}, col {c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_definitions_agree_with_candles_dot_products() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(10);
@@ -775,11 +825,6 @@ mod tests {
         for k in Kernels::ALL {
             assert_eq!(Kernels::parse(k.name()), Ok(k));
         }
-        assert!(
-            Kernels::parse("amx")
-                .unwrap_err()
-                .contains("not implemented")
-        );
         assert!(Kernels::parse("sse9").is_err());
         assert!(Kernels::best().supported());
     }

@@ -1,0 +1,360 @@
+//! AMX-INT8 block kernels for Q4_K and Q6_K weights: 16 weight rows x 16 activation rows per tile multiply.
+//!
+//! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: per super-block and
+//! sub-block, `tdpbssd` gives the exact integer dot products of 16 weight rows with 16 activation rows; they are
+//! scaled by the sub-block scales and summed into the exact integer `S` (for Q4_K the min term `M` is an exact
+//! integer too, through `vpdpwssd`), and the float chains are those of the definitions. Only blocks of at least [`MIN_ROWS`] rows come here; one-token steps use the
+//! VNNI panels, which give the same bits.
+//!
+//! Tiles are programmed with inline assembly (the AMX intrinsics are not stable in Rust): `ldtilecfg` on entry,
+//! `tilerelease` on exit, so no tile state outlives a call. The process asks the kernel for the AMX tile data
+//! state once (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); if that fails the variant is unsupported.
+
+#![allow(unsafe_code)]
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::*;
+
+/// Blocks with fewer activation rows use the VNNI panels (a 16-row tile would be mostly padding).
+pub const MIN_ROWS: usize = 8;
+
+const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
+const XFEATURE_XTILEDATA: libc::c_ulong = 18;
+
+/// Whether this CPU has AMX-TILE and AMX-INT8 and this process may use them (asked of the kernel once).
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID is available on every x86_64 CPU; leaf 7 is checked against the maximum leaf first.
+        let (max, leaf7) = unsafe { (__get_cpuid_max(0).0, __cpuid_count(7, 0)) };
+        if max < 7 || (leaf7.edx >> 24) & 1 == 0 || (leaf7.edx >> 25) & 1 == 0 {
+            return false;
+        }
+        // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes which XSAVE features this process may use.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    })
+}
+
+/// Activations of a Q4_K or Q6_K matmul in the layouts the tiles read: per 16-row tile `t` and super-block `b`, for each
+/// sub-block `s` an 8 x 64-byte B operand (`[k / 4][row][k % 4]`), the 16 rows' scales, and their sub-block sums
+/// packed in pairs of i16 for the min term. Rows past `m` are zero.
+pub struct Acts {
+    kb: usize,
+    m: usize,
+    tiles: usize,
+    xb: Vec<i8>,
+    dx: Vec<f32>,
+    bsp: Vec<i32>,
+}
+
+impl Acts {
+    pub fn new(xq: &[BlockQ8K], kb: usize, m: usize) -> Self {
+        let x = raw_q8k(xq);
+        let tiles = m.div_ceil(16);
+        let mut a = Acts {
+            kb,
+            m,
+            tiles,
+            xb: vec![0; tiles * kb * 8 * 512],
+            dx: vec![0.0; tiles * kb * 16],
+            bsp: vec![0; tiles * kb * 4 * 16],
+        };
+        for row in 0..m {
+            let (t, r) = (row / 16, row % 16);
+            for b in 0..kb {
+                let blk = &x[row * kb + b];
+                let tb = t * kb + b;
+                a.dx[tb * 16 + r] = blk.d;
+                for s in 0..8 {
+                    for i in 0..8 {
+                        let src = &blk.qs[32 * s + 4 * i..32 * s + 4 * i + 4];
+                        let dst = (tb * 8 + s) * 512 + i * 64 + r * 4;
+                        a.xb[dst..dst + 4].copy_from_slice(src);
+                    }
+                }
+                let bs = |s: usize| blk.bsums[2 * s] as i32 + blk.bsums[2 * s + 1] as i32;
+                for tt in 0..4 {
+                    let (lo, hi) = (bs(2 * tt) as u16 as u32, bs(2 * tt + 1) as u16 as u32);
+                    a.bsp[(tb * 4 + tt) * 16 + r] = (lo | (hi << 16)) as i32;
+                }
+            }
+        }
+        a
+    }
+}
+
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+#[repr(C, align(64))]
+struct Unpacked([[i8; 256]; 16]);
+
+#[repr(C, align(64))]
+struct CTile([i32; 256]);
+
+/// `out[r * stride + c] = dot(W[c], x[r])` for every weight row `c` of `w` (a multiple of 16 rows of `kb` blocks)
+/// and every activation row `r < acts.m`.
+///
+/// # Safety
+/// The CPU must support the VNNI variant and [`available`] must have returned true.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+#[allow(clippy::needless_range_loop)] // sub-block and weight-row indices address several arrays at once
+pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32], stride: usize) {
+    debug_assert_eq!(kb, acts.kb);
+    let w = raw_q4k(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let tiles = acts.tiles;
+    // tmm0: C, 16 rows x 16 i32; tmm1: A, 16 weight rows x 32 bytes (one sub-block); tmm2: B, 8 x 64 bytes.
+    let mut cfg = TileConfig([0; 64]);
+    cfg.0[0] = 1;
+    for (t, (colsb, rows)) in [(64u16, 16u8), (32, 16), (64, 8)].into_iter().enumerate() {
+        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
+        cfg.0[48 + t] = rows;
+    }
+    let mut u = Box::new(Unpacked([[0; 256]; 16]));
+    let mut c = Box::new(CTile([0; 256]));
+    let mut acc = vec![0f32; tiles * 256];
+    let mut acc_m = vec![0f32; tiles * 256];
+    let m4 = _mm512_set1_epi8(0xF);
+    // SAFETY: the configuration is a valid palette-1 layout; the caller guarantees AMX is usable.
+    unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+    for g in 0..cols / 16 {
+        acc.fill(0.0);
+        acc_m.fill(0.0);
+        for b in 0..kb {
+            let mut sc = [[0i32; 8]; 16];
+            let mut mp = [[0i32; 4]; 16];
+            let mut wd = [0f32; 16];
+            let mut wdm = [0f32; 16];
+            for n in 0..16 {
+                let blk = &w[(g * 16 + n) * kb + b];
+                let (s8, m8) = scales_mins(&blk.scales);
+                sc[n] = s8.map(|v| v as i32);
+                mp[n] =
+                    std::array::from_fn(|tt| m8[2 * tt] as i32 | ((m8[2 * tt + 1] as i32) << 16));
+                wd[n] = f16::from_bits(blk.d).to_f32();
+                wdm[n] = f16::from_bits(blk.dmin).to_f32();
+                // Nibbles in activation order: chunk j's low nibbles are values 64j..64j+32, high ones the next 32.
+                for h in 0..2 {
+                    // SAFETY: qs has 128 bytes; the load spans 64h..64h+64; u.0[n] has 256 bytes.
+                    unsafe {
+                        let z = _mm512_loadu_si512(blk.qs.as_ptr().add(64 * h).cast());
+                        let lo = _mm512_and_si512(z, m4);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+                        let dst = u.0[n].as_mut_ptr().add(128 * h);
+                        _mm512_storeu_si512(dst.cast(), _mm512_shuffle_i64x2::<0x44>(lo, hi));
+                        _mm512_storeu_si512(
+                            dst.add(64).cast(),
+                            _mm512_shuffle_i64x2::<0xEE>(lo, hi),
+                        );
+                    }
+                }
+            }
+            for t in 0..tiles {
+                let tb = t * kb + b;
+                let mut s_acc = [_mm512_setzero_si512(); 16];
+                for s in 0..8 {
+                    let a_ptr = u.0[0][32 * s..].as_ptr();
+                    let b_ptr = acts.xb[(tb * 8 + s) * 512..].as_ptr();
+                    // SAFETY: A spans 16 rows of 32 bytes at stride 256 inside `u`; B spans 8 rows of 64 bytes inside
+                    // `acts.xb`; C is stored into `c` (16 rows of 64 bytes); the tiles were configured above.
+                    unsafe {
+                        asm!(
+                            "tilezero tmm0",
+                            "tileloadd tmm1, [{a} + {sa}*1]",
+                            "tileloadd tmm2, [{b} + {sb}*1]",
+                            "tdpbssd tmm0, tmm1, tmm2",
+                            "tilestored [{c} + {sc}*1], tmm0",
+                            a = in(reg) a_ptr,
+                            sa = in(reg) 256usize,
+                            b = in(reg) b_ptr,
+                            sb = in(reg) 64usize,
+                            c = in(reg) c.0.as_mut_ptr(),
+                            sc = in(reg) 64usize,
+                            options(nostack),
+                        );
+                    }
+                    for n in 0..16 {
+                        // SAFETY: row n of C is 16 i32 inside `c`.
+                        let row = unsafe { _mm512_load_si512(c.0[16 * n..].as_ptr().cast()) };
+                        s_acc[n] = _mm512_add_epi32(
+                            s_acc[n],
+                            _mm512_mullo_epi32(row, _mm512_set1_epi32(sc[n][s])),
+                        );
+                    }
+                }
+                // SAFETY: 16 scales and 4 x 16 packed sums of tile t, super-block b.
+                let (dx, bsp) = unsafe {
+                    let bsp: [__m512i; 4] = std::array::from_fn(|tt| {
+                        _mm512_loadu_si512(acts.bsp[(tb * 4 + tt) * 16..].as_ptr().cast())
+                    });
+                    (_mm512_loadu_ps(acts.dx[tb * 16..].as_ptr()), bsp)
+                };
+                for n in 0..16 {
+                    let mut mn = _mm512_setzero_si512();
+                    for (tt, v) in bsp.iter().enumerate() {
+                        mn = _mm512_dpwssd_epi32(mn, *v, _mm512_set1_epi32(mp[n][tt]));
+                    }
+                    let at = (t * 16 + n) * 16;
+                    // SAFETY: acc and acc_m hold 16 f32 at `at`.
+                    unsafe {
+                        let a = _mm512_loadu_ps(acc[at..].as_ptr());
+                        let d = _mm512_mul_ps(dx, _mm512_set1_ps(wd[n]));
+                        _mm512_storeu_ps(
+                            acc[at..].as_mut_ptr(),
+                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_acc[n]), a),
+                        );
+                        let am = _mm512_loadu_ps(acc_m[at..].as_ptr());
+                        let dm = _mm512_mul_ps(dx, _mm512_set1_ps(wdm[n]));
+                        _mm512_storeu_ps(
+                            acc_m[at..].as_mut_ptr(),
+                            _mm512_fmadd_ps(dm, _mm512_cvtepi32_ps(mn), am),
+                        );
+                    }
+                }
+            }
+        }
+        for row in 0..acts.m {
+            let (t, r) = (row / 16, row % 16);
+            for n in 0..16 {
+                let at = (t * 16 + n) * 16 + r;
+                out[row * stride + g * 16 + n] = acc[at] - acc_m[at];
+            }
+        }
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// `out[r * stride + c] = dot(W[c], x[r])` for every Q6_K weight row `c` of `w` (a multiple of 16 rows of `kb`
+/// blocks) and every activation row `r < acts.m`.
+///
+/// # Safety
+/// The CPU must support the VNNI variant and [`available`] must have returned true.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+#[allow(clippy::needless_range_loop)] // group and weight-row indices address several arrays at once
+pub unsafe fn q6k_groups(w: &[BlockQ6K], kb: usize, acts: &Acts, out: &mut [f32], stride: usize) {
+    debug_assert_eq!(kb, acts.kb);
+    let w = raw_q6k(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let tiles = acts.tiles;
+    // tmm0: C, 16 rows x 16 i32; tmm1: A, 16 weight rows x 16 bytes (one scale group); tmm2: B, 4 x 64 bytes.
+    let mut cfg = TileConfig([0; 64]);
+    cfg.0[0] = 1;
+    for (t, (colsb, rows)) in [(64u16, 16u8), (16, 16), (64, 4)].into_iter().enumerate() {
+        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
+        cfg.0[48 + t] = rows;
+    }
+    let mut u = Box::new(Unpacked([[0; 256]; 16]));
+    let mut c = Box::new(CTile([0; 256]));
+    let mut acc = vec![0f32; tiles * 256];
+    let m4 = _mm512_set1_epi8(0xF);
+    let m2 = _mm512_set1_epi8(3);
+    let k32 = _mm512_set1_epi8(32);
+    let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    // SAFETY: the configuration is a valid palette-1 layout; the caller guarantees AMX is usable.
+    unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+    for g in 0..cols / 16 {
+        acc.fill(0.0);
+        for b in 0..kb {
+            let mut sc = [[0i32; 16]; 16];
+            let mut wd = [0f32; 16];
+            for n in 0..16 {
+                let blk = &w[(g * 16 + n) * kb + b];
+                sc[n] = blk.scales.map(|v| v as i32);
+                wd[n] = f16::from_bits(blk.d).to_f32();
+                // Values minus 32, in activation order (as the VNNI kernel builds them).
+                for h in 0..2 {
+                    // SAFETY: ql has 128 bytes and qh 64; the loads span 64h..64h+64 and 32h..32h+32; u.0[n] has
+                    // 256 bytes.
+                    unsafe {
+                        let ql = _mm512_loadu_si512(blk.ql.as_ptr().add(64 * h).cast());
+                        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            blk.qh.as_ptr().add(32 * h).cast(),
+                        ));
+                        let high = |shift: __m512i| {
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
+                        };
+                        let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01));
+                        let q23 = _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                            high(shift23),
+                        );
+                        let dst = u.0[n].as_mut_ptr().add(128 * h);
+                        _mm512_storeu_si512(dst.cast(), _mm512_sub_epi8(q01, k32));
+                        _mm512_storeu_si512(dst.add(64).cast(), _mm512_sub_epi8(q23, k32));
+                    }
+                }
+            }
+            for t in 0..tiles {
+                let tb = t * kb + b;
+                let mut s_acc = [_mm512_setzero_si512(); 16];
+                for grp in 0..16 {
+                    let a_ptr = u.0[0][16 * grp..].as_ptr();
+                    let b_ptr = acts.xb[(tb * 8 + grp / 2) * 512 + (grp % 2) * 256..].as_ptr();
+                    // SAFETY: A spans 16 rows of 16 bytes at stride 256 inside `u`; B spans 4 rows of 64 bytes inside
+                    // `acts.xb`; C is stored into `c` (16 rows of 64 bytes); the tiles were configured above.
+                    unsafe {
+                        asm!(
+                            "tilezero tmm0",
+                            "tileloadd tmm1, [{a} + {sa}*1]",
+                            "tileloadd tmm2, [{b} + {sb}*1]",
+                            "tdpbssd tmm0, tmm1, tmm2",
+                            "tilestored [{c} + {sc}*1], tmm0",
+                            a = in(reg) a_ptr,
+                            sa = in(reg) 256usize,
+                            b = in(reg) b_ptr,
+                            sb = in(reg) 64usize,
+                            c = in(reg) c.0.as_mut_ptr(),
+                            sc = in(reg) 64usize,
+                            options(nostack),
+                        );
+                    }
+                    for n in 0..16 {
+                        // SAFETY: row n of C is 16 i32 inside `c`.
+                        let row = unsafe { _mm512_load_si512(c.0[16 * n..].as_ptr().cast()) };
+                        s_acc[n] = _mm512_add_epi32(
+                            s_acc[n],
+                            _mm512_mullo_epi32(row, _mm512_set1_epi32(sc[n][grp])),
+                        );
+                    }
+                }
+                // SAFETY: 16 scales of tile t, super-block b.
+                let dx = unsafe { _mm512_loadu_ps(acts.dx[tb * 16..].as_ptr()) };
+                for n in 0..16 {
+                    let at = (t * 16 + n) * 16;
+                    // SAFETY: acc holds 16 f32 at `at`.
+                    unsafe {
+                        let a = _mm512_loadu_ps(acc[at..].as_ptr());
+                        let d = _mm512_mul_ps(dx, _mm512_set1_ps(wd[n]));
+                        _mm512_storeu_ps(
+                            acc[at..].as_mut_ptr(),
+                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_acc[n]), a),
+                        );
+                    }
+                }
+            }
+        }
+        for row in 0..acts.m {
+            let (t, r) = (row / 16, row % 16);
+            for n in 0..16 {
+                out[row * stride + g * 16 + n] = acc[(t * 16 + n) * 16 + r];
+            }
+        }
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
