@@ -5,6 +5,7 @@
 //! Invariant: a token's logits are bitwise identical whether it is computed alone or inside any block (see
 //! `quant` and `ops`); the exact limits of PARSE and lossless token-level speculation rest on it.
 
+pub mod alloc;
 pub mod backend;
 pub mod engine;
 pub mod error;

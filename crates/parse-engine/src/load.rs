@@ -239,6 +239,7 @@ pub fn gguf_config(g: &GgufFile, opts: &LoadOptions) -> Result<ModelConfig> {
 
 /// Loads a qwen2- or llama-architecture model from a GGUF file.
 pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Model> {
+    crate::alloc::keep_large_buffers();
     let cfg = gguf_config(g, opts)?;
     let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
@@ -341,6 +342,7 @@ pub fn hf_config(path: &Path, opts: &LoadOptions) -> Result<ModelConfig> {
 /// Loads a model from a directory with `config.json` and one or more `*.safetensors` files. Weights are kept in
 /// f32 (bf16/f16 checkpoints are widened), which is exact and simple; GGUF is the format for quantized serving.
 pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
+    crate::alloc::keep_large_buffers();
     let cfg = hf_config(&dir.join("config.json"), opts)?;
     let io = |source| Error::Io {
         path: dir.to_path_buf(),

@@ -8,7 +8,7 @@
 use crate::error::{Error, Result};
 use crate::ops::{self, AttnShape, Rope, RopeStyle};
 use crate::parallel::{Layout, Linear, Split};
-use crate::quant::QMatrix;
+use crate::quant::{Input, QMatrix};
 use parse_core::mask::BlockMask;
 
 /// Model family.
@@ -470,9 +470,12 @@ impl Model {
         for (li, l) in self.w.layers.iter().enumerate() {
             let _span = tracing::trace_span!("layer", li).entered();
             ops::rms_norm(x, &l.attn_norm, cfg.rms_eps, &mut h);
-            l.wq.matmul(&h, n, &mut q)?;
-            l.wk.matmul(&h, n, &mut k)?;
-            l.wv.matmul(&h, n, &mut v)?;
+            {
+                let input = Input::new(&h, n);
+                l.wq.matmul_input(&input, &mut q)?;
+                l.wk.matmul_input(&input, &mut k)?;
+                l.wv.matmul_input(&input, &mut v)?;
+            }
             add_bias(&mut q, l.bq.as_ref());
             add_bias(&mut k, l.bk.as_ref());
             add_bias(&mut v, l.bv.as_ref());
@@ -489,8 +492,11 @@ impl Model {
                 *a += b;
             }
             ops::rms_norm(x, &l.ffn_norm, cfg.rms_eps, &mut h);
-            l.w_gate.matmul(&h, n, &mut gate)?;
-            l.w_up.matmul(&h, n, &mut up)?;
+            {
+                let input = Input::new(&h, n);
+                l.w_gate.matmul_input(&input, &mut gate)?;
+                l.w_up.matmul_input(&input, &mut up)?;
+            }
             ops::swiglu(&mut gate, &up);
             l.w_down.forward(&gate, n, &mut o)?;
             for (a, b) in x.iter_mut().zip(&o) {

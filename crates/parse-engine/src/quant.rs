@@ -232,14 +232,13 @@ type KPanel<T> = fn(kernels::Kernels, &[T], usize, &[&[BlockQ8K]], &mut [f32], u
 /// Matmul of a K-quant matrix through the register-tiled panels of [`crate::kernels`] (Q8_K activations).
 fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
     mat: &Mat<T>,
-    x: &[f32],
-    m: usize,
+    input: &Input<'_>,
     out: &mut [f32],
     panel: KPanel<T>,
 ) {
-    let (n, k) = (mat.rows, mat.cols);
+    let (n, m) = (mat.rows, input.m);
     let kb = mat.blocks_per_row();
-    let xq = quantize_rows::<T>(x, k, m);
+    let xq = input.q8k();
     let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
     let kern = kernels::active();
     let w = &mat.blocks;
@@ -269,16 +268,15 @@ type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usiz
 #[cfg(target_arch = "x86_64")]
 fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
     mat: &Mat<T>,
-    x: &[f32],
-    m: usize,
+    input: &Input<'_>,
     out: &mut [f32],
     groups: AmxGroups<T>,
     panel: KPanel<T>,
 ) {
-    let (n, k) = (mat.rows, mat.cols);
+    let (n, m) = (mat.rows, input.m);
     let kb = mat.blocks_per_row();
-    let xq = quantize_rows::<T>(x, k, m);
-    let acts = kernels::amx::Acts::new(&xq, kb, m);
+    let xq = input.q8k();
+    let acts = input.amx_acts();
     let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
     let w = &mat.blocks;
     let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
@@ -293,7 +291,7 @@ fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
                 #[allow(unsafe_code)]
                 // SAFETY: the active variant is Amx, which is only handed out when the CPU and the OS allow it.
                 unsafe {
-                    groups(&w[c0 * kb..(c0 + full) * kb], kb, &acts, dst, cw)
+                    groups(&w[c0 * kb..(c0 + full) * kb], kb, acts, dst, cw)
                 };
             }
             if full < cw {
@@ -313,10 +311,10 @@ fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
 type Panel32<T> = fn(kernels::Kernels, &[T], usize, &[kernels::Act32Row<'_>], &mut [f32], usize);
 
 /// Matmul of a Q8_0 or Q5_0 matrix through the panels of [`crate::kernels`] (Q8_0-rounded activations).
-fn matmul_32<T: GgmlType>(mat: &Mat<T>, x: &[f32], m: usize, out: &mut [f32], panel: Panel32<T>) {
-    let (n, k) = (mat.rows, mat.cols);
+fn matmul_32<T: GgmlType>(mat: &Mat<T>, input: &Input<'_>, out: &mut [f32], panel: Panel32<T>) {
+    let (n, m) = (mat.rows, input.m);
     let kb = mat.blocks_per_row();
-    let xq = kernels::Act32::quantize(x, k, m);
+    let xq = input.act32();
     let rows: Vec<kernels::Act32Row<'_>> = (0..m).map(|r| xq.row(r)).collect();
     let kern = kernels::active();
     let w = &mat.blocks;
@@ -335,6 +333,50 @@ fn matmul_32<T: GgmlType>(mat: &Mat<T>, x: &[f32], m: usize, out: &mut [f32], pa
         },
         out,
     );
+}
+
+/// The input rows of one or more matmuls, quantized on first use for each activation format and shared by every
+/// matrix that reads them (the query, key and value projections read the same rows; so do gate and up).
+pub struct Input<'a> {
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    q8k: std::sync::OnceLock<Vec<BlockQ8K>>,
+    #[cfg(target_arch = "x86_64")]
+    amx: std::sync::OnceLock<kernels::amx::Acts>,
+    act32: std::sync::OnceLock<kernels::Act32>,
+}
+
+impl<'a> Input<'a> {
+    /// `m` rows of `x.len() / m` values (`m > 0`).
+    pub fn new(x: &'a [f32], m: usize) -> Self {
+        Input {
+            x,
+            m,
+            k: x.len() / m.max(1),
+            q8k: Default::default(),
+            #[cfg(target_arch = "x86_64")]
+            amx: Default::default(),
+            act32: Default::default(),
+        }
+    }
+
+    /// Q8_K rows (the partner of every K-quant format).
+    fn q8k(&self) -> &[BlockQ8K] {
+        self.q8k
+            .get_or_init(|| quantize_rows::<BlockQ4K>(self.x, self.k, self.m))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn amx_acts(&self) -> &kernels::amx::Acts {
+        self.amx
+            .get_or_init(|| kernels::amx::Acts::new(self.q8k(), self.k / 256, self.m))
+    }
+
+    fn act32(&self) -> &kernels::Act32 {
+        self.act32
+            .get_or_init(|| kernels::Act32::quantize(self.x, self.k, self.m))
+    }
 }
 
 /// Activations quantized row by row to the weight format's dot partner.
@@ -621,7 +663,12 @@ impl QMatrix {
 
     /// `out[r][c] = sum_j W[c][j] * x[r][j]` for `m` rows of `x` (`x`: m x cols, `out`: m x rows).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) -> Result<()> {
-        let (n, k) = (self.rows(), self.cols());
+        self.matmul_input(&Input::new(x, m), out)
+    }
+
+    /// [`QMatrix::matmul`] of rows that other matrices read too: their quantized forms are made once per `input`.
+    pub fn matmul_input(&self, input: &Input<'_>, out: &mut [f32]) -> Result<()> {
+        let (n, k, m, x) = (self.rows(), self.cols(), input.m, input.x);
         if x.len() != m * k || out.len() != m * n {
             return Err(Error::invalid(format!(
                 "matmul shape: x has {} values for {m}x{k}, out has {} for {m}x{n}",
@@ -632,20 +679,27 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        let amx = m >= kernels::amx::MIN_ROWS && kernels::active() == kernels::Kernels::Amx;
         match self {
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q4K(mat) if amx => {
-                matmul_k_amx(mat, x, m, out, kernels::amx::q4k_groups, kernels::q4k_panel)
-            }
+            QMatrix::Q4K(mat) if kernels::use_amx(m) => matmul_k_amx(
+                mat,
+                input,
+                out,
+                kernels::amx::q4k_groups,
+                kernels::q4k_panel,
+            ),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q6K(mat) if amx => {
-                matmul_k_amx(mat, x, m, out, kernels::amx::q6k_groups, kernels::q6k_panel)
-            }
-            QMatrix::Q4K(mat) => matmul_k(mat, x, m, out, kernels::q4k_panel),
-            QMatrix::Q6K(mat) => matmul_k(mat, x, m, out, kernels::q6k_panel),
-            QMatrix::Q8_0(mat) => matmul_32(mat, x, m, out, kernels::q8_0_panel),
-            QMatrix::Q5_0(mat) => matmul_32(mat, x, m, out, kernels::q5_0_panel),
+            QMatrix::Q6K(mat) if kernels::use_amx(m) => matmul_k_amx(
+                mat,
+                input,
+                out,
+                kernels::amx::q6k_groups,
+                kernels::q6k_panel,
+            ),
+            QMatrix::Q4K(mat) => matmul_k(mat, input, out, kernels::q4k_panel),
+            QMatrix::Q6K(mat) => matmul_k(mat, input, out, kernels::q6k_panel),
+            QMatrix::Q8_0(mat) => matmul_32(mat, input, out, kernels::q8_0_panel),
+            QMatrix::Q5_0(mat) => matmul_32(mat, input, out, kernels::q5_0_panel),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }
         Ok(())

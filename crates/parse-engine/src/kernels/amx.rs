@@ -102,8 +102,27 @@ struct Unpacked([[i8; 256]; 16]);
 #[repr(C, align(64))]
 struct CTile([i32; 256]);
 
+/// `q * v` for `q` in 0..16, for each `v` in 0..8: the scaled weights of a Q4_K sub-block, by table look-up.
+static TIMES: [[u8; 16]; 8] = {
+    let mut t = [[0u8; 16]; 8];
+    let mut v = 0;
+    while v < 8 {
+        let mut q = 0;
+        while q < 16 {
+            t[v][q] = (q * v) as u8;
+            q += 1;
+        }
+        v += 1;
+    }
+    t
+};
+
 /// `out[r * stride + c] = dot(W[c], x[r])` for every weight row `c` of `w` (a multiple of 16 rows of `kb` blocks)
 /// and every activation row `r < acts.m`.
+///
+/// The sub-block scales (6 bits) are split as `sc = 8 * hi + lo` with `hi, lo < 8`, so `q * lo` and `q * hi` fit
+/// in a signed byte: two tile products over the whole super-block, `L = sum (q * lo) x` and `H = sum (q * hi) x`,
+/// give `S = L + 8 H` exactly, with one tile store each per super-block instead of one per sub-block.
 ///
 /// # Safety
 /// The CPU must support the VNNI variant and [`available`] must have returned true.
@@ -115,84 +134,106 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
     let tiles = acts.tiles;
-    // tmm0: C, 16 rows x 16 i32; tmm1: A, 16 weight rows x 32 bytes (one sub-block); tmm2: B, 8 x 64 bytes.
+    // tmm0, tmm3: L and H, 16 rows x 16 i32; tmm1, tmm4: A (q * lo, q * hi), 16 weight rows x 64 bytes;
+    // tmm2: B, 16 x 64 bytes (64 activation values of 16 rows).
     let mut cfg = TileConfig([0; 64]);
     cfg.0[0] = 1;
-    for (t, (colsb, rows)) in [(64u16, 16u8), (32, 16), (64, 8)].into_iter().enumerate() {
-        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
-        cfg.0[48 + t] = rows;
+    for t in 0..5 {
+        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+        cfg.0[48 + t] = 16;
     }
-    let mut u = Box::new(Unpacked([[0; 256]; 16]));
-    let mut c = Box::new(CTile([0; 256]));
+    let mut u_lo = Box::new(Unpacked([[0; 256]; 16]));
+    let mut u_hi = Box::new(Unpacked([[0; 256]; 16]));
+    let mut c_lo = Box::new(CTile([0; 256]));
+    let mut c_hi = Box::new(CTile([0; 256]));
     let mut acc = vec![0f32; tiles * 256];
     let mut acc_m = vec![0f32; tiles * 256];
     let m4 = _mm512_set1_epi8(0xF);
+    // SAFETY: TIMES holds 8 rows of 16 bytes.
+    let table = |v: u8| unsafe {
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(TIMES[v as usize].as_ptr().cast()))
+    };
     // SAFETY: the configuration is a valid palette-1 layout; the caller guarantees AMX is usable.
     unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
     for g in 0..cols / 16 {
         acc.fill(0.0);
         acc_m.fill(0.0);
         for b in 0..kb {
-            let mut sc = [[0i32; 8]; 16];
             let mut mp = [[0i32; 4]; 16];
             let mut wd = [0f32; 16];
             let mut wdm = [0f32; 16];
             for n in 0..16 {
                 let blk = &w[(g * 16 + n) * kb + b];
-                let (s8, m8) = scales_mins(&blk.scales);
-                sc[n] = s8.map(|v| v as i32);
+                let (sc, m8) = scales_mins(&blk.scales);
                 mp[n] =
                     std::array::from_fn(|tt| m8[2 * tt] as i32 | ((m8[2 * tt + 1] as i32) << 16));
                 wd[n] = f16::from_bits(blk.d).to_f32();
                 wdm[n] = f16::from_bits(blk.dmin).to_f32();
-                // Nibbles in activation order: chunk j's low nibbles are values 64j..64j+32, high ones the next 32.
-                for h in 0..2 {
-                    // SAFETY: qs has 128 bytes; the load spans 64h..64h+64; u.0[n] has 256 bytes.
+                // Chunk j of qs holds sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles), which are values
+                // 64j..64j+64 in activation order: one 64-byte vector per chunk.
+                for j in 0..4 {
+                    // SAFETY: qs has 128 bytes; the load spans 32j..32j+32; u_lo/u_hi rows have 256 bytes.
                     unsafe {
-                        let z = _mm512_loadu_si512(blk.qs.as_ptr().add(64 * h).cast());
-                        let lo = _mm512_and_si512(z, m4);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-                        let dst = u.0[n].as_mut_ptr().add(128 * h);
-                        _mm512_storeu_si512(dst.cast(), _mm512_shuffle_i64x2::<0x44>(lo, hi));
-                        _mm512_storeu_si512(
-                            dst.add(64).cast(),
-                            _mm512_shuffle_i64x2::<0xEE>(lo, hi),
+                        let z = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            blk.qs.as_ptr().add(32 * j).cast(),
+                        ));
+                        let q = _mm512_and_si512(
+                            _mm512_mask_blend_epi64(0xF0, z, _mm512_srli_epi16(z, 4)),
+                            m4,
+                        );
+                        let (a, b2) = (sc[2 * j], sc[2 * j + 1]);
+                        let t_lo = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(table(a & 7)),
+                            table(b2 & 7),
+                            1,
+                        );
+                        let t_hi = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(table(a >> 3)),
+                            table(b2 >> 3),
+                            1,
+                        );
+                        let off = 64 * j;
+                        _mm512_store_si512(
+                            u_lo.0[n].as_mut_ptr().add(off).cast(),
+                            _mm512_shuffle_epi8(t_lo, q),
+                        );
+                        _mm512_store_si512(
+                            u_hi.0[n].as_mut_ptr().add(off).cast(),
+                            _mm512_shuffle_epi8(t_hi, q),
                         );
                     }
                 }
             }
             for t in 0..tiles {
                 let tb = t * kb + b;
-                let mut s_acc = [_mm512_setzero_si512(); 16];
-                for s in 0..8 {
-                    let a_ptr = u.0[0][32 * s..].as_ptr();
-                    let b_ptr = acts.xb[(tb * 8 + s) * 512..].as_ptr();
-                    // SAFETY: A spans 16 rows of 32 bytes at stride 256 inside `u`; B spans 8 rows of 64 bytes inside
-                    // `acts.xb`; C is stored into `c` (16 rows of 64 bytes); the tiles were configured above.
-                    unsafe {
+                // SAFETY: A operands span 16 rows of 64 bytes at stride 256 inside `u_lo`/`u_hi`; B spans 16 rows
+                // of 64 bytes inside `acts.xb` (sub-blocks 2j and 2j + 1 are adjacent); L and H are stored into
+                // `c_lo`/`c_hi` (16 rows of 64 bytes); the tiles were configured above.
+                unsafe {
+                    asm!("tilezero tmm0", "tilezero tmm3", options(nostack, nomem));
+                    for j in 0..4 {
                         asm!(
-                            "tilezero tmm0",
-                            "tileloadd tmm1, [{a} + {sa}*1]",
-                            "tileloadd tmm2, [{b} + {sb}*1]",
+                            "tileloadd tmm2, [{b} + {s64}*1]",
+                            "tileloadd tmm1, [{lo} + {s256}*1]",
+                            "tileloadd tmm4, [{hi} + {s256}*1]",
                             "tdpbssd tmm0, tmm1, tmm2",
-                            "tilestored [{c} + {sc}*1], tmm0",
-                            a = in(reg) a_ptr,
-                            sa = in(reg) 256usize,
-                            b = in(reg) b_ptr,
-                            sb = in(reg) 64usize,
-                            c = in(reg) c.0.as_mut_ptr(),
-                            sc = in(reg) 64usize,
+                            "tdpbssd tmm3, tmm4, tmm2",
+                            b = in(reg) acts.xb[(tb * 8 + 2 * j) * 512..].as_ptr(),
+                            lo = in(reg) u_lo.0[0][64 * j..].as_ptr(),
+                            hi = in(reg) u_hi.0[0][64 * j..].as_ptr(),
+                            s64 = in(reg) 64usize,
+                            s256 = in(reg) 256usize,
                             options(nostack),
                         );
                     }
-                    for n in 0..16 {
-                        // SAFETY: row n of C is 16 i32 inside `c`.
-                        let row = unsafe { _mm512_load_si512(c.0[16 * n..].as_ptr().cast()) };
-                        s_acc[n] = _mm512_add_epi32(
-                            s_acc[n],
-                            _mm512_mullo_epi32(row, _mm512_set1_epi32(sc[n][s])),
-                        );
-                    }
+                    asm!(
+                        "tilestored [{lo} + {s64}*1], tmm0",
+                        "tilestored [{hi} + {s64}*1], tmm3",
+                        lo = in(reg) c_lo.0.as_mut_ptr(),
+                        hi = in(reg) c_hi.0.as_mut_ptr(),
+                        s64 = in(reg) 64usize,
+                        options(nostack),
+                    );
                 }
                 // SAFETY: 16 scales and 4 x 16 packed sums of tile t, super-block b.
                 let (dx, bsp) = unsafe {
@@ -202,6 +243,12 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
                     (_mm512_loadu_ps(acts.dx[tb * 16..].as_ptr()), bsp)
                 };
                 for n in 0..16 {
+                    // SAFETY: row n of L and H is 16 i32 inside `c_lo`/`c_hi`.
+                    let s_n = unsafe {
+                        let l = _mm512_load_si512(c_lo.0[16 * n..].as_ptr().cast());
+                        let h = _mm512_load_si512(c_hi.0[16 * n..].as_ptr().cast());
+                        _mm512_add_epi32(l, _mm512_slli_epi32(h, 3))
+                    };
                     let mut mn = _mm512_setzero_si512();
                     for (tt, v) in bsp.iter().enumerate() {
                         mn = _mm512_dpwssd_epi32(mn, *v, _mm512_set1_epi32(mp[n][tt]));
@@ -213,7 +260,7 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
                         let d = _mm512_mul_ps(dx, _mm512_set1_ps(wd[n]));
                         _mm512_storeu_ps(
                             acc[at..].as_mut_ptr(),
-                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_acc[n]), a),
+                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_n), a),
                         );
                         let am = _mm512_loadu_ps(acc_m[at..].as_ptr());
                         let dm = _mm512_mul_ps(dx, _mm512_set1_ps(wdm[n]));

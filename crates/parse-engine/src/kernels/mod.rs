@@ -445,6 +445,19 @@ pub fn active() -> Kernels {
     }
 }
 
+/// Whether a block of `m` rows goes to the AMX tiles (the active variant is AMX and the block is large enough).
+pub fn use_amx(m: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        m >= amx::MIN_ROWS && active() == Kernels::Amx
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = m;
+        false
+    }
+}
+
 /// Switches every later matmul of this process to `k` (tests and benchmarks compare variants in one process).
 pub fn set_active(k: Kernels) -> Result<(), String> {
     if !k.supported() {
