@@ -8,6 +8,9 @@ use std::arch::x86_64::*;
 
 use super::*;
 
+/// Sub-block pairs whose scales the 16 lanes of the Q4_K products carry (lanes 0..8, lanes 8..16).
+const SCALE_PAIRS: [(i32, i32); 4] = [(0, 2), (1, 3), (4, 6), (5, 7)];
+
 /// `R` activation rows against one Q4_K weight row. A 32-byte chunk of weights becomes one 64-byte vector (low
 /// nibbles, then high nibbles), which lines up with 64 consecutive activations; `dpbusd` gives the 4-byte sums,
 /// `dpwssd` multiplies them by the sub-block scale (low 16 bits) and accumulates. Lanes `k` and `8 + k` hold the
@@ -26,25 +29,39 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
         let mins = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
         let wd = f16::from_bits(wb.d).to_f32();
         let wdmin = f16::from_bits(wb.dmin).to_f32();
+        // Scales as i32 lanes, arranged like the products below: (h, low nibbles) covers sub-blocks 4h and
+        // 4h + 2, (h, high nibbles) 4h + 1 and 4h + 3, 8 lanes each.
+        let base = _mm512_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc)));
+        let sv: [__m512i; 4] = std::array::from_fn(|i| {
+            let (lo, hi) = (SCALE_PAIRS[i].0, SCALE_PAIRS[i].1);
+            _mm512_permutexvar_epi32(
+                _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1),
+                base,
+            )
+        });
         let mut sumi = [zero; R];
-        for j in 0..4 {
-            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
-            let bits = _mm512_broadcast_i64x4(unsafe {
-                _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast())
-            });
-            let q = _mm512_and_si512(
-                _mm512_mask_blend_epi64(0xF0, bits, _mm512_srli_epi16(bits, 4)),
-                m4,
-            );
-            let scale = _mm512_inserti64x4(
-                _mm512_set1_epi32(sc[2 * j] as i32),
-                _mm256_set1_epi32(sc[2 * j + 1] as i32),
-                1,
-            );
+        for h in 0..2 {
+            // Chunks 2h and 2h + 1 at once: their low nibbles pair with values 128h..+32 and 128h+64..+96, their
+            // high nibbles with 128h+32..+64 and 128h+96..+128.
+            // SAFETY: qs has 128 bytes; the load spans 64h..64h+64.
+            let z = unsafe { _mm512_loadu_si512(wb.qs.as_ptr().add(64 * h).cast()) };
+            let lo = _mm512_and_si512(z, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
             for r in 0..R {
-                // SAFETY: qs has 256 bytes; the load spans 64j..64j+64.
-                let a = unsafe { _mm512_loadu_si512(xs[r][b].qs.as_ptr().add(64 * j).cast()) };
-                sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q, a), scale);
+                let q8 = xs[r][b].qs.as_ptr();
+                // SAFETY: qs has 256 bytes; the loads span 128h..128h+128.
+                let (x0, x1) = unsafe {
+                    (
+                        _mm512_loadu_si512(q8.add(128 * h).cast()),
+                        _mm512_loadu_si512(q8.add(128 * h + 64).cast()),
+                    )
+                };
+                let xa = _mm512_shuffle_i64x2::<0x44>(x0, x1);
+                let xb = _mm512_shuffle_i64x2::<0xEE>(x0, x1);
+                sumi[r] =
+                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, lo, xa), sv[2 * h]);
+                sumi[r] =
+                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, hi, xb), sv[2 * h + 1]);
             }
         }
         for r in 0..R {
