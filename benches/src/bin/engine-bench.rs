@@ -39,6 +39,10 @@ struct Args {
     /// llama.cpp's `llama-bench` binary: measure it on the same files in the same run and print the ratios.
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
+    /// Also measure how often the draft's greedy token equals the target's over this many target-chosen tokens
+    /// per prompt, with the draft as stored (Q5_0) and with its Q5_0 matrices requantized to Q8_0.
+    #[arg(long)]
+    agreement: Option<usize>,
     /// Repetitions for llama-bench.
     #[arg(long, default_value_t = 3)]
     llama_reps: usize,
@@ -205,6 +209,81 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
     }))
 }
 
+/// The draft with every Q5_0 matrix requantized to Q8_0 (what the engine loaded before it had Q5_0 kernels).
+fn requantized_q5_0(model: &parse_engine::Model) -> Result<parse_engine::Model> {
+    use candle_core::quantized::GgmlDType;
+    use parse_engine::quant::QMatrix;
+    let mut w = model.weights().clone();
+    let q = |m: &mut QMatrix| -> Result<()> {
+        if m.dtype() == GgmlDType::Q5_0 {
+            *m = QMatrix::from_f32(GgmlDType::Q8_0, m.rows(), m.cols(), &m.to_f32())?;
+        }
+        Ok(())
+    };
+    q(&mut w.embed)?;
+    if let Some(h) = w.lm_head.as_mut() {
+        q(h)?;
+    }
+    for l in w.layers.iter_mut() {
+        for m in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            l.wo.weight_mut(),
+            &mut l.w_gate,
+            &mut l.w_up,
+            l.w_down.weight_mut(),
+        ] {
+            q(m)?;
+        }
+    }
+    Ok(parse_engine::Model::new(model.config().clone(), w)?)
+}
+
+/// Share of positions where the draft's greedy token equals the target's, over `n` tokens the target chose
+/// greedily after each prompt (the draft reads the target's tokens, as in speculation).
+fn agreement(n: usize) -> Result<serde_json::Value> {
+    const PROMPTS: [&str; 4] = [
+        "Write a Python function that merges two sorted lists into one sorted list.",
+        "A train travels 120 km in 1.5 hours. What is its average speed in km/h? Explain briefly.",
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain the difference between a process and a thread.",
+    ];
+    let target = Engine::load(&EngineConfig::new(model_dir().join(file_for("target")?)))?;
+    let draft = Engine::load(&EngineConfig::new(model_dir().join(file_for("draft")?)))?;
+    let requant = requantized_q5_0(draft.model())?;
+    let argmax = parse_engine::sampling::argmax;
+    let mut same = [0usize; 2];
+    let mut total = 0usize;
+    for p in PROMPTS {
+        let ids = target.tokenizer().encode_chat(&[Message::user(p)])?;
+        let mut cache = parse_engine::KvCache::new(target.model().config());
+        let mut logits = target
+            .model()
+            .forward_causal(&mut cache, &ids, &[ids.len() - 1])?;
+        let mut cont = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = argmax(logits.row(0));
+            cont.push(t);
+            logits = target.model().forward_causal(&mut cache, &[t], &[0])?;
+        }
+        let mut seq = ids.clone();
+        seq.extend_from_slice(&cont);
+        let rows: Vec<usize> = (ids.len() - 1..seq.len() - 1).collect();
+        for (i, model) in [draft.model().as_ref(), &requant].into_iter().enumerate() {
+            let mut c = parse_engine::KvCache::new(model.config());
+            let l = model.forward_causal(&mut c, &seq[..seq.len() - 1], &rows)?;
+            same[i] += (0..n).filter(|&j| argmax(l.row(j)) == cont[j]).count();
+        }
+        total += n;
+    }
+    Ok(json!({
+        "tokens": total,
+        "draft_q5_0": same[0] as f64 / total as f64,
+        "draft_requantized_q8_0": same[1] as f64 / total as f64,
+    }))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut reports = Vec::new();
@@ -283,6 +362,19 @@ fn main() -> Result<()> {
             }
         }
     }
+    let agree = match args.agreement {
+        Some(n) => {
+            let a = agreement(n)?;
+            println!(
+                "\nDraft/target greedy agreement over {} target tokens: draft as stored (Q5_0) {:.3}, Q5_0 requantized to Q8_0 {:.3}",
+                a["tokens"],
+                a["draft_q5_0"].as_f64().unwrap_or(0.0),
+                a["draft_requantized_q8_0"].as_f64().unwrap_or(0.0)
+            );
+            Some(a)
+        }
+        None => None,
+    };
     let cpu = cpu_description();
     let kernels = parse_engine::kernels::active().to_string();
     println!(
@@ -296,6 +388,7 @@ fn main() -> Result<()> {
         "cpu": cpu,
         "kernels": kernels,
         "models": reports,
+        "agreement": agree,
     });
     if let Some(out) = &args.out {
         std::fs::write(out, serde_json::to_string_pretty(&report)?)?;

@@ -22,7 +22,7 @@ use crate::quant::{self, QMatrix};
 /// Options applied while loading weights.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Re-quantize formats without fast CPU kernels (Q4_1, Q5_0, Q5_1) to Q8_0. On by default.
+    /// Re-quantize formats without fast CPU kernels (Q4_1, Q5_1) to Q8_0. On by default.
     pub fast_cpu_formats: bool,
     /// Caps the context length below the model's own (KV memory grows with it).
     pub max_context: Option<usize>,
