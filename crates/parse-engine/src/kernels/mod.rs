@@ -445,6 +445,23 @@ pub fn active() -> Kernels {
     }
 }
 
+/// Quantizes `x` (rows of whole 256-value blocks) to Q8_K, the activation format of the K-quant kernels, with
+/// exactly the rounding of candle's `BlockQ8K::from_float` on every variant (AVX-512 where the active variant has
+/// it; tested equal).
+pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    use candle_core::quantized::k_quants::GgmlType;
+    #[cfg(target_arch = "x86_64")]
+    if active() >= Kernels::Vnni {
+        #[allow(unsafe_code)]
+        // SAFETY: the active variant (VNNI or AMX) implies AVX-512 F/BW/VL/DQ.
+        unsafe {
+            vnni::quantize_q8k_avx512(x, out)
+        };
+        return;
+    }
+    BlockQ8K::from_float(x, out)
+}
+
 /// Whether a block of `m` rows goes to the AMX tiles (the active variant is AMX and the block is large enough).
 pub fn use_amx(m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -833,6 +850,39 @@ mod tests {
             q5_0_dot_scalar(&w5, act.row(0)),
         );
         assert!(close(a, b), "q5_0: {a} vs {b}");
+    }
+
+    #[test]
+    fn q8k_quantization_equals_candles_on_every_variant() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let mut x = random(&mut rng, 6 * QK_K, 4.0);
+        // Ties of magnitude with both signs, exact halves after scaling, and an all-zero block.
+        x[3] = -4.5;
+        x[7] = 4.5;
+        x[QK_K + 1] = 2.0;
+        for (i, v) in x[QK_K + 2..QK_K + 40].iter_mut().enumerate() {
+            *v = (i as f32 + 0.5) * 2.0 / 127.0;
+        }
+        x[2 * QK_K..3 * QK_K].fill(0.0);
+        let mut want = vec![BlockQ8K::zeros(); 6];
+        BlockQ8K::from_float(&x, &mut want);
+        let bytes = |b: &[BlockQ8K]| {
+            let raw = raw_q8k(b);
+            raw.iter()
+                .map(|r| (r.d.to_bits(), r.qs.to_vec(), r.bsums.to_vec()))
+                .collect::<Vec<_>>()
+        };
+        for k in variants() {
+            let before = active();
+            set_active(k).unwrap();
+            let mut got = vec![BlockQ8K::zeros(); 6];
+            quantize_q8k(&x, &mut got);
+            set_active(before).unwrap();
+            assert!(
+                bytes(&got) == bytes(&want),
+                "{k}: Q8_K quantization differs from candle's"
+            );
+        }
     }
 
     #[test]

@@ -321,6 +321,66 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
     std::array::from_fn(|r| fold16(acc[r]))
 }
 
+/// Quantizes rows of 256-value blocks to Q8_K exactly as candle's `BlockQ8K::from_float` does (the value of largest
+/// magnitude, first one on ties, maps to -127; `round` half away from zero; clamp to -128..=127; 16-value sums;
+/// `d = 1 / iscale`), 16 values per instruction.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+pub(super) fn quantize_q8k_avx512(xs: &[f32], ys: &mut [BlockQ8K]) {
+    // SAFETY: RawQ8K has BlockQ8K's layout (asserted in super); the slice covers the same blocks.
+    let ys = unsafe { std::slice::from_raw_parts_mut(ys.as_mut_ptr().cast::<RawQ8K>(), ys.len()) };
+    let sign = _mm512_set1_ps(-0.0);
+    let one = _mm512_set1_ps(1.0);
+    let half = _mm512_set1_ps(0.5);
+    for (x, y) in xs.chunks_exact(QK_K).zip(ys.iter_mut()) {
+        // SAFETY: x has 256 values: 16 loads of 16.
+        let v: [__m512; 16] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_ps(x.as_ptr().add(16 * i)) });
+        let mut m = _mm512_setzero_ps();
+        for vi in &v {
+            m = _mm512_max_ps(m, _mm512_andnot_ps(sign, *vi));
+        }
+        let amax = _mm512_reduce_max_ps(m);
+        if amax == 0.0 {
+            y.d = 0.0;
+            y.qs.fill(0);
+            y.bsums.fill(0);
+            continue;
+        }
+        // The first value whose magnitude is amax.
+        let at = v
+            .iter()
+            .enumerate()
+            .find_map(|(i, vi)| {
+                let k = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(
+                    _mm512_andnot_ps(sign, *vi),
+                    _mm512_set1_ps(amax),
+                );
+                (k != 0).then(|| 16 * i + k.trailing_zeros() as usize)
+            })
+            .unwrap_or(0);
+        let iscale = -127f32 / x[at];
+        let sc = _mm512_set1_ps(iscale);
+        for (i, vi) in v.iter().enumerate() {
+            let p = _mm512_mul_ps(sc, *vi);
+            // Round half away from zero: truncate, then step away from zero where the dropped part is >= 0.5.
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(p);
+            let frac = _mm512_andnot_ps(sign, _mm512_sub_ps(p, t));
+            let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
+            let step = _mm512_or_ps(_mm512_and_ps(p, sign), one);
+            let r = _mm512_mask_add_ps(t, away, t, step);
+            let r = _mm512_min_ps(
+                _mm512_max_ps(r, _mm512_set1_ps(-128.0)),
+                _mm512_set1_ps(127.0),
+            );
+            let q = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r));
+            // SAFETY: qs has 256 bytes; the store spans 16i..16i+16.
+            unsafe { _mm_storeu_si128(y.qs.as_mut_ptr().add(16 * i).cast(), q) };
+            y.bsums[i] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q)) as i16;
+        }
+        y.d = 1.0 / iscale;
+    }
+}
+
 panel_fn!(
     q4k_panel,
     q4k_tile,
