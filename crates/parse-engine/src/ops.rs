@@ -84,6 +84,120 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     lane_sum(lanes) + dot_tail(a, b, n16)
 }
 
+/// `out[h] = dot(qs[h * k.len()..], k)` for the `out.len()` query heads that share key `k`, bitwise as [`dot`]
+/// computes each: the heads' accumulator chains run side by side, so the multiply-adds are not waiting on one
+/// another (a single 128-wide dot is two chains of 8 dependent steps).
+pub fn dot_heads(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    let hd = k.len();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            let mut h = 0;
+            while h < out.len() {
+                let g = (out.len() - h).min(4);
+                #[allow(unsafe_code)]
+                // SAFETY: AVX2 and FMA are available (checked just above).
+                unsafe {
+                    match g {
+                        4 => dot_heads_avx2::<4>(&qs[h * hd..], k, &mut out[h..]),
+                        3 => dot_heads_avx2::<3>(&qs[h * hd..], k, &mut out[h..]),
+                        2 => dot_heads_avx2::<2>(&qs[h * hd..], k, &mut out[h..]),
+                        _ => dot_heads_avx2::<1>(&qs[h * hd..], k, &mut out[h..]),
+                    }
+                }
+                h += g;
+            }
+            return;
+        }
+    }
+    for (h, o) in out.iter_mut().enumerate() {
+        *o = dot(&qs[h * hd..(h + 1) * hd], k);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_heads_avx2<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = k.len();
+    assert!(qs.len() >= G * hd && out.len() >= G);
+    let n16 = hd / 16 * 16;
+    let mut acc0 = [_mm256_setzero_ps(); G];
+    let mut acc1 = [_mm256_setzero_ps(); G];
+    for i in (0..n16).step_by(16) {
+        // SAFETY: i + 16 <= n16 <= hd, and every head's slice has hd values.
+        unsafe {
+            let k0 = _mm256_loadu_ps(k.as_ptr().add(i));
+            let k1 = _mm256_loadu_ps(k.as_ptr().add(i + 8));
+            for h in 0..G {
+                let q = qs.as_ptr().add(h * hd + i);
+                acc0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q), k0, acc0[h]);
+                acc1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8)), k1, acc1[h]);
+            }
+        }
+    }
+    for h in 0..G {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0[h], acc1[h])) };
+        let a = &qs[h * hd..(h + 1) * hd];
+        out[h] = lane_sum(lanes) + dot_tail(a, k, n16);
+    }
+}
+
+/// `o += p[i] * v[i]` over the keys in order, for one head: `o = fma(p, v, o)` element by element as a plain loop
+/// would, with the head's accumulator in registers when the width is 64 or 128.
+fn weighted_sum(p: impl Iterator<Item = (f32, usize)>, v_cache: &[f32], o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            #[allow(unsafe_code)]
+            // SAFETY: AVX2 and FMA are available (checked just above).
+            unsafe {
+                match o.len() {
+                    128 => return weighted_sum_avx2::<16>(p, v_cache, o),
+                    64 => return weighted_sum_avx2::<8>(p, v_cache, o),
+                    _ => {}
+                }
+            }
+        }
+    }
+    let w = o.len();
+    for (pi, off) in p {
+        for (a, b) in o.iter_mut().zip(&v_cache[off..off + w]) {
+            *a = pi.mul_add(*b, *a);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_sum_avx2<const V: usize>(
+    p: impl Iterator<Item = (f32, usize)>,
+    v_cache: &[f32],
+    o: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    assert_eq!(o.len(), 8 * V);
+    // SAFETY: o has 8V values.
+    let mut acc: [__m256; V] =
+        std::array::from_fn(|j| unsafe { _mm256_loadu_ps(o.as_ptr().add(8 * j)) });
+    for (pi, off) in p {
+        let v = &v_cache[off..off + 8 * V];
+        let pv = _mm256_set1_ps(pi);
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: v has 8V values.
+            *a = _mm256_fmadd_ps(pv, unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * j)) }, *a);
+        }
+    }
+    for (j, a) in acc.iter().enumerate() {
+        // SAFETY: o has 8V values.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *a) };
+    }
+}
+
 /// `out[r] = x[r] / rms(x[r]) * w` for each row of width `w.len()`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
@@ -195,10 +309,12 @@ pub fn attention(
             let n = keys.len();
             // scores[h * n + i]: head h of the group, i-th visible key.
             let mut scores = vec![0f32; group * n];
+            let mut row = vec![0f32; group];
             for (i, &t) in keys.iter().enumerate() {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
+                dot_heads(qs, kv, &mut row);
                 for h in 0..group {
-                    scores[h * n + i] = dot(&qs[h * hd..(h + 1) * hd], kv) * scale;
+                    scores[h * n + i] = row[h] * scale;
                 }
             }
             let mut sums = vec![0f32; group];
@@ -213,14 +329,12 @@ pub fn attention(
                 sums[h] = sum;
             }
             o.fill(0.0);
-            for (i, &t) in keys.iter().enumerate() {
-                let vv = &v_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
-                for h in 0..group {
-                    let p = scores[h * n + i];
-                    for (a, b) in o[h * hd..(h + 1) * hd].iter_mut().zip(vv) {
-                        *a = p.mul_add(*b, *a);
-                    }
-                }
+            for h in 0..group {
+                let p = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &t)| (scores[h * n + i], t * kv_stride + kvh * hd));
+                weighted_sum(p, v_cache, &mut o[h * hd..(h + 1) * hd]);
             }
             for h in 0..group {
                 let inv = 1.0 / sums[h];
@@ -234,6 +348,50 @@ pub fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grouped_dots_and_weighted_sums_equal_the_plain_loops_bitwise() {
+        for hd in [64usize, 128, 40] {
+            for group in [1usize, 3, 6, 7] {
+                let qs: Vec<f32> = (0..group * hd)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 337.0 - 1.3)
+                    .collect();
+                let k: Vec<f32> = (0..hd)
+                    .map(|i| ((i * 104729) % 997) as f32 / 211.0 - 2.1)
+                    .collect();
+                let mut got = vec![0f32; group];
+                dot_heads(&qs, &k, &mut got);
+                for h in 0..group {
+                    assert_eq!(
+                        got[h].to_bits(),
+                        dot(&qs[h * hd..(h + 1) * hd], &k).to_bits(),
+                        "hd {hd} head {h}"
+                    );
+                }
+                let v: Vec<f32> = (0..5 * hd)
+                    .map(|i| ((i * 31) % 101) as f32 / 50.0 - 1.0)
+                    .collect();
+                let p = [0.3f32, 0.1, 0.25, 0.05, 0.3];
+                let mut want = vec![0f32; hd];
+                for (i, pi) in p.iter().enumerate() {
+                    for (a, b) in want.iter_mut().zip(&v[i * hd..(i + 1) * hd]) {
+                        *a = pi.mul_add(*b, *a);
+                    }
+                }
+                let mut o = vec![0f32; hd];
+                weighted_sum(
+                    p.iter().enumerate().map(|(i, &pi)| (pi, i * hd)),
+                    &v,
+                    &mut o,
+                );
+                assert_eq!(
+                    o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "hd {hd}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn dot_paths_agree_bitwise() {

@@ -363,8 +363,11 @@ impl<'a> Input<'a> {
 
     /// Q8_K rows (the partner of every K-quant format).
     fn q8k(&self) -> &[BlockQ8K] {
-        self.q8k
-            .get_or_init(|| quantize_rows::<BlockQ4K>(self.x, self.k, self.m))
+        self.q8k.get_or_init(|| {
+            let mut xq = vec![BlockQ8K::zeros(); self.x.len() / 256];
+            kernels::quantize_q8k(self.x, &mut xq);
+            xq
+        })
     }
 
     #[cfg(target_arch = "x86_64")]
