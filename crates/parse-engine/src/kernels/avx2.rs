@@ -7,8 +7,9 @@ use std::arch::x86_64::*;
 
 use super::*;
 
-/// `R` activation rows against one Q4_K weight row. Lane `k` of each 32-bit accumulator collects bytes `4k..4k+4`
-/// of every 32-byte chunk (`maddubs` pairs bytes, `madd` pairs the pairs), as in [`q4k_dot_scalar`].
+/// `R` activation rows against one Q4_K weight row: `maddubs` pairs bytes, `madd` multiplies the pairs by the
+/// sub-block scale; the 8 lanes are summed into the super-block's exact integer `S` of [`q4k_dot_scalar`], and the
+/// min term `M` likewise.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {

@@ -1,12 +1,12 @@
 //! CPU dot kernels for the engine's weight formats, chosen at run time by CPU feature.
 //!
 //! Each format has one arithmetic definition, written out without SIMD in a `*_dot_scalar` function; every SIMD
-//! variant (AVX2, AVX-512 VNNI) computes exactly that arithmetic, so all variants give bitwise the same results and
-//! a token's logits do not depend on the machine's kernel choice, nor on the rows that share a call:
-//! - the integer products of a block are summed exactly into fixed lanes (lane `k` takes bytes `4k..4k+4` of every
-//!   32-byte chunk), so how the SIMD instructions group them cannot change the sums;
-//! - floats accumulate per lane in a fixed order (`fma(d_x * d_w, lane as f32, acc)` over blocks) and the lanes are
-//!   summed in a fixed tree at the end.
+//! variant (AVX2, AVX-512 VNNI, AMX tiles) computes exactly that arithmetic, so all variants give bitwise the same
+//! results and a token's logits do not depend on the machine's kernel choice, nor on the rows that share a call:
+//! - the integer products of a block are summed exactly (into the whole block's integer, or into fixed lanes where
+//!   the definition keeps lanes), so how the instructions group them cannot change the sums;
+//! - floats accumulate in a fixed order (`fma(d_x * d_w, integer as f32, acc)` over blocks), and lanes, where there
+//!   are any, are summed in a fixed tree at the end.
 //!
 //! Per format:
 //! - Q4_K x Q8_K: a super-block's scaled products and its min term are exact integers `S` and `M`;

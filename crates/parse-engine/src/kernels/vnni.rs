@@ -11,10 +11,10 @@ use super::*;
 /// Sub-block pairs whose scales the 16 lanes of the Q4_K products carry (lanes 0..8, lanes 8..16).
 const SCALE_PAIRS: [(i32, i32); 4] = [(0, 2), (1, 3), (4, 6), (5, 7)];
 
-/// `R` activation rows against one Q4_K weight row. A 32-byte chunk of weights becomes one 64-byte vector (low
-/// nibbles, then high nibbles), which lines up with 64 consecutive activations; `dpbusd` gives the 4-byte sums,
-/// `dpwssd` multiplies them by the sub-block scale (low 16 bits) and accumulates. Lanes `k` and `8 + k` hold the
-/// two halves of lane `k` of [`q4k_dot_scalar`].
+/// `R` activation rows against one Q4_K weight row. 64 bytes of weights (two chunks) give a vector of low nibbles
+/// and one of high nibbles; the activations are regrouped by lane shuffles to line up with them; `dpbusd` gives the
+/// 4-byte sums and `dpwssd` multiplies them by their sub-block's scale (low 16 bits) and accumulates. The 16 lanes
+/// are summed into the super-block's exact integer `S` of [`q4k_dot_scalar`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
