@@ -226,20 +226,35 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-/// Signature of a K-quant panel of [`crate::kernels`].
-type KPanel<T> = fn(kernels::Kernels, &[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
+/// Signature of a panel of [`crate::kernels`] over activation rows of type `X`.
+type Panel<T, X> = fn(kernels::Kernels, &[T], usize, &[X], &mut [f32], usize);
 
-/// Matmul of a K-quant matrix through the register-tiled panels of [`crate::kernels`] (Q8_K activations).
-fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
-    mat: &Mat<T>,
-    input: &Input<'_>,
-    out: &mut [f32],
-    panel: KPanel<T>,
+/// Runs `panel` over the weight rows `wc` (whole rows of `kb` blocks) and every activation row, in tiles of
+/// [`kernels::TILE_ROWS`]: `dst[r * stride + c]` for the tile's rows `r` and the weight rows `c` of `wc`.
+fn run_panels<T, X>(
+    panel: Panel<T, X>,
+    kern: kernels::Kernels,
+    wc: &[T],
+    kb: usize,
+    rows: &[X],
+    dst: &mut [f32],
+    stride: usize,
 ) {
-    let (n, m) = (mat.rows, input.m);
+    for r0 in (0..rows.len()).step_by(kernels::TILE_ROWS) {
+        let r1 = (r0 + kernels::TILE_ROWS).min(rows.len());
+        panel(kern, wc, kb, &rows[r0..r1], &mut dst[r0 * stride..], stride);
+    }
+}
+
+/// Matmul of a matrix through the register-tiled panels of [`crate::kernels`], given its activation rows.
+fn matmul_panels<T: GgmlType, X: Sync>(
+    mat: &Mat<T>,
+    rows: &[X],
+    out: &mut [f32],
+    panel: Panel<T, X>,
+) {
+    let (n, m) = (mat.rows, rows.len());
     let kb = mat.blocks_per_row();
-    let xq = input.q8k();
-    let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
     let kern = kernels::active();
     let w = &mat.blocks;
     let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
@@ -249,14 +264,33 @@ fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
         chunk,
         |c0, dst| {
             let cw = dst.len() / m;
-            for r0 in (0..m).step_by(kernels::TILE_ROWS) {
-                let r1 = (r0 + kernels::TILE_ROWS).min(m);
-                let wc = &w[c0 * kb..(c0 + cw) * kb];
-                panel(kern, wc, kb, &rows[r0..r1], &mut dst[r0 * cw..], cw);
-            }
+            run_panels(panel, kern, &w[c0 * kb..(c0 + cw) * kb], kb, rows, dst, cw);
         },
         out,
     );
+}
+
+/// Matmul of a K-quant matrix (Q8_K activations).
+fn matmul_k<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    panel: Panel<T, &'a [BlockQ8K]>,
+) {
+    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(mat.blocks_per_row()).collect();
+    matmul_panels(mat, &rows, out, panel);
+}
+
+/// Matmul of a Q8_0 or Q5_0 matrix (Q8_0-rounded activations).
+fn matmul_32<'a, T: GgmlType>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    panel: Panel<T, kernels::Act32Row<'a>>,
+) {
+    let xq = input.act32();
+    let rows: Vec<kernels::Act32Row<'_>> = (0..input.m).map(|r| xq.row(r)).collect();
+    matmul_panels(mat, &rows, out, panel);
 }
 
 /// The AMX tile function of a K-quant format.
@@ -264,20 +298,19 @@ fn matmul_k<T: GgmlType<VecDotType = BlockQ8K>>(
 type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usize);
 
 /// K-quant matmul of a block of rows through AMX tiles: 16-column groups on the tiles, any remaining columns of a
-/// chunk through the VNNI panels (the same arithmetic).
+/// chunk through the panels (the same arithmetic).
 #[cfg(target_arch = "x86_64")]
-fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
+fn matmul_k_amx<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     mat: &Mat<T>,
-    input: &Input<'_>,
+    input: &'a Input<'_>,
     out: &mut [f32],
     groups: AmxGroups<T>,
-    panel: KPanel<T>,
+    panel: Panel<T, &'a [BlockQ8K]>,
 ) {
     let (n, m) = (mat.rows, input.m);
     let kb = mat.blocks_per_row();
-    let xq = input.q8k();
     let acts = input.amx_acts();
-    let rows: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(kb).collect();
     let w = &mat.blocks;
     let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
     drive(
@@ -295,40 +328,16 @@ fn matmul_k_amx<T: GgmlType<VecDotType = BlockQ8K>>(
                 };
             }
             if full < cw {
-                for r0 in (0..m).step_by(kernels::TILE_ROWS) {
-                    let r1 = (r0 + kernels::TILE_ROWS).min(m);
-                    let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
-                    let d = &mut dst[r0 * cw + full..];
-                    panel(kernels::Kernels::Vnni, wc, kb, &rows[r0..r1], d, cw);
-                }
-            }
-        },
-        out,
-    );
-}
-
-/// Signature of a 32-wide panel of [`crate::kernels`].
-type Panel32<T> = fn(kernels::Kernels, &[T], usize, &[kernels::Act32Row<'_>], &mut [f32], usize);
-
-/// Matmul of a Q8_0 or Q5_0 matrix through the panels of [`crate::kernels`] (Q8_0-rounded activations).
-fn matmul_32<T: GgmlType>(mat: &Mat<T>, input: &Input<'_>, out: &mut [f32], panel: Panel32<T>) {
-    let (n, m) = (mat.rows, input.m);
-    let kb = mat.blocks_per_row();
-    let xq = input.act32();
-    let rows: Vec<kernels::Act32Row<'_>> = (0..m).map(|r| xq.row(r)).collect();
-    let kern = kernels::active();
-    let w = &mat.blocks;
-    let chunk = column_chunk(n, kb * std::mem::size_of::<T>());
-    drive(
-        n,
-        m,
-        chunk,
-        |c0, dst| {
-            let cw = dst.len() / m;
-            for r0 in (0..m).step_by(kernels::TILE_ROWS) {
-                let r1 = (r0 + kernels::TILE_ROWS).min(m);
-                let wc = &w[c0 * kb..(c0 + cw) * kb];
-                panel(kern, wc, kb, &rows[r0..r1], &mut dst[r0 * cw..], cw);
+                let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
+                run_panels(
+                    panel,
+                    kernels::Kernels::Amx,
+                    wc,
+                    kb,
+                    &rows,
+                    &mut dst[full..],
+                    cw,
+                );
             }
         },
         out,

@@ -49,22 +49,29 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
             let xb = &xs[r][b];
             let s = hsum_i32(sumi[r]);
             acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
-            let dmin = xb.d * wdmin;
-            // SAFETY: bsums has 16 i16 (32 bytes).
-            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
-            let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            let prod = _mm_madd_epi16(mins, bp);
-            let p2 = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0b01_00_11_10));
-            let mn = _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0b10_11_00_01)));
-            acc_m[r] = dmin.mul_add(mn as f32, acc_m[r]);
+            acc_m[r] = (xb.d * wdmin).mul_add(q4k_min_term(mins, &xb.bsums) as f32, acc_m[r]);
         }
     }
     std::array::from_fn(|r| acc[r] - acc_m[r])
 }
 
+/// The exact integer min term `M` of a Q4_K super-block: sub-block mins (`mins`, 8 x i16) times the activations'
+/// sub-block sums (pairs of `bsums`).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn hsum_i32(v: __m256i) -> i32 {
+pub(super) fn q4k_min_term(mins: __m128i, bsums: &[i16; 16]) -> i32 {
+    // SAFETY: bsums has 16 i16 (32 bytes).
+    let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+    let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    let prod = _mm_madd_epi16(mins, bp);
+    let p2 = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0b01_00_11_10));
+    _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0b10_11_00_01)))
+}
+
+/// The sum of the 8 lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));

@@ -511,6 +511,18 @@ macro_rules! panel {
     }};
 }
 
+/// The variant a K-quant panel of `rows` activation rows runs. Measured with engine-bench on an AVX-512 VNNI
+/// machine: the VNNI K-quant tiles win for one row (decode) but lose to the AVX2 ones for multi-row tiles (1.67 s vs
+/// 1.45 s for a 64-token target block). Both compute the same bits, so multi-row tiles take AVX2 (and the VNNI
+/// K-quant panels are built for one row only).
+fn k_quant_variant(k: Kernels, rows: usize) -> Kernels {
+    if k >= Kernels::Vnni && rows > 1 {
+        Kernels::Avx2
+    } else {
+        k
+    }
+}
+
 pub fn q4k_panel(
     k: Kernels,
     w: &[BlockQ4K],
@@ -519,14 +531,7 @@ pub fn q4k_panel(
     out: &mut [f32],
     stride: usize,
 ) {
-    // Measured with engine-bench on an AVX-512 VNNI machine: the VNNI K-quant tiles win for one row (decode) but
-    // lose to the AVX2 ones for multi-row tiles (1.67 s vs 1.45 s for a 64-token target block). Both compute the
-    // same bits, so multi-row tiles take the faster one.
-    let k = if k >= Kernels::Vnni && xs.len() > 1 {
-        Kernels::Avx2
-    } else {
-        k
-    };
+    let k = k_quant_variant(k, xs.len());
     panel!(
         k,
         w,
@@ -548,14 +553,7 @@ pub fn q6k_panel(
     out: &mut [f32],
     stride: usize,
 ) {
-    // Measured with engine-bench on an AVX-512 VNNI machine: the VNNI K-quant tiles win for one row (decode) but
-    // lose to the AVX2 ones for multi-row tiles (1.67 s vs 1.45 s for a 64-token target block). Both compute the
-    // same bits, so multi-row tiles take the faster one.
-    let k = if k >= Kernels::Vnni && xs.len() > 1 {
-        Kernels::Avx2
-    } else {
-        k
-    };
+    let k = k_quant_variant(k, xs.len());
     panel!(
         k,
         w,
@@ -612,13 +610,17 @@ pub fn q5_0_panel(
 }
 
 /// How far ahead of the weight row being computed a panel prefetches, in bytes (whole rows; measured on the default
-/// pair with `engine-bench`: 1-1.5 KB beat 2, 4 and 8 KB by 5-12% in decode).
+/// target with `engine-bench`: 1.5 KB decoded 3%, 11% and 14% faster than 2, 4 and 8 KB).
 const PREFETCH_BYTES: usize = 1536;
 
 /// Expands to a `#[target_feature]` panel function for one format: a loop over weight rows that calls the
-/// variant's tile kernel `$tile::<R>` (instantiated for 1..=TILE_ROWS activation rows, inlined into the loop).
+/// variant's tile kernel `$tile::<R>` (instantiated for 1..=TILE_ROWS activation rows, or the sizes listed,
+/// inlined into the loop).
 macro_rules! panel_fn {
     ($name:ident, $tile:ident, $feat:literal, $w:ty, $x:ty) => {
+        panel_fn!($name, $tile, $feat, $w, $x, [1, 2, 3, 4, 5, 6, 7, 8]);
+    };
+    ($name:ident, $tile:ident, $feat:literal, $w:ty, $x:ty, [$($rows:literal),+]) => {
         #[target_feature(enable = $feat)]
         pub(super) unsafe fn $name(w: &[$w], kb: usize, xs: &[$x], out: &mut [f32], stride: usize) {
             #[target_feature(enable = $feat)]
@@ -652,14 +654,8 @@ macro_rules! panel_fn {
             unsafe {
                 match xs.len() {
                     0 => {}
-                    1 => run::<1>(w, kb, xs, out, stride),
-                    2 => run::<2>(w, kb, xs, out, stride),
-                    3 => run::<3>(w, kb, xs, out, stride),
-                    4 => run::<4>(w, kb, xs, out, stride),
-                    5 => run::<5>(w, kb, xs, out, stride),
-                    6 => run::<6>(w, kb, xs, out, stride),
-                    7 => run::<7>(w, kb, xs, out, stride),
-                    _ => run::<8>(w, kb, xs, out, stride),
+                    $($rows => run::<$rows>(w, kb, xs, out, stride),)+
+                    n => unreachable!("{} panel called with {n} activation rows", stringify!($name)),
                 }
             }
         }

@@ -6,6 +6,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::{hsum_i32, q4k_min_term};
 use super::*;
 
 /// Sub-block pairs whose scales the 16 lanes of the Q4_K products carry (lanes 0..8, lanes 8..16).
@@ -68,14 +69,7 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
             let xb = &xs[r][b];
             let s = _mm512_reduce_add_epi32(sumi[r]);
             acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
-            let dmin = xb.d * wdmin;
-            // SAFETY: bsums has 16 i16 (32 bytes).
-            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
-            let bp = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            let prod = _mm_madd_epi16(mins, bp);
-            let p2 = _mm_add_epi32(prod, _mm_shuffle_epi32(prod, 0b01_00_11_10));
-            let mn = _mm_cvtsi128_si32(_mm_add_epi32(p2, _mm_shuffle_epi32(p2, 0b10_11_00_01)));
-            acc_m[r] = dmin.mul_add(mn as f32, acc_m[r]);
+            acc_m[r] = (xb.d * wdmin).mul_add(q4k_min_term(mins, &xb.bsums) as f32, acc_m[r]);
         }
     }
     std::array::from_fn(|r| acc[r] - acc_m[r])
@@ -157,20 +151,11 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
             // SAFETY: bsums has 16 i16 (32 bytes).
             let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
             let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            let s = _mm512_reduce_add_epi32(sumi[r]).wrapping_sub(hsum256(offset));
+            let s = _mm512_reduce_add_epi32(sumi[r]).wrapping_sub(hsum_i32(offset));
             acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
         }
     }
     acc
-}
-
-#[target_feature(enable = "avx2")]
-#[inline]
-fn hsum256(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
 }
 
 /// Folds the 16 lanes (even blocks in 0..8, odd blocks in 8..16) as in `lane_tree16`.
@@ -201,11 +186,27 @@ fn act64(x: &Act32Row<'_>, b: usize, pair: bool) -> __m512i {
     }
 }
 
-/// The f32 block scales `d_w * d_x` of blocks `b` and `b + 1`, 8 lanes each.
-#[target_feature(enable = "avx512f,avx512dq")]
+/// `acc + (d_w * d_x) * s` for blocks `b` (lanes 0..8) and `b + 1` (lanes 8..16; only block `b` when `pair` is
+/// false, the upper lanes left as they are), as the definitions of the 32-wide formats accumulate.
+#[target_feature(enable = "avx512f,avx512dq,fma")]
 #[inline]
-fn scales16(d0: f32, d1: f32) -> __m512 {
-    _mm512_insertf32x8::<1>(_mm512_set1_ps(d0), _mm256_set1_ps(d1))
+fn accumulate_pair(
+    acc: __m512,
+    s: __m512,
+    wd: (f32, f32),
+    x: &Act32Row<'_>,
+    b: usize,
+    pair: bool,
+) -> __m512 {
+    if pair {
+        let d = _mm512_insertf32x8::<1>(
+            _mm512_set1_ps(wd.0 * x.d[b]),
+            _mm256_set1_ps(wd.1 * x.d[b + 1]),
+        );
+        _mm512_fmadd_ps(d, s, acc)
+    } else {
+        _mm512_mask3_fmadd_ps(_mm512_set1_ps(wd.0 * x.d[b]), s, acc, 0x00FF)
+    }
 }
 
 /// `R` activation rows against one Q8_0 weight row, two blocks per step. `dpbusd(x + 128, w)` starting from
@@ -243,13 +244,7 @@ unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> 
             let x = &xs[r];
             let a = _mm512_xor_si512(act64(x, b, pair), x80);
             let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, a, q));
-            if pair {
-                let d = scales16(wd0 * x.d[b], wd1 * x.d[b + 1]);
-                acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
-            } else {
-                let d = _mm512_set1_ps(wd0 * x.d[b]);
-                acc[r] = _mm512_mask3_fmadd_ps(d, s, acc[r], 0x00FF);
-            }
+            acc[r] = accumulate_pair(acc[r], s, (wd0, wd1), x, b, pair);
         }
     }
     std::array::from_fn(|r| fold16(acc[r]))
@@ -309,13 +304,7 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
             };
             let neg = _mm512_sub_epi32(zero, _mm512_slli_epi32(ls, 4));
             let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, q, act64(x, b, pair)));
-            if pair {
-                let d = scales16(wd0 * x.d[b], wd1 * x.d[b + 1]);
-                acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
-            } else {
-                let d = _mm512_set1_ps(wd0 * x.d[b]);
-                acc[r] = _mm512_mask3_fmadd_ps(d, s, acc[r], 0x00FF);
-            }
+            acc[r] = accumulate_pair(acc[r], s, (wd0, wd1), x, b, pair);
         }
     }
     std::array::from_fn(|r| fold16(acc[r]))
@@ -381,19 +370,23 @@ pub(super) fn quantize_q8k_avx512(xs: &[f32], ys: &mut [BlockQ8K]) {
     }
 }
 
+// One row only: multi-row K-quant tiles run the AVX2 kernels (see `k_quant_variant`).
 panel_fn!(
     q4k_panel,
     q4k_tile,
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
     BlockQ4K,
-    &[BlockQ8K]
+    &[BlockQ8K],
+    [1]
 );
+// One row only: multi-row K-quant tiles run the AVX2 kernels (see `k_quant_variant`).
 panel_fn!(
     q6k_panel,
     q6k_tile,
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
     BlockQ6K,
-    &[BlockQ8K]
+    &[BlockQ8K],
+    [1]
 );
 panel_fn!(
     q8_0_panel,
