@@ -6,8 +6,15 @@
 //! per output token, token and segment acceptance, and quality against the same run's `target` mode: HumanEval
 //! pass@1 (each record's `test` run in a `python3` subprocess with a timeout), ASDiv exact numeric answer, and for
 //! MT-Bench / XSum the share of outputs identical to the target's and their mean common-prefix fraction. Writes
-//! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md` and `<out-dir>/<suite>.png` (speed-up against quality, one line
-//! per mode and verdict over the tau sweep, target mode as the cross-hair).
+//! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md`, `<out-dir>/<suite>.png` (speed-up against quality, one line
+//! per mode and verdict over the tau sweep, target mode as the cross-hair) and `<out-dir>/<suite>-work.png` (the
+//! target's forward passes per output token against quality, likewise).
+//!
+//! HumanEval replies are scored on their first code block, so generation stops once that block is closed (as
+//! HumanEval harnesses stop at the end of the function) instead of writing prose to the budget; the loop hands
+//! output over in chunks, so the harness keeps tokens only up to the closing fence and counts, per prompt, how many
+//! of the kept tokens the draft wrote. Output tokens, per-token figures, tok/s and the draft share use the kept
+//! tokens; the time of the whole run (overshoot of the last chunk included) stays in.
 //!
 //! Every prompt's result is also kept in `<out-dir>/<suite>-runs/<run>/<i>.json`; `--resume` reuses them, so a long
 //! run survives an interruption (timings of reused prompts come from the run that made them: same machine and
@@ -23,10 +30,11 @@ use clap::Parser;
 use parse_bench::model_dir;
 use parse_bench::plot::{Series, scatter_png};
 use parse_core::{
-    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Stats, Verdict,
+    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Source, Stats, Verdict,
 };
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message};
+use parse_text::{StreamDecoder, Tokenizer};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
@@ -123,6 +131,10 @@ fn records(args: &Args) -> Result<Vec<Record>> {
     Ok(out)
 }
 
+/// Names the per-prompt result folders; bumped when what a saved result means changes (2: HumanEval output kept up
+/// to the close of the first code block).
+const RESULTS_FORMAT: &str = "r2";
+
 fn default_budget(suite: &str) -> usize {
     match suite {
         "humaneval" => 384,
@@ -205,8 +217,56 @@ fn asdiv_correct(rec: &Value, reply: &str) -> bool {
 /// One prompt's result, kept on disk for `--resume`.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Saved {
+    /// Output kept (up to the end of the answer).
     tokens: Vec<u32>,
+    /// Of `tokens`, how many the draft wrote.
+    draft_tokens_in_output: usize,
+    /// The loop's own figures (its output count includes any overshoot of the last chunk).
     stats: Stats,
+}
+
+/// Keeps output up to the end of a suite's answer: for HumanEval, the close of the reply's first code block.
+struct AnswerEnd<'a> {
+    tokenizer: &'a Tokenizer,
+    closes_code_block: bool,
+    decoder: StreamDecoder,
+    text: String,
+    kept: Vec<u32>,
+    from_draft: usize,
+    done: bool,
+}
+
+impl<'a> AnswerEnd<'a> {
+    fn new(tokenizer: &'a Tokenizer, suite: &str) -> Self {
+        AnswerEnd {
+            tokenizer,
+            closes_code_block: suite == "humaneval",
+            decoder: StreamDecoder::new(),
+            text: String::new(),
+            kept: Vec::new(),
+            from_draft: 0,
+            done: false,
+        }
+    }
+
+    /// Takes a chunk of output; returns whether generation should go on.
+    fn push(&mut self, tokens: &[u32], source: Source) -> bool {
+        for &t in tokens {
+            if self.done {
+                break;
+            }
+            self.kept.push(t);
+            self.from_draft += usize::from(source == Source::Draft);
+            if self.closes_code_block {
+                // A token that fails to decode is kept and judged by the tests like any other.
+                if let Ok(Some(delta)) = self.decoder.push(self.tokenizer, t) {
+                    self.text.push_str(&delta);
+                    self.done = self.text.matches("```").count() >= 2;
+                }
+            }
+        }
+        !self.done
+    }
 }
 
 /// ROUGE-L F1 between two token sequences (longest common subsequence).
@@ -305,7 +365,7 @@ fn main() -> Result<()> {
     let runs_dir = args.out_dir.join(format!("{}-runs", args.suite));
     for cfg in &runs {
         let run_dir = runs_dir.join(format!(
-            "{}-b{budget}-la{}",
+            "{}-b{budget}-la{}-{RESULTS_FORMAT}",
             label(cfg).replace([' ', '=', '+'], "_"),
             args.lookahead
         ));
@@ -314,6 +374,7 @@ fn main() -> Result<()> {
         let mut outputs = Vec::new();
         let mut quality = 0.0;
         let mut prefix_share = 0.0;
+        let mut draft_in_output = 0;
         for (i, p) in prompts.iter().enumerate() {
             let req = GenerationRequest {
                 session: format!("bench-{i}"),
@@ -339,10 +400,13 @@ fn main() -> Result<()> {
                 _ => {
                     let mut v = EngineVerifier::new(&mut target);
                     let mut d = EngineDrafter::new(&mut draft);
-                    let o = parse_core::generate(&mut d, &mut v, &req, &mut |_, _| true)
+                    let mut end = AnswerEnd::new(&tok, &args.suite);
+                    let o = parse_core::generate(&mut d, &mut v, &req, &mut |t, s| end.push(t, s))
                         .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
+                    debug_assert!(o.tokens.starts_with(&end.kept));
                     let s = Saved {
-                        tokens: o.tokens,
+                        tokens: end.kept,
+                        draft_tokens_in_output: end.from_draft,
                         stats: o.stats,
                     };
                     std::fs::write(&saved, serde_json::to_string(&s)?)?;
@@ -350,8 +414,9 @@ fn main() -> Result<()> {
                 }
             };
             let s = &out.stats;
+            draft_in_output += out.draft_tokens_in_output;
             for (a, b) in [
-                (&mut total.output_tokens, s.output_tokens),
+                (&mut total.output_tokens, out.tokens.len()),
                 (&mut total.draft_tokens_proposed, s.draft_tokens_proposed),
                 (&mut total.draft_tokens_accepted, s.draft_tokens_accepted),
                 (&mut total.segments_proposed, s.segments_proposed),
@@ -421,7 +486,7 @@ fn main() -> Result<()> {
             "segment_acceptance": ratio(total.segments_accepted, total.segments_proposed),
             "quality": quality / n,
             "solved": quality,
-            "draft_share": per_tok(total.draft_tokens_accepted),
+            "draft_share": per_tok(draft_in_output),
             "prefix_agreement_with_target": prefix_share / n,
             "draft_s": total.draft_ms / 1e3,
             "verify_s": total.verify_ms / 1e3,
@@ -477,7 +542,10 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// One line per (mode, verdict) over its tau values; single-setting modes as single points.
+/// Two plots, one line per (mode, verdict) over its tau values and single-setting modes as single points: quality
+/// against the speed-up (`<suite>.png`) and against the target's work, its forward passes per output token
+/// (`<suite>-work.png`; `target` mode is 1.0, the issue's budget for `parse` 0.25), each with `target` mode as the
+/// cross-hair.
 fn plot(
     path: &std::path::Path,
     suite: &str,
@@ -485,46 +553,95 @@ fn plot(
     rows: &[Value],
     base_q: f64,
 ) -> Result<()> {
-    let mut series: Vec<Series> = Vec::new();
-    for r in rows.iter().skip(1) {
-        let mode = r["mode"].as_str().unwrap_or_default();
-        let sweeps = mode.starts_with("parse");
-        let name = if sweeps {
-            format!("{mode} {}", r["verdict"].as_str().unwrap_or_default())
-        } else {
-            mode.to_string()
-        };
-        let label = if sweeps {
-            format!("tau={}", r["tau"].as_f64().unwrap_or(f64::NAN) as f32)
-        } else {
-            String::new()
-        };
-        let point = (
-            r["quality"].as_f64().unwrap_or(f64::NAN) * 100.0,
-            r["speedup_vs_target"].as_f64().unwrap_or(f64::NAN),
-            label,
-        );
-        match series.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push(point),
-            None => series.push(Series {
-                name,
-                points: vec![point],
-            }),
+    let series_of = |y_key: &str| {
+        let mut series: Vec<Series> = Vec::new();
+        for r in rows.iter().skip(1) {
+            let mode = r["mode"].as_str().unwrap_or_default();
+            let sweeps = mode.starts_with("parse");
+            let name = if sweeps {
+                format!("{mode} {}", r["verdict"].as_str().unwrap_or_default())
+            } else {
+                mode.to_string()
+            };
+            let label = if sweeps {
+                format!("tau={}", r["tau"].as_f64().unwrap_or(f64::NAN) as f32)
+            } else {
+                String::new()
+            };
+            let point = (
+                r["quality"].as_f64().unwrap_or(f64::NAN) * 100.0,
+                r[y_key].as_f64().unwrap_or(f64::NAN),
+                label,
+            );
+            match series.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push(point),
+                None => series.push(Series {
+                    name,
+                    points: vec![point],
+                }),
+            }
         }
-    }
+        series
+    };
     scatter_png(
         path,
         &format!("{suite}: speed-up vs {quality}"),
         &format!("{quality} (%)"),
         "x target tok/s",
-        &series,
+        &series_of("speedup_vs_target"),
         (base_q * 100.0, 1.0),
+    )?;
+    let base_work = rows[0]["target_passes_per_token"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    scatter_png(
+        &path.with_file_name(format!("{suite}-work.png")),
+        &format!("{suite}: target passes per output token vs {quality}"),
+        &format!("{quality} (%)"),
+        "target passes / output token",
+        &series_of("target_passes_per_token"),
+        (base_q * 100.0, base_work),
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shared_tokenizer() -> Tokenizer {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/models/qwen2.5-tokenizer.json");
+        Tokenizer::from_file(&path).expect("the shared reference tokenizer")
+    }
+
+    #[test]
+    fn humaneval_output_is_kept_up_to_the_close_of_the_first_code_block() {
+        let tok = shared_tokenizer();
+        let head = tok.encode("```python\ndef f(x):\n    return x\n").unwrap();
+        let close = tok.encode("```").unwrap();
+        let prose = tok
+            .encode("\n\nThis function returns its argument.")
+            .unwrap();
+        let mut end = AnswerEnd::new(&tok, "humaneval");
+        // The draft writes the head, the target the fence and, in the same chunk, prose that must not count.
+        assert!(end.push(&head, Source::Draft));
+        let tail: Vec<u32> = close.iter().chain(&prose).copied().collect();
+        assert!(!end.push(&tail, Source::Target));
+        assert_eq!(end.kept.len(), head.len() + close.len());
+        assert_eq!(end.from_draft, head.len());
+        assert!(
+            !end.push(&prose, Source::Draft),
+            "nothing is kept after the end"
+        );
+        assert_eq!(end.kept.len(), head.len() + close.len());
+        let code = code_of(&tok.decode(&end.kept, true).unwrap());
+        assert_eq!(code, "\ndef f(x):\n    return x\n");
+
+        // Other suites keep everything the loop emits.
+        let mut all = AnswerEnd::new(&tok, "asdiv");
+        assert!(all.push(&tail, Source::Draft));
+        assert_eq!((all.kept.len(), all.from_draft), (tail.len(), tail.len()));
+    }
 
     #[test]
     fn rouge_l_counts_the_longest_common_subsequence() {
