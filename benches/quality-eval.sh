@@ -10,13 +10,28 @@
 # Runs in chunks of 25 (HumanEval) or 50 (ASDiv) prompts, every mode on a chunk's prompts in one process, so an
 # interrupted run loses at most one chunk and each chunk's tok/s ratio comes from one process; per-prompt results
 # stay in $OUT/<suite>-runs/ and a rerun reuses them (--resume). The last command of each suite aggregates every
-# saved prompt into $OUT/<suite>.{md,json,png} and <suite>-work.png without generating anything.
+# saved prompt into $OUT/<suite>.{md,json,png} and <suite>-work.png without generating anything. The per-prompt
+# results are also packed into $OUT/<suite>-prompts.jsonl (committed for docs/bench/default-eval) and unpacked from
+# there first, so a later session continues a sweep where an earlier one stopped. Quality and work figures do not
+# depend on the machine (the kernels give the same bits on every CPU); tok/s do: compare them within one chunk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERDICT="${VERDICT:-relative}"
 TAU="${TAU:-0.9}"
 OUT="${OUT:-bench-results/quality-eval}"
 bin=target/release/parse-bench
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for packed in sorted(out.glob("*-prompts.jsonl")):
+    suite = packed.name[: -len("-prompts.jsonl")]
+    for line in packed.read_text().splitlines():
+        rec = json.loads(line)
+        path = out / f"{suite}-runs" / rec.pop("run") / f"{rec.pop('prompt')}.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(rec))
+PY
 [ -x "$bin" ] || cargo build --release -p parse-bench
 run() { "$bin" --modes target,parse --verdict "$VERDICT" --tau "$TAU" --out-dir "$OUT" --resume "$@"; }
 for skip in 0 25 50 75; do run --suite humaneval --skip "$skip" --n 25 >/dev/null; done
