@@ -32,7 +32,7 @@ for packed in sorted(out.glob("*-prompts.jsonl")):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(rec))
 PY
-[ -x "$bin" ] || cargo build --release -p parse-bench
+cargo build --release -p parse-bench   # a no-op when up to date; never a stale harness
 run() { "$bin" --modes target,parse --verdict "$VERDICT" --tau "$TAU" --out-dir "$OUT" --resume "$@"; }
 for skip in 0 25 50 75; do run --suite humaneval --skip "$skip" --n 25 >/dev/null; done
 run --suite humaneval --n 100
