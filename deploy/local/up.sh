@@ -10,7 +10,7 @@
 #   --etcd   also start etcd (Debian's etcd-server; PARSE_ETCD_PORT, 52379) with its data in the run dir; workers
 #            register there, the router and the TP group find each other through it
 #
-# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
+# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_OPENAI_PORT (8000, the OpenAI HTTP API), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
 # The router's admin API gets a fresh token, written to <run dir>/admin-token (mode 600).
 # Models (env): PARSE_MODEL_DIR (~/.cache/parse/models), PARSE_TARGET_MODEL, PARSE_DRAFT_MODEL (override the files).
 # Binaries: built with cargo into target/release unless --no-build; PARSE_BIN_DIR points elsewhere.
@@ -34,6 +34,7 @@ done
 
 router_port="${PARSE_ROUTER_PORT:-50051}"
 admin_port="${PARSE_ADMIN_PORT:-50052}"
+openai_port="${PARSE_OPENAI_PORT:-8000}"
 draft_port="${PARSE_DRAFT_PORT:-50061}"
 target_port="${PARSE_TARGET_PORT:-50071}"
 tp_port="${PARSE_TP_PORT:-50081}"
@@ -132,7 +133,7 @@ else
   router_args=(--target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port")
 fi
 start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
-  --admin-listen "127.0.0.1:$admin_port" "${router_args[@]}"
+  --admin-listen "127.0.0.1:$admin_port" --openai-listen "127.0.0.1:$openai_port" "${router_args[@]}"
 unset PARSE_ADMIN_TOKEN
 wait_healthy router "127.0.0.1:$router_port"
 if [ "$use_etcd" = 1 ]; then
@@ -151,11 +152,14 @@ cat <<MSG
 PARSE local cluster is up (run dir $run_dir)
   router          127.0.0.1:$router_port   (parse.v1.Generation)
   admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
+  OpenAI API      http://127.0.0.1:$openai_port/v1   (chat/completions, completions, models; /health)
   draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
   target worker   127.0.0.1:$target_port   ($(basename "$target_model"), tensor-parallel size $tp)
   etcd            $([ "$use_etcd" = 1 ] && echo "127.0.0.1:$etcd_port" || echo "not used")
   logs            $run_dir/logs
-Try: $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
+Try: curl -s http://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'
+     $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
      PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port
 Stop: deploy/local/down.sh
 MSG

@@ -315,13 +315,12 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
-    /// Token ids of a chat conversation, ready for the assistant's reply.
-    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
-        if messages.iter().all(|m| m.content.trim().is_empty()) {
+    /// Token ids of a text to be continued as it is (no chat template), with the model's BOS where it wants one.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        if text.is_empty() {
             return Err(Error::InvalidInput("empty prompt".into()));
         }
-        let text = self.template.render(messages);
-        let mut ids = self.encode(&text)?;
+        let mut ids = self.encode(text)?;
         if self.add_bos
             && let Some(b) = self.bos
             && ids.first() != Some(&b)
@@ -329,6 +328,14 @@ impl Tokenizer {
             ids.insert(0, b);
         }
         Ok(ids)
+    }
+
+    /// Token ids of a chat conversation, ready for the assistant's reply.
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        if messages.iter().all(|m| m.content.trim().is_empty()) {
+            return Err(Error::InvalidInput("empty prompt".into()));
+        }
+        self.encode_prompt(&self.template.render(messages))
     }
 
     /// The judge verdict's verification suffix: it closes the assistant's turn and asks whether the answer so far is

@@ -5,10 +5,12 @@
 //! RESOURCE_EXHAUSTED.
 
 pub mod admin;
+pub mod openai;
 pub mod pool;
 pub mod remote;
 
 pub use admin::serve_admin;
+pub use openai::serve_openai;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -54,6 +56,8 @@ pub struct RouterConfig {
     pub draft_ahead: bool,
     /// etcd endpoints: when set, the pools follow the workers registered there (`drafts`/`targets` stay empty).
     pub etcd: Vec<String>,
+    /// The model id of the OpenAI API [default: the target worker's model name].
+    pub served_model_name: Option<String>,
 }
 
 impl Default for RouterConfig {
@@ -69,12 +73,15 @@ impl Default for RouterConfig {
             probe_every: Duration::from_secs(1),
             draft_ahead: true,
             etcd: Vec::new(),
+            served_model_name: None,
         }
     }
 }
 
 /// What the router knows of the model pair.
 struct ModelCtx {
+    /// The model id clients name (OpenAI API).
+    name: String,
     tokenizer: Arc<Tokenizer>,
     max_context: usize,
     judge_suffix: Vec<u32>,
@@ -235,7 +242,9 @@ impl Router {
                                     Status::internal(format!("tokenizer from {}: {e}", w.addr))
                                 })?;
                             let judge_suffix = tok.judge_suffix().unwrap_or_default();
+                            let name = self.cfg.served_model_name.clone().unwrap_or(info.model);
                             return Ok(Arc::new(ModelCtx {
+                                name,
                                 tokenizer: Arc::new(tok),
                                 max_context: info.max_context as usize,
                                 judge_suffix,
@@ -259,7 +268,14 @@ impl Router {
         r: &GenerateRequest,
         session: &str,
     ) -> Result<(GenerationRequest, Vec<String>), CoreError> {
-        let messages: Vec<Message> = if r.messages.is_empty() {
+        let messages: Vec<Message> = if r.raw_prompt {
+            if !r.messages.is_empty() || !r.system.is_empty() {
+                return Err(CoreError::invalid(
+                    "raw_prompt takes `prompt` alone (no `messages`, no `system`)",
+                ));
+            }
+            Vec::new()
+        } else if r.messages.is_empty() {
             if r.prompt.is_empty() {
                 return Err(CoreError::invalid(
                     "empty prompt: give `prompt` or `messages`",
@@ -289,10 +305,12 @@ impl Router {
                 self.cfg.max_new_tokens_limit, r.max_new_tokens
             )));
         }
-        let prompt = m
-            .tokenizer
-            .encode_chat(&messages)
-            .map_err(CoreError::from)?;
+        let prompt = if r.raw_prompt {
+            m.tokenizer.encode_prompt(&r.prompt)
+        } else {
+            m.tokenizer.encode_chat(&messages)
+        }
+        .map_err(CoreError::from)?;
         if prompt.len() >= m.max_context {
             return Err(CoreError::invalid(format!(
                 "the prompt has {} tokens; the model's context is {}",
@@ -301,10 +319,15 @@ impl Router {
             )));
         }
         let live = *self.admin.policy.read().unwrap_or_else(|e| e.into_inner());
-        let mode = if r.mode.is_empty() {
-            live.mode
-        } else {
+        let sampling = sampling_from(r.sampling.as_ref())?;
+        let mode = if !r.mode.is_empty() {
             r.mode.parse()?
+        } else if !sampling.is_greedy() && matches!(live.mode, Mode::Parse | Mode::ParseTokenSpec) {
+            // PARSE decodes greedily; a request that samples and leaves the mode to the router gets lossless
+            // token-level speculation (the target's own distribution) rather than an error.
+            Mode::TokenSpec
+        } else {
+            live.mode
         };
         let mut policy = live.accept;
         if !r.verdict.is_empty() {
@@ -336,7 +359,7 @@ impl Router {
             prompt,
             max_new_tokens: max_new,
             mode,
-            sampling: sampling_from(r.sampling.as_ref())?,
+            sampling,
             policy,
             segmenter: segmenter_from(r.segmenter.as_ref(), &Default::default())?,
             window,

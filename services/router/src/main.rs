@@ -49,6 +49,15 @@ struct Args {
     /// Bearer token of the admin API; without one the admin API is off.
     #[arg(long, env = "PARSE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// Address of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health).
+    #[arg(long, env = "PARSE_OPENAI_LISTEN", default_value = "127.0.0.1:8000")]
+    openai_listen: SocketAddr,
+    /// Serve no OpenAI-compatible HTTP API.
+    #[arg(long)]
+    no_openai: bool,
+    /// Model id of the OpenAI API [default: the target worker's model name].
+    #[arg(long, env = "PARSE_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
     /// Do not let draft workers write the next draft while the target verifies (for a draft and a target that
     /// share one device).
     #[arg(long)]
@@ -76,6 +85,7 @@ async fn main() -> anyhow::Result<()> {
         default_policy: policy,
         draft_ahead: !args.no_draft_ahead,
         etcd: args.etcd.clone(),
+        served_model_name: args.served_model_name.clone(),
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
@@ -96,9 +106,23 @@ async fn main() -> anyhow::Result<()> {
             None
         }
     };
+    let openai = if args.no_openai {
+        None
+    } else {
+        let (l, a) = parse_proto::serve::bind(args.openai_listen).await?;
+        tracing::info!(addr = %a, "OpenAI API serving (http://{a}/v1)");
+        Some(tokio::spawn(parse_router::serve_openai(
+            router.clone(),
+            l,
+            parse_proto::serve::shutdown_signal(),
+        )))
+    };
     let served = serve(router, listener, parse_proto::serve::shutdown_signal()).await;
     if let Some(a) = admin {
         a.abort();
+    }
+    if let Some(o) = openai {
+        o.abort();
     }
     served
 }

@@ -1,0 +1,850 @@
+//! The OpenAI-compatible HTTP API of the router: `POST /v1/chat/completions`, `POST /v1/completions` (both with
+//! `stream: true` as server-sent events ending in `data: [DONE]`, and `stream_options.include_usage`),
+//! `GET /v1/models`, `GET /health`.
+//!
+//! A request becomes a `parse.v1.GenerateRequest` and runs through the same path as the gRPC API
+//! ([`Router::run`]): one validation, one loop, the same limits. Decisions where OpenAI's API and ours differ:
+//! - `temperature` left out means greedy (0), PARSE's setting, not OpenAI's 1. A request that samples and names no
+//!   mode runs `token-spec` (PARSE itself decodes greedily; see `Router::build`).
+//! - `max_tokens` / `max_completion_tokens` left out means [`DEFAULT_MAX_TOKENS`] (capped by the router's limit).
+//! - `n` must be 1; `logprobs`, tools, penalties, `logit_bias`, `echo`, `suffix`, `best_of` and a non-text
+//!   `response_format` are refused with 400 rather than ignored. `user` is accepted and only logged.
+//! - PARSE settings go in an extension object, `"parse": {"mode", "tau", "verdict", "exact_floor",
+//!   "draft_segments"}` (every field optional, unknown fields refused), and `usage.parse` carries the acceptance
+//!   figures of the request beside OpenAI's token counts.
+//! - `model` must be the served model's id (`GET /v1/models`) when given, as in other OpenAI-compatible servers.
+//! - A client that disconnects (mid-stream or while waiting) cancels the request on both workers.
+//!
+//! Errors use OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}` with the status a gRPC code
+//! maps to: 400 bad input, 404 unknown model, 429 router full, 503 no worker, 504 deadline, 500 otherwise.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use parse_proto::v1::generate_stream_response::Event;
+use parse_proto::v1::{
+    ChatMessage, Finished, GenerateRequest, GenerateStreamResponse, Sampling, Stats,
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Status};
+
+use crate::Router;
+
+/// Output budget of a request that names none.
+pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+
+/// Stop strings a request may give.
+const MAX_STOP: usize = 16;
+
+/// The HTTP application; serve it with [`serve_openai`].
+pub fn app(router: Router) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", "not_found_error") })
+        .with_state(router)
+}
+
+/// Serves the OpenAI API on `listener` until `shutdown` resolves.
+pub async fn serve_openai(
+    router: Router,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, app(router))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| anyhow::anyhow!("OpenAI API: {e}"))
+}
+
+/// An error in OpenAI's shape.
+fn error(status: StatusCode, message: &str, kind: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn http_status(code: Code) -> (StatusCode, &'static str) {
+    match code {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+            (StatusCode::BAD_REQUEST, "invalid_request_error")
+        }
+        Code::NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
+        Code::ResourceExhausted => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
+        Code::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable"),
+        Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        Code::Unauthenticated => (StatusCode::UNAUTHORIZED, "authentication_error"),
+        Code::PermissionDenied => (StatusCode::FORBIDDEN, "permission_error"),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+    }
+}
+
+fn status_error(s: &Status) -> Response {
+    let (status, kind) = http_status(s.code());
+    error(status, s.message(), kind)
+}
+
+fn status_json(s: &Status) -> Value {
+    let (_, kind) = http_status(s.code());
+    json!({"error": {"message": s.message(), "type": kind, "param": null, "code": null}})
+}
+
+fn bad(message: impl Into<String>) -> Status {
+    Status::invalid_argument(message)
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct MessageIn {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+    #[serde(default)]
+    tool_calls: Option<Value>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ParseExt {
+    mode: Option<String>,
+    tau: Option<f32>,
+    verdict: Option<String>,
+    exact_floor: Option<bool>,
+    draft_segments: Option<u32>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields both endpoints share.
+#[derive(Deserialize, Default)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// Not OpenAI's; vLLM's and ours.
+    top_k: Option<u32>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    n: Option<u32>,
+    user: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<u32>,
+    logit_bias: Option<Value>,
+    tools: Option<Value>,
+    functions: Option<Value>,
+    response_format: Option<Value>,
+    parse: Option<ParseExt>,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<MessageIn>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: OneOrMany,
+    #[serde(default)]
+    echo: bool,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// Which endpoint a request came through (the shape of the answer).
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+        }
+    }
+}
+
+fn parse_body<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Status> {
+    serde_json::from_slice(body).map_err(|e| bad(format!("invalid request body: {e}")))
+}
+
+fn non_zero(v: &Option<f32>) -> bool {
+    v.is_some_and(|x| x != 0.0)
+}
+
+fn non_empty(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// OpenAI's request fields as ours, or a 400 for what the server does not do.
+fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Result<(), Status> {
+    if c.n.is_some_and(|n| n != 1) {
+        return Err(bad("n must be 1: one choice per request"));
+    }
+    if non_zero(&c.presence_penalty) || non_zero(&c.frequency_penalty) {
+        return Err(bad(
+            "presence_penalty and frequency_penalty are not supported",
+        ));
+    }
+    if matches!(&c.logprobs, Some(Value::Bool(true)))
+        || matches!(&c.logprobs, Some(Value::Number(n)) if n.as_u64() != Some(0))
+        || c.top_logprobs.is_some_and(|n| n > 0)
+    {
+        return Err(bad("logprobs are not supported"));
+    }
+    if non_empty(&c.logit_bias) {
+        return Err(bad("logit_bias is not supported"));
+    }
+    if non_empty(&c.tools) || non_empty(&c.functions) {
+        return Err(bad("tools and functions are not supported"));
+    }
+    if let Some(f) = &c.response_format
+        && !f.is_null()
+        && f.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(bad(
+            "response_format: only {\"type\": \"text\"} is supported",
+        ));
+    }
+    let max = c
+        .max_completion_tokens
+        .or(c.max_tokens)
+        .unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(router_limit as u32));
+    if max == 0 {
+        return Err(bad("max_tokens must be at least 1"));
+    }
+    r.max_new_tokens = max;
+    let temperature = c.temperature.unwrap_or(0.0);
+    let seed = match c.seed {
+        Some(s) => s,
+        // A sampled request without a seed gets a fresh one (OpenAI's behaviour: different answers each call).
+        None if temperature > 0.0 => uuid::Uuid::new_v4().as_u64_pair().0,
+        None => 0,
+    };
+    r.sampling = Some(Sampling {
+        temperature,
+        top_k: c.top_k.unwrap_or(0),
+        top_p: c.top_p,
+        seed,
+    });
+    let stop = c.stop.map(OneOrMany::into_vec).unwrap_or_default();
+    if stop.len() > MAX_STOP {
+        return Err(bad(format!(
+            "at most {MAX_STOP} stop strings, got {}",
+            stop.len()
+        )));
+    }
+    r.stop = stop;
+    if let Some(p) = c.parse {
+        r.mode = p.mode.unwrap_or_default();
+        r.tau = p.tau;
+        r.verdict = p.verdict.unwrap_or_default();
+        r.exact_floor = p.exact_floor;
+        r.draft_segments = p.draft_segments.unwrap_or(0);
+    }
+    if let Some(u) = &c.user {
+        tracing::debug!(user = %u, "OpenAI request");
+    }
+    Ok(())
+}
+
+/// What a request asked for beyond the generation itself.
+struct Shape {
+    kind: Kind,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn check_model(asked: &Option<String>, served: &str) -> Result<(), Status> {
+    match asked {
+        Some(m) if !m.is_empty() && m != served => Err(Status::not_found(format!(
+            "model `{m}` does not exist: this server serves `{served}` (GET /v1/models)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn chat_request(
+    body: &Bytes,
+    served: &str,
+    limit: usize,
+) -> Result<(GenerateRequest, Shape), Status> {
+    let req: ChatRequest = parse_body(body)?;
+    check_model(&req.common.model, served)?;
+    if req.messages.is_empty() {
+        return Err(bad("messages must not be empty"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.into_iter().enumerate() {
+        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(bad(format!("messages[{i}]: tool calls are not supported")));
+        }
+        let role = match m.role.as_str() {
+            // OpenAI's newer name for system instructions.
+            "developer" => "system".to_string(),
+            "system" | "user" | "assistant" => m.role,
+            other => {
+                return Err(bad(format!(
+                    "messages[{i}]: role `{other}` is not supported (system, developer, user, assistant)"
+                )));
+            }
+        };
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(bad(format!(
+                            "messages[{i}]: content of type `{}` is not supported (text only)",
+                            p.kind
+                        )));
+                    }
+                    text.push_str(&p.text.unwrap_or_default());
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage { role, content });
+    }
+    let shape = Shape {
+        kind: Kind::Chat,
+        model: served.to_string(),
+        stream: req.common.stream,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let mut r = GenerateRequest {
+        messages,
+        ..Default::default()
+    };
+    common_into(req.common, &mut r, limit)?;
+    Ok((r, shape))
+}
+
+fn completion_request(
+    body: &Bytes,
+    served: &str,
+    limit: usize,
+) -> Result<(GenerateRequest, Shape), Status> {
+    let req: CompletionRequest = parse_body(body)?;
+    check_model(&req.common.model, served)?;
+    let mut prompts = req.prompt.into_vec();
+    if prompts.len() != 1 {
+        return Err(bad(format!(
+            "prompt must be one string (got {}): one completion per request",
+            prompts.len()
+        )));
+    }
+    if req.echo {
+        return Err(bad("echo is not supported"));
+    }
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(bad("suffix is not supported"));
+    }
+    if req.best_of.is_some_and(|b| b != 1) {
+        return Err(bad("best_of must be 1"));
+    }
+    let shape = Shape {
+        kind: Kind::Completion,
+        model: served.to_string(),
+        stream: req.common.stream,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let mut r = GenerateRequest {
+        prompt: prompts.remove(0),
+        raw_prompt: true,
+        ..Default::default()
+    };
+    common_into(req.common, &mut r, limit)?;
+    Ok((r, shape))
+}
+
+fn finish_reason(f: &Finished) -> &'static str {
+    // Ours: eos, stop (a stop string or the client), length.
+    match f.finish_reason.as_str() {
+        "length" => "length",
+        _ => "stop",
+    }
+}
+
+fn usage(stats: Option<&Stats>) -> Value {
+    let s = stats.cloned().unwrap_or_default();
+    // An end token accepted from the draft is not an output token: the share is of the output.
+    let draft_share = if s.output_tokens > 0 {
+        f64::from(s.draft_tokens_accepted.min(s.output_tokens)) / f64::from(s.output_tokens)
+    } else {
+        0.0
+    };
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.output_tokens,
+        "total_tokens": s.prompt_tokens + s.output_tokens,
+        "parse": {
+            "mode": s.mode,
+            "draft_tokens_proposed": s.draft_tokens_proposed,
+            "draft_tokens_accepted": s.draft_tokens_accepted,
+            "draft_share": draft_share,
+            "segments_proposed": s.segments_proposed,
+            "segments_accepted": s.segments_accepted,
+            "target_passes": s.target_passes,
+            "target_passes_per_token": s.target_passes_per_token,
+            "tokens_per_s": s.tokens_per_s,
+        },
+    })
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// One streamed chunk carrying `text` (and the role, for a chat's first chunk).
+fn chunk(
+    shape: &Shape,
+    id: &str,
+    created: u64,
+    text: Option<&str>,
+    finish: Option<&str>,
+    first: bool,
+) -> Value {
+    let choice = match shape.kind {
+        Kind::Chat => {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        }
+        Kind::Completion => {
+            json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+        }
+    };
+    let mut v = json!({
+        "id": id, "object": shape.kind.object(true), "created": created, "model": shape.model,
+        "choices": [choice],
+    });
+    if shape.include_usage {
+        v["usage"] = Value::Null;
+    }
+    v
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+async fn chat_completions(
+    State(router): State<Router>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(router, headers, body, Kind::Chat).await
+}
+
+async fn completions(State(router): State<Router>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(router, headers, body, Kind::Completion).await
+}
+
+async fn generate(router: Router, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+    let m = match router.model().await {
+        Ok(m) => m,
+        Err(s) => return status_error(&s),
+    };
+    let limit = router.cfg.max_new_tokens_limit;
+    let built = match kind {
+        Kind::Chat => chat_request(&body, &m.name, limit),
+        Kind::Completion => completion_request(&body, &m.name, limit),
+    };
+    let (mut r, shape) = match built {
+        Ok(x) => x,
+        Err(s) => return status_error(&s),
+    };
+    r.request_id = request_id(&headers);
+    let id = format!("{}{}", kind.id_prefix(), r.request_id);
+    let created = now_s();
+    let (tx, mut rx) = mpsc::channel::<Result<GenerateStreamResponse, Status>>(64);
+    let err_tx = tx.clone();
+    let runner = router.clone();
+    // The loop runs in its own task; this handler (or the stream below) holding `rx` is what keeps it going: a
+    // client that goes away drops it, and the router cancels the request on both workers.
+    tokio::spawn(async move {
+        if let Err(s) = runner.run(r, None, tx).await {
+            let _ = err_tx.send(Err(s)).await;
+        }
+    });
+    if shape.stream {
+        // Wait for the first event so that a request refused before generating gets its HTTP status.
+        let first = match rx.recv().await {
+            Some(Ok(e)) => e,
+            Some(Err(s)) => return status_error(&s),
+            None => return status_error(&Status::internal("generation ended without a result")),
+        };
+        let (out_tx, out_rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+        tokio::spawn(async move {
+            let mut first_chunk = true;
+            let mut next = Some(Ok(first));
+            loop {
+                let item = match next.take() {
+                    Some(i) => i,
+                    None => match rx.recv().await {
+                        Some(i) => i,
+                        None => break,
+                    },
+                };
+                let data = match item {
+                    Ok(GenerateStreamResponse {
+                        event: Some(Event::Delta(d)),
+                    }) => {
+                        if d.text.is_empty() && !first_chunk {
+                            continue;
+                        }
+                        let v = chunk(&shape, &id, created, Some(&d.text), None, first_chunk);
+                        first_chunk = false;
+                        vec![v]
+                    }
+                    Ok(GenerateStreamResponse {
+                        event: Some(Event::Finished(f)),
+                    }) => {
+                        let mut v = vec![chunk(
+                            &shape,
+                            &id,
+                            created,
+                            None,
+                            Some(finish_reason(&f)),
+                            first_chunk,
+                        )];
+                        if shape.include_usage {
+                            v.push(json!({
+                                "id": id, "object": shape.kind.object(true), "created": created,
+                                "model": shape.model, "choices": [], "usage": usage(f.stats.as_ref()),
+                            }));
+                        }
+                        v
+                    }
+                    Ok(GenerateStreamResponse { event: None }) => continue,
+                    // Past the headers an error can only travel in the stream (as other OpenAI servers send it).
+                    Err(s) => vec![status_json(&s)],
+                };
+                for v in data {
+                    if out_tx
+                        .send(Ok(SseEvent::default().data(v.to_string())))
+                        .await
+                        .is_err()
+                    {
+                        return; // the client went away; dropping `rx` cancels the request
+                    }
+                }
+            }
+            let _ = out_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+        });
+        return Sse::new(ReceiverStream::new(out_rx))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    let mut text = String::new();
+    let mut finished = None;
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Ok(GenerateStreamResponse {
+                event: Some(Event::Delta(d)),
+            }) => text.push_str(&d.text),
+            Ok(GenerateStreamResponse {
+                event: Some(Event::Finished(f)),
+            }) => finished = Some(f),
+            Ok(_) => {}
+            Err(s) => return status_error(&s),
+        }
+    }
+    let Some(f) = finished else {
+        return status_error(&Status::internal("generation ended without a result"));
+    };
+    let choice = match kind {
+        Kind::Chat => json!({
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": null, "finish_reason": finish_reason(&f),
+        }),
+        Kind::Completion => json!({
+            "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(&f),
+        }),
+    };
+    axum::Json(json!({
+        "id": id, "object": kind.object(false), "created": created, "model": shape.model,
+        "choices": [choice], "usage": usage(f.stats.as_ref()),
+    }))
+    .into_response()
+}
+
+async fn models(State(router): State<Router>) -> Response {
+    match router.model().await {
+        Ok(m) => axum::Json(json!({
+            "object": "list",
+            "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "parse",
+                      "max_model_len": m.max_context}],
+        }))
+        .into_response(),
+        Err(s) => status_error(&s),
+    }
+}
+
+/// 200 while a target worker is up (a request can be served), else 503.
+async fn health(State(router): State<Router>) -> Response {
+    let up = router.targets.workers().iter().any(|w| w.healthy());
+    if up {
+        axum::Json(json!({"status": "ok"})).into_response()
+    } else {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no target worker is up",
+            "service_unavailable",
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<(GenerateRequest, Shape), Status> {
+        chat_request(&Bytes::from(body.to_string()), "m", 4096)
+    }
+
+    #[test]
+    fn chat_fields_map_to_ours() {
+        let (r, shape) = chat(json!({
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            ],
+            "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+            "stop": "\n\n", "n": 1, "user": "u1", "stream": true, "stream_options": {"include_usage": true},
+            "parse": {"mode": "parse", "tau": 0.2, "verdict": "entropy"},
+        }))
+        .unwrap();
+        assert_eq!(r.messages.len(), 2);
+        assert_eq!(r.messages[0].role, "system");
+        assert_eq!(r.messages[1].content, "Hi there");
+        assert_eq!(
+            r.max_new_tokens, 7,
+            "max_completion_tokens wins over max_tokens"
+        );
+        let s = r.sampling.unwrap();
+        assert_eq!((s.temperature, s.top_p, s.seed), (0.5, Some(0.9), 3));
+        assert_eq!(r.stop, vec!["\n\n".to_string()]);
+        assert_eq!(
+            (r.mode.as_str(), r.tau, r.verdict.as_str()),
+            ("parse", Some(0.2), "entropy")
+        );
+        assert!(shape.stream && shape.include_usage);
+    }
+
+    #[test]
+    fn defaults_are_greedy_with_the_default_budget() {
+        let (r, shape) = chat(json!({"messages": [{"role": "user", "content": "Hi"}]})).unwrap();
+        assert_eq!(r.max_new_tokens, DEFAULT_MAX_TOKENS);
+        assert_eq!(r.sampling.unwrap().temperature, 0.0);
+        assert!(r.mode.is_empty() && r.tau.is_none() && !shape.stream && !shape.include_usage);
+        let (r, _) = chat_request(
+            &Bytes::from(json!({"messages": [{"role": "user", "content": "Hi"}]}).to_string()),
+            "m",
+            100,
+        )
+        .unwrap();
+        assert_eq!(
+            r.max_new_tokens, 100,
+            "the default budget is capped by the router's limit"
+        );
+    }
+
+    #[test]
+    fn what_the_server_does_not_do_is_refused_with_400() {
+        let cases = [
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+            json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true}),
+            json!({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}),
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+            json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            json!({"messages": []}),
+            json!({"messages": [{"role": "user", "content": "x"}], "parse": {"tua": 0.5}}),
+            json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+            json!({"messages": [{"role": "user", "content": "x"}], "stop": vec!["s"; MAX_STOP + 1]}),
+            json!({"prompt": "x"}),
+        ];
+        for c in cases {
+            let e = chat(c.clone())
+                .err()
+                .unwrap_or_else(|| panic!("accepted {c}"));
+            assert_eq!(e.code(), Code::InvalidArgument, "{c}: {}", e.message());
+        }
+        let e = chat(json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}))
+            .err()
+            .unwrap();
+        assert_eq!(e.code(), Code::NotFound);
+        assert!(e.message().contains("`m`"), "{}", e.message());
+        // Explicit defaults are not refusals.
+        chat(
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
+                    "presence_penalty": 0, "tools": [], "response_format": {"type": "text"}}),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn completions_send_the_prompt_raw() {
+        let b = |v: Value| Bytes::from(v.to_string());
+        let (r, shape) = completion_request(
+            &b(json!({"prompt": ["def f():"], "max_tokens": 5})),
+            "m",
+            4096,
+        )
+        .unwrap();
+        assert!(r.raw_prompt && r.messages.is_empty());
+        assert_eq!((r.prompt.as_str(), r.max_new_tokens), ("def f():", 5));
+        assert!(shape.kind == Kind::Completion);
+        for v in [
+            json!({"prompt": ["a", "b"]}),
+            json!({"prompt": "a", "echo": true}),
+            json!({"prompt": 3}),
+        ] {
+            let e = completion_request(&b(v.clone()), "m", 4096)
+                .err()
+                .unwrap_or_else(|| panic!("accepted {v}"));
+            assert_eq!(e.code(), Code::InvalidArgument);
+        }
+    }
+
+    #[test]
+    fn statuses_map_to_http() {
+        assert_eq!(
+            http_status(Code::InvalidArgument).0,
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            http_status(Code::ResourceExhausted).0,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            http_status(Code::Unavailable).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            http_status(Code::Internal).0,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    #[test]
+    fn usage_carries_the_acceptance_figures() {
+        let s = Stats {
+            mode: "parse".into(),
+            prompt_tokens: 10,
+            output_tokens: 20,
+            draft_tokens_accepted: 15,
+            target_passes: 4,
+            target_passes_per_token: 0.2,
+            ..Default::default()
+        };
+        let u = usage(Some(&s));
+        assert_eq!(u["total_tokens"], 30);
+        assert_eq!(u["parse"]["draft_share"], 0.75);
+        assert_eq!(u["parse"]["target_passes"], 4);
+        // The draft's end token, accepted, is not output.
+        let s = Stats {
+            output_tokens: 9,
+            draft_tokens_accepted: 10,
+            ..Default::default()
+        };
+        assert_eq!(usage(Some(&s))["parse"]["draft_share"], 1.0);
+    }
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The official `openai` Python package against a running router's OpenAI-compatible API.
+
+    tests/scripts/openai-check.py [BASE_URL]     # default http://127.0.0.1:8000/v1
+
+Installs the pinned package into .cache/ci-tools/openai (git-ignored) on first use. Checks: models.list; a chat
+completion; the same request streamed (chunks reassemble into the same text, same finish reason and token count, usage
+in the last chunk with stream_options.include_usage); a text completion; the `parse` extension object reaching the
+loop (mode echoed in usage.parse); bad requests raising BadRequestError / NotFoundError with OpenAI's error shape.
+Exits non-zero on the first failed check.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TOOLS = REPO / ".cache" / "ci-tools" / "openai"
+if not (TOOLS / "openai").is_dir():
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-warn-conflicts",
+         "--target", str(TOOLS),
+         "openai==1.109.1"],
+        check=True,
+    )
+sys.path.insert(0, str(TOOLS))
+
+import openai  # noqa: E402
+
+base = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000/v1"
+# No retries: a 429 or 503 must show, not be hidden by the client's back-off.
+client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit(f"openai-check: FAILED: {what}")
+    print(f"openai-check: ok: {what}", file=sys.stderr)
+
+
+models = client.models.list().data
+check(len(models) == 1 and models[0].id, f"models.list serves one model ({[m.id for m in models]})")
+model = models[0].id
+messages = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+
+full = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+text = full.choices[0].message.content
+check(full.object == "chat.completion" and text, f"chat completion: {text!r}")
+check(full.choices[0].finish_reason in ("stop", "length"), f"finish reason {full.choices[0].finish_reason}")
+check(0 < full.usage.completion_tokens <= 32 and full.usage.prompt_tokens > 0, f"usage {full.usage}")
+figures = full.usage.model_extra.get("parse") or {}
+check(figures.get("mode") and "draft_tokens_accepted" in figures, f"usage.parse carries the figures: {figures}")
+
+parts, finish, usage, roles = [], None, None, []
+for chunk in client.chat.completions.create(
+    model=model, messages=messages, max_tokens=32, temperature=0, stream=True,
+    stream_options={"include_usage": True},
+):
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for choice in chunk.choices:
+        if choice.delta.role:
+            roles.append(choice.delta.role)
+        parts.append(choice.delta.content or "")
+        finish = choice.finish_reason or finish
+check("".join(parts) == text, f"streamed chunks reassemble into the same text ({len(parts)} chunks)")
+check(roles == ["assistant"], f"one role delta, first: {roles}")
+check(finish == full.choices[0].finish_reason, f"streamed finish reason {finish}")
+check(usage is not None and usage.completion_tokens == full.usage.completion_tokens,
+      f"usage in the last chunk: {usage}")
+
+comp = client.completions.create(model=model, prompt="def add(a, b):\n    return", max_tokens=8, temperature=0)
+check(comp.object == "text_completion" and comp.choices[0].text, f"text completion: {comp.choices[0].text!r}")
+
+streamed = "".join(
+    c.choices[0].text for c in client.completions.create(
+        model=model, prompt="def add(a, b):\n    return", max_tokens=8, temperature=0, stream=True)
+    if c.choices
+)
+check(streamed == comp.choices[0].text, "streamed text completion equals the unary one")
+
+target = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"parse": {"mode": "target"}})
+check(target.usage.model_extra["parse"]["mode"] == "target", "the parse extension object picks the mode")
+
+for what, kwargs, error in [
+    ("n = 2", {"n": 2}, openai.BadRequestError),
+    ("max_tokens = 0", {"max_tokens": 0}, openai.BadRequestError),
+    ("an unknown verdict", {"extra_body": {"parse": {"verdict": "vibes"}}}, openai.BadRequestError),
+    ("a sampled PARSE request", {"temperature": 0.7, "extra_body": {"parse": {"mode": "parse"}}},
+     openai.BadRequestError),
+    ("an unknown model", {"model": "no-such-model"}, openai.NotFoundError),
+]:
+    args = {"model": model, "messages": messages, "max_tokens": 8, **kwargs}
+    try:
+        client.chat.completions.create(**args)
+        check(False, f"{what} was refused")
+    except error as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        check(body.get("message"), f"{what}: {e.status_code} {body.get('message')!r}")
+
+print("openai-check: all checks passed", file=sys.stderr)
