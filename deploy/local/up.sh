@@ -10,7 +10,9 @@
 #   --etcd   also start etcd (Debian's etcd-server; PARSE_ETCD_PORT, 52379) with its data in the run dir; workers
 #            register there, the router and the TP group find each other through it
 #
-# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_OPENAI_PORT (8000, the OpenAI HTTP API), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071).
+# Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_OPENAI_PORT (8000, the OpenAI HTTP API and
+# the router's /metrics), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071), PARSE_DRAFT_METRICS_PORT (50062),
+# PARSE_TARGET_METRICS_PORT (50070, rank 0's /metrics).
 # The router's admin API gets a fresh token, written to <run dir>/admin-token (mode 600).
 # Models (env): PARSE_MODEL_DIR (~/.cache/parse/models), PARSE_TARGET_MODEL, PARSE_DRAFT_MODEL (override the files).
 # Binaries: built with cargo into target/release unless --no-build; PARSE_BIN_DIR points elsewhere.
@@ -27,7 +29,7 @@ while [ $# -gt 0 ]; do
     --no-build) build=0; shift ;;
     --tp) tp="$2"; shift 2 ;;
     --etcd) use_etcd=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "up.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -35,6 +37,8 @@ done
 router_port="${PARSE_ROUTER_PORT:-50051}"
 admin_port="${PARSE_ADMIN_PORT:-50052}"
 openai_port="${PARSE_OPENAI_PORT:-8000}"
+draft_metrics_port="${PARSE_DRAFT_METRICS_PORT:-50062}"
+target_metrics_port="${PARSE_TARGET_METRICS_PORT:-50070}"
 draft_port="${PARSE_DRAFT_PORT:-50061}"
 target_port="${PARSE_TARGET_PORT:-50071}"
 tp_port="${PARSE_TP_PORT:-50081}"
@@ -114,11 +118,13 @@ for r in $(seq 0 $((tp - 1))); do
   fi
   name=target-worker
   [ "$tp" -gt 1 ] && name="target-rank$r"
+  # The group's leader (rank 0) serves the worker API and its metrics; followers only compute.
+  [ "$r" = 0 ] && group_args+=(--metrics-listen "127.0.0.1:$target_metrics_port")
   start "$name" "$bin/parse-target-worker" --model "$target_model" --listen "127.0.0.1:$((target_port + r))" \
     "${group_args[@]}" "${etcd_args[@]}"
 done
 start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port" \
-  "${etcd_args[@]}"
+  --metrics-listen "127.0.0.1:$draft_metrics_port" "${etcd_args[@]}"
 for r in $(seq 0 $((tp - 1))); do
   wait_healthy "target rank $r" "127.0.0.1:$((target_port + r))"
 done
@@ -153,13 +159,15 @@ PARSE local cluster is up (run dir $run_dir)
   router          127.0.0.1:$router_port   (parse.v1.Generation)
   admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
   OpenAI API      http://127.0.0.1:$openai_port/v1   (chat/completions, completions, models; /health)
+  metrics         http://127.0.0.1:$openai_port/metrics (router)  http://127.0.0.1:$draft_metrics_port/metrics (draft)
+                  http://127.0.0.1:$target_metrics_port/metrics (target)
   draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
   target worker   127.0.0.1:$target_port   ($(basename "$target_model"), tensor-parallel size $tp)
   etcd            $([ "$use_etcd" = 1 ] && echo "127.0.0.1:$etcd_port" || echo "not used")
   logs            $run_dir/logs
 Try: curl -s http://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'
-     $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse "Write a Python function that reverses a string."
+     $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse+token-spec "Write a Python function that reverses a string."
      PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port
 Stop: deploy/local/down.sh
 MSG

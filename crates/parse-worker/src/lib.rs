@@ -9,6 +9,7 @@
 //! cancelled request stops its work on the worker at the next command.
 
 pub mod info;
+pub mod metrics;
 pub mod scheduler;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 pub use info::model_info;
+pub use metrics::{WorkerMetrics, serve_metrics};
 pub use scheduler::{Scheduler, SchedulerError};
 
 /// A model backend the shell can own: it releases sessions and counts them.
@@ -34,6 +36,8 @@ pub trait Backend: Send + 'static {
     fn open_sessions(&self) -> usize;
     /// Whether `session` holds state.
     fn has_session(&self, session: &str) -> bool;
+    /// KV cache bytes held by sessions, and the capacity.
+    fn kv_bytes(&self) -> (usize, usize);
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
@@ -46,6 +50,10 @@ impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
     fn has_session(&self, session: &str) -> bool {
         self.engine().sessions().len(session).is_ok()
     }
+    fn kv_bytes(&self) -> (usize, usize) {
+        let s = self.engine().sessions();
+        (s.used(), s.capacity())
+    }
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
@@ -57,6 +65,10 @@ impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
     }
     fn has_session(&self, session: &str) -> bool {
         self.sessions().any(|s| s == session)
+    }
+    fn kv_bytes(&self) -> (usize, usize) {
+        let s = self.engine().sessions();
+        (s.used(), s.capacity())
     }
 }
 
@@ -134,6 +146,7 @@ pub struct Shell<B: Backend> {
     cfg: ShellConfig,
     info: Arc<GetModelInfoResponse>,
     open: Arc<AtomicUsize>,
+    metrics: Arc<WorkerMetrics>,
     /// Started by `Drain`: no new sessions.
     pub drain: parse_discovery::Drain,
     cancel: CancellationToken,
@@ -146,6 +159,7 @@ impl<B: Backend> Clone for Shell<B> {
             cfg: self.cfg.clone(),
             info: self.info.clone(),
             open: self.open.clone(),
+            metrics: self.metrics.clone(),
             drain: self.drain.clone(),
             cancel: self.cancel.clone(),
         }
@@ -169,6 +183,7 @@ impl<B: Backend> Shell<B> {
             cfg,
             info: Arc::new(info),
             open: Arc::new(AtomicUsize::new(0)),
+            metrics: Arc::new(WorkerMetrics::new()),
             drain: parse_discovery::Drain::default(),
             cancel,
         }
@@ -184,6 +199,11 @@ impl<B: Backend> Shell<B> {
         &self.cancel
     }
 
+    /// The worker's Prometheus metrics.
+    pub fn metrics(&self) -> &Arc<WorkerMetrics> {
+        &self.metrics
+    }
+
     /// Sessions holding state, as of the last command.
     pub fn open_sessions(&self) -> usize {
         self.open.load(Ordering::Relaxed)
@@ -191,35 +211,48 @@ impl<B: Backend> Shell<B> {
 
     fn job<T: Send + 'static>(
         &self,
+        op: &'static str,
         f: impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static,
     ) -> impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static {
         let open = self.open.clone();
+        let metrics = self.metrics.clone();
         move |st: &mut State<B>| {
+            let t = Instant::now();
             let out = f(st);
-            open.store(st.backend.open_sessions(), Ordering::Relaxed);
+            metrics.step(op, t.elapsed().as_secs_f64());
+            let n = st.backend.open_sessions();
+            open.store(n, Ordering::Relaxed);
+            let (used, capacity) = st.backend.kv_bytes();
+            metrics.state(n, used, capacity);
             out
         }
     }
 
-    /// Runs `f` on the backend, or answers RESOURCE_EXHAUSTED at once when the queue is full.
+    /// Runs `f` (operation `op`, the metrics' label) on the backend, or answers RESOURCE_EXHAUSTED at once when the
+    /// queue is full.
     pub async fn call<T: Send + 'static>(
         &self,
+        op: &'static str,
         f: impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static,
     ) -> Result<T, Status> {
-        let r = self.scheduler.try_call(self.job(f)).await;
+        let r = self.scheduler.try_call(self.job(op, f)).await;
         self.answer(r)
     }
 
     /// Runs `f` on the backend, waiting for room in the queue (a running stream's next step).
     pub async fn call_waiting<T: Send + 'static>(
         &self,
+        op: &'static str,
         f: impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static,
     ) -> Result<T, Status> {
-        let r = self.scheduler.call(self.job(f)).await;
+        let r = self.scheduler.call(self.job(op, f)).await;
         self.answer(r)
     }
 
     fn answer<T>(&self, r: Result<Result<T, CoreError>, SchedulerError>) -> Result<T, Status> {
+        if matches!(r, Err(SchedulerError::Full)) {
+            self.metrics.refused();
+        }
         match r {
             Ok(out) => out.map_err(parse_proto::status_from_core),
             Err(SchedulerError::Full) => Err(Status::resource_exhausted(format!(
@@ -237,7 +270,7 @@ impl<B: Backend> Shell<B> {
     pub async fn expire_idle(&self) -> usize {
         let ttl = self.cfg.session_ttl;
         let name = self.cfg.name;
-        self.call_waiting(move |st| {
+        self.call_waiting("expire", move |st| {
             let old = st.book.idle(ttl);
             for s in &old {
                 st.book.remove(s);

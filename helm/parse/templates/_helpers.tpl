@@ -114,3 +114,13 @@ securityContext:
   capabilities:
     drop: ["ALL"]
 {{- end -}}
+
+{{/* Pod annotations for annotation-based Prometheus scraping: dict root, port. */}}
+{{- define "parse.metricsAnnotations" -}}
+{{- if and .root.Values.metrics.enabled .root.Values.metrics.podAnnotations }}
+annotations:
+  prometheus.io/scrape: "true"
+  prometheus.io/port: {{ .port | quote }}
+  prometheus.io/path: /metrics
+{{- end }}
+{{- end }}

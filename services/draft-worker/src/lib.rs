@@ -98,6 +98,11 @@ impl DraftWorker {
         self.shell.open_sessions()
     }
 
+    /// The worker's Prometheus metrics (served by `parse_worker::serve_metrics`).
+    pub fn metrics(&self) -> std::sync::Arc<parse_worker::WorkerMetrics> {
+        self.shell.metrics().clone()
+    }
+
     /// Releases sessions idle for longer than the TTL; returns how many.
     pub async fn expire_idle(&self) -> usize {
         self.shell.expire_idle().await
@@ -143,7 +148,7 @@ impl Drafter for DraftWorker {
         // Begin (prefill may take a while): a new epoch supersedes the session's running draft.
         let epoch = self
             .shell
-            .call(move |st| {
+            .call("begin", move |st| {
                 if draining && !st.book.contains(&session) {
                     return Err(CoreError::new(
                         parse_core::ErrorKind::Unavailable,
@@ -169,7 +174,7 @@ impl Drafter for DraftWorker {
             while sent < max && !tx.is_closed() {
                 let s = session.clone();
                 let step = shell
-                    .call_waiting(move |st| {
+                    .call_waiting("draft", move |st| {
                         // Superseded by a newer draft, or released: nothing more to send.
                         if st.book.epoch(&s) != Some(epoch) {
                             return Ok(None);
@@ -181,6 +186,7 @@ impl Drafter for DraftWorker {
                 match step {
                     Ok(Some(c)) => {
                         sent += c.tokens.len();
+                        shell.metrics().rows("draft", c.tokens.len());
                         let done = c.done || c.tokens.is_empty();
                         let m = DraftResponse {
                             tokens: c.tokens,
@@ -211,7 +217,9 @@ impl Drafter for DraftWorker {
         check_session(&r.session)?;
         let d = self
             .shell
-            .call(move |st| st.backend.distribution(&r.session, r.index as usize))
+            .call("distribution", move |st| {
+                st.backend.distribution(&r.session, r.index as usize)
+            })
             .await?;
         Ok(Response::new(DistributionResponse {
             tokens: d.iter().map(|x| x.0).collect(),
@@ -226,7 +234,7 @@ impl Drafter for DraftWorker {
         let r = request.into_inner();
         check_session(&r.session)?;
         self.shell
-            .call_waiting(move |st| {
+            .call_waiting("release", move |st| {
                 st.book.remove(&r.session);
                 st.backend.release(&r.session)
             })

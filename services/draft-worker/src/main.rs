@@ -23,6 +23,9 @@ struct Args {
     tokenizer: Option<PathBuf>,
     #[arg(long, env = "PARSE_DRAFT_LISTEN", default_value = "127.0.0.1:50061")]
     listen: SocketAddr,
+    /// Address of the Prometheus metrics endpoint (GET /metrics); none: no metrics listener.
+    #[arg(long, env = "PARSE_DRAFT_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Drafts streaming at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 64)]
     max_streams: usize,
@@ -61,6 +64,18 @@ async fn main() -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!(e.message))?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
     tracing::info!(%addr, model = %args.model.display(), "draft worker serving");
+    let metrics = match args.metrics_listen {
+        Some(m) => {
+            let (l, a) = parse_proto::serve::bind(m).await?;
+            tracing::info!(addr = %a, "metrics serving (http://{a}/metrics)");
+            Some(tokio::spawn(parse_worker::serve_metrics(
+                worker.metrics(),
+                l,
+                parse_proto::serve::shutdown_signal(),
+            )))
+        }
+        None => None,
+    };
     let registration = args.discovery.announce().register(
         Role::Draft,
         addr,
@@ -85,5 +100,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let served = serve_reporting(worker, listener, until, ready).await;
     engine_stop.cancel();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     served
 }

@@ -5,6 +5,7 @@
 //! RESOURCE_EXHAUSTED.
 
 pub mod admin;
+pub mod metrics;
 pub mod openai;
 pub mod pool;
 pub mod remote;
@@ -96,6 +97,8 @@ pub struct Router {
     pub(crate) admin: Arc<admin::AdminState>,
     model: Arc<OnceCell<Arc<ModelCtx>>>,
     in_flight: Arc<Semaphore>,
+    /// Prometheus metrics (`GET /metrics` on the OpenAI HTTP port).
+    pub metrics: Arc<metrics::Metrics>,
     /// The router's root token: cancelled at shutdown, it cancels every request (each holds a child).
     cancel: CancellationToken,
 }
@@ -187,6 +190,7 @@ impl Router {
         Router {
             admin: admin::initial_state(cfg.default_mode, cfg.default_policy),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            metrics: Arc::new(metrics::Metrics::new()),
             cfg: Arc::new(cfg),
             drafts,
             targets,
@@ -389,24 +393,36 @@ impl Router {
         tx: Sender,
     ) -> Result<(), Status> {
         let permit = self.in_flight.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.rejected("busy");
             Status::resource_exhausted(format!(
                 "router busy: {} requests in flight",
                 self.cfg.max_in_flight
             ))
         })?;
         if r.request_id.len() > 128 {
+            self.metrics.rejected("invalid");
             return Err(Status::invalid_argument(
                 "request_id is longer than 128 bytes",
             ));
         }
-        let m = self.model().await?;
+        let m = self
+            .model()
+            .await
+            .inspect_err(|_| self.metrics.rejected("unavailable"))?;
         let request_id = if r.request_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
             r.request_id.clone()
         };
         let session = format!("{request_id}/{}", uuid::Uuid::new_v4().simple());
-        let (req, stop) = self.build(&m, &r, &session).map_err(status_from_core)?;
+        let (req, stop) = self.build(&m, &r, &session).map_err(|e| {
+            self.metrics.rejected(if e.kind == ErrorKind::InvalidInput {
+                "invalid"
+            } else {
+                "unavailable"
+            });
+            status_from_core(e)
+        })?;
         // The request's token: cancelled when the client goes away (below), when the router shuts down (a child
         // of its root), or once the request is over (the guard).
         let cancel = self.cancel.child_token();
@@ -429,12 +445,16 @@ impl Router {
         let targets = self.targets.clone();
         let draft_ahead = self.cfg.draft_ahead;
         let admin = self.admin.clone();
+        let metrics = self.metrics.clone();
+        let running = metrics.running();
         let started = Instant::now();
         let span =
             tracing::info_span!("generate", request_id = %request_id, mode = req.mode.as_str());
         let task = tokio::task::spawn_blocking(move || {
             let _permit = permit;
+            let _running = running;
             let _enter = span.enter();
+            let mut first_text: Option<f64> = None;
             let tok = m.tokenizer.clone();
             let mut drafter = RemoteDrafter::new(drafts, ctx.clone(), tok.clone(), 256);
             drafter.draft_ahead = draft_ahead;
@@ -449,6 +469,9 @@ impl Router {
                         return false;
                     }
                 };
+                if first_text.is_none() && !text.is_empty() {
+                    first_text = Some(started.elapsed().as_secs_f64());
+                }
                 let stopped = text_sink.stopped();
                 let delta = GenerateStreamResponse {
                     event: Some(Event::Delta(TextDelta {
@@ -474,6 +497,23 @@ impl Router {
             used.extend(verifier.used.iter().map(|id| ("target", id.clone())));
             let latency_ms = started.elapsed().as_secs_f64() * 1e3;
             admin.stats.record(result.as_ref().ok(), latency_ms, &used);
+            let s = result.as_ref().map(|o| &o.stats).ok();
+            let n = |f: fn(&parse_core::Stats) -> usize| s.map_or(0, |s| f(s) as u64);
+            metrics.record(&metrics::RequestRecord {
+                mode: req.mode.as_str(),
+                ok: result.is_ok(),
+                latency_s: latency_ms / 1e3,
+                ttft_s: first_text,
+                output_tokens: n(|s| s.output_tokens),
+                draft_tokens_proposed: n(|s| s.draft_tokens_proposed),
+                draft_tokens_accepted: n(|s| s.draft_tokens_accepted),
+                segments_proposed: n(|s| s.segments_proposed),
+                segments_accepted: n(|s| s.segments_accepted),
+                target_passes: n(|s| s.target_passes),
+                draft_failovers: drafter.failovers as u64,
+                target_failovers: verifier.failovers as u64,
+                fell_back: drafter.fell_back,
+            });
             let outcome = match result {
                 Ok(o) => o,
                 Err(e) => {

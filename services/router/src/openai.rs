@@ -52,6 +52,7 @@ pub fn app(router: Router) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", "not_found_error") })
         .with_state(router)
 }
@@ -673,6 +674,18 @@ async fn models(State(router): State<Router>) -> Response {
         .into_response(),
         Err(s) => status_error(&s),
     }
+}
+
+/// Prometheus text exposition of the router's metrics (`crate::metrics`).
+async fn metrics(State(router): State<Router>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        router.metrics.render(),
+    )
+        .into_response()
 }
 
 /// 200 while a target worker is up (a request can be served), else 503.

@@ -141,7 +141,7 @@ impl TargetWorker {
     pub async fn heartbeat(&self) -> bool {
         let healthy = self
             .shell
-            .call_waiting(|st| {
+            .call_waiting("heartbeat", |st| {
                 let e = st.backend.engine_mut();
                 if e.healthy()
                     && let Err(err) = e.heartbeat()
@@ -186,6 +186,11 @@ impl TargetWorker {
         self.shell.open_sessions()
     }
 
+    /// The worker's Prometheus metrics (served by `parse_worker::serve_metrics`).
+    pub fn metrics(&self) -> std::sync::Arc<parse_worker::WorkerMetrics> {
+        self.shell.metrics().clone()
+    }
+
     /// Releases sessions idle for longer than the TTL; returns how many.
     pub async fn expire_idle(&self) -> usize {
         self.shell.expire_idle().await
@@ -205,13 +210,14 @@ impl TargetWorker {
     /// book (used now, or gone with its cache).
     async fn call<T: Send + 'static>(
         &self,
+        op: &'static str,
         session: String,
         f: impl FnOnce(&mut Backend) -> Result<T, CoreError> + Send + 'static,
     ) -> Result<T, Status> {
         check_session(&session)?;
         let (out, healthy) = self
             .shell
-            .call(move |st: &mut State<Backend>| {
+            .call(op, move |st: &mut State<Backend>| {
                 let out = f(&mut st.backend);
                 if st.backend.engine().sessions().len(&session).is_ok() {
                     st.book.touch(&session);
@@ -246,10 +252,13 @@ impl Verifier for TargetWorker {
         }
         let sampling = sampling_from(r.sampling.as_ref()).map_err(status_from_core)?;
         let session = r.session.clone();
-        self.call(session.clone(), move |v| {
+        // The cache takes all but the last token (the pending one).
+        let rows = r.prompt.len().saturating_sub(1);
+        self.call("open", session.clone(), move |v| {
             v.open(&session, &r.prompt, &sampling)
         })
         .await?;
+        self.shell.metrics().rows("open", rows);
         Ok(Response::new(OpenSessionResponse {}))
     }
 
@@ -261,9 +270,13 @@ impl Verifier for TargetWorker {
         self.check_tokens(&r.tokens)?;
         let plan = VerifyPlan::try_from(&r).map_err(status_from_core)?;
         let session = r.session;
+        let rows = plan.tokens.len();
         let out = self
-            .call(session.clone(), move |v| v.verify(&session, &plan))
+            .call("verify", session.clone(), move |v| {
+                v.verify(&session, &plan)
+            })
             .await?;
+        self.shell.metrics().rows("verify", rows);
         Ok(Response::new(VerifyResponse::from(&out)))
     }
 
@@ -287,10 +300,11 @@ impl Verifier for TargetWorker {
         };
         let session = r.session;
         let out = self
-            .call(session.clone(), move |v| {
+            .call("extend", session.clone(), move |v| {
                 v.extend(&session, r.pending, r.max_tokens as usize, segment.as_ref())
             })
             .await?;
+        self.shell.metrics().rows("extend", out.tokens.len());
         Ok(Response::new(ExtendResponse {
             tokens: out.tokens,
             pieces: out.pieces,
@@ -303,7 +317,7 @@ impl Verifier for TargetWorker {
     ) -> Result<Response<TruncateResponse>, Status> {
         let r = request.into_inner();
         let session = r.session;
-        self.call(session.clone(), move |v| {
+        self.call("truncate", session.clone(), move |v| {
             v.truncate(&session, r.len as usize)
         })
         .await?;
@@ -315,7 +329,7 @@ impl Verifier for TargetWorker {
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
         let session = request.into_inner().session;
-        self.call(session.clone(), move |v| v.release(&session))
+        self.call("release", session.clone(), move |v| v.release(&session))
             .await?;
         Ok(Response::new(ReleaseResponse {}))
     }
@@ -356,7 +370,9 @@ pub async fn serve(
     // Followers leave their loop when the leader stops; a broken group has nothing to tell them.
     if let Err(e) = worker
         .shell
-        .call_waiting(|st| st.backend.engine_mut().shutdown().map_err(CoreError::from))
+        .call_waiting("shutdown", |st| {
+            st.backend.engine_mut().shutdown().map_err(CoreError::from)
+        })
         .await
     {
         tracing::warn!("stopping the followers: {}", e.message());

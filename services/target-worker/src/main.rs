@@ -32,6 +32,9 @@ struct Args {
     tokenizer: Option<PathBuf>,
     #[arg(long, env = "PARSE_TARGET_LISTEN", default_value = "127.0.0.1:50071")]
     listen: SocketAddr,
+    /// Address of the Prometheus metrics endpoint (GET /metrics); none: no metrics listener.
+    #[arg(long, env = "PARSE_TARGET_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Calls running or waiting at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -200,6 +203,16 @@ async fn main() -> anyhow::Result<()> {
         Member::Leader(l) => Box::new(l),
         Member::Follower(follower) => {
             tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
+            // A follower's work shows in its leader's metrics; it answers scrapes (no series of its own) so that
+            // a Pod template shared by every rank does not leave down targets.
+            let metrics = match args.metrics_listen {
+                Some(m) => Some(tokio::spawn(parse_worker::serve_metrics(
+                    Arc::new(parse_worker::WorkerMetrics::new()),
+                    parse_proto::serve::bind(m).await?.0,
+                    parse_proto::serve::shutdown_signal(),
+                ))),
+                None => None,
+            };
             let (ready, watch) = tokio::sync::watch::channel(true);
             let health = tokio::spawn(parse_proto::serve::run_health_only(
                 listener,
@@ -209,6 +222,9 @@ async fn main() -> anyhow::Result<()> {
             let followed = tokio::task::spawn_blocking(move || follower.follow()).await?;
             ready.send_replace(false);
             health.abort();
+            if let Some(m) = metrics {
+                m.abort();
+            }
             return match followed {
                 Ok(()) => {
                     tracing::info!("the leader stopped the group");
@@ -231,6 +247,18 @@ async fn main() -> anyhow::Result<()> {
     )
     .map_err(|e| anyhow::anyhow!(e.message))?;
     tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
+    let metrics = match args.metrics_listen {
+        Some(m) => {
+            let (l, a) = parse_proto::serve::bind(m).await?;
+            tracing::info!(addr = %a, "metrics serving (http://{a}/metrics)");
+            Some(tokio::spawn(parse_worker::serve_metrics(
+                worker.metrics(),
+                l,
+                parse_proto::serve::shutdown_signal(),
+            )))
+        }
+        None => None,
+    };
     // Only the leader of a group registers: it is the group's one address.
     let registration = args.discovery.announce().register(
         Role::Target,
@@ -255,5 +283,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let served = serve(worker, listener, until).await;
     engine_stop.cancel();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     served
 }

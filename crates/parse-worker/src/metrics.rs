@@ -1,0 +1,200 @@
+//! A worker's Prometheus metrics (one registry per worker), served as text at `GET /metrics` on the worker's
+//! metrics listener ([`serve_metrics`]). Names follow Prometheus conventions.
+//!
+//! - `parse_worker_steps_total{op}`, `parse_worker_step_duration_seconds{op}`: engine commands the scheduler ran
+//!   and their time on the engine (op: open, verify, extend, truncate, release, begin, draft, distribution, ...).
+//! - `parse_worker_rows_total{op}`: token rows the engine computed: a verification's packed positions, a target
+//!   session's prompt (`open`), extension and draft tokens. A draft's `begin` reuses what its cache holds and is
+//!   counted in steps and time only.
+//! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
+//! - `parse_worker_refused_total`: calls answered RESOURCE_EXHAUSTED (queue full).
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// The worker's metrics.
+pub struct WorkerMetrics {
+    registry: Registry,
+    steps: IntCounterVec,
+    step_seconds: HistogramVec,
+    rows: IntCounterVec,
+    open_sessions: IntGauge,
+    kv_bytes: IntGauge,
+    kv_capacity: IntGauge,
+    refused: IntCounter,
+}
+
+impl std::fmt::Debug for WorkerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerMetrics")
+    }
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn register<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+impl WorkerMetrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let op = &["op"];
+        let steps = register(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "parse_worker_steps_total",
+                    "Engine commands run, by operation.",
+                ),
+                op,
+            )
+            .expect("valid metric"),
+        );
+        let step_seconds = register(
+            &r,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "parse_worker_step_duration_seconds",
+                    "Time of an engine command on the engine, by operation.",
+                )
+                .buckets(prometheus::exponential_buckets(0.0005, 2.0, 18).expect("valid buckets")),
+                op,
+            )
+            .expect("valid metric"),
+        );
+        let rows = register(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "parse_worker_rows_total",
+                    "Token rows computed by forward passes, by operation.",
+                ),
+                op,
+            )
+            .expect("valid metric"),
+        );
+        let gauge =
+            |name: &str, help: &str| register(&r, IntGauge::new(name, help).expect("valid metric"));
+        let open_sessions = gauge("parse_worker_open_sessions", "Sessions holding a KV cache.");
+        let kv_bytes = gauge(
+            "parse_worker_kv_bytes",
+            "Bytes of KV cache held by sessions.",
+        );
+        let kv_capacity = gauge(
+            "parse_worker_kv_capacity_bytes",
+            "Bytes of KV cache the worker may hold.",
+        );
+        let refused = register(
+            &r,
+            IntCounter::new(
+                "parse_worker_refused_total",
+                "Calls refused because the queue was full.",
+            )
+            .expect("valid metric"),
+        );
+        WorkerMetrics {
+            registry: r,
+            steps,
+            step_seconds,
+            rows,
+            open_sessions,
+            kv_bytes,
+            kv_capacity,
+            refused,
+        }
+    }
+
+    /// One engine command of `op` that took `seconds`.
+    pub fn step(&self, op: &str, seconds: f64) {
+        self.steps.with_label_values(&[op]).inc();
+        self.step_seconds.with_label_values(&[op]).observe(seconds);
+    }
+
+    /// `n` token rows computed by `op`.
+    pub fn rows(&self, op: &str, n: usize) {
+        self.rows.with_label_values(&[op]).inc_by(n as u64);
+    }
+
+    /// The backend's state after a command.
+    pub fn state(&self, open_sessions: usize, kv_bytes: usize, kv_capacity: usize) {
+        self.open_sessions.set(open_sessions as i64);
+        self.kv_bytes.set(kv_bytes as i64);
+        self.kv_capacity.set(kv_capacity as i64);
+    }
+
+    pub fn refused(&self) {
+        self.refused.inc();
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::error!("metrics encoding: {e}");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// Serves `GET /metrics` (and nothing else) on `listener` until `shutdown` resolves.
+pub async fn serve_metrics(
+    metrics: std::sync::Arc<WorkerMetrics>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::response::IntoResponse;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = metrics.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    m.render(),
+                )
+                    .into_response()
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_rows_and_state_show_in_the_exposition() {
+        let m = WorkerMetrics::new();
+        m.step("verify", 0.02);
+        m.step("verify", 0.03);
+        m.rows("verify", 17);
+        m.state(2, 4096, 1 << 20);
+        m.refused();
+        let t = m.render();
+        for line in [
+            "parse_worker_steps_total{op=\"verify\"} 2",
+            "parse_worker_rows_total{op=\"verify\"} 17",
+            "parse_worker_step_duration_seconds_count{op=\"verify\"} 2",
+            "parse_worker_open_sessions 2",
+            "parse_worker_kv_bytes 4096",
+            "parse_worker_kv_capacity_bytes 1048576",
+            "parse_worker_refused_total 1",
+        ] {
+            assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");
+        }
+    }
+}

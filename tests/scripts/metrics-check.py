@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""The Prometheus metrics of a running local cluster, read with a real Prometheus parser.
+
+    tests/scripts/metrics-check.py [ROUTER_HTTP] [DRAFT_METRICS] [TARGET_METRICS]
+    # defaults: http://127.0.0.1:8000 http://127.0.0.1:50062 http://127.0.0.1:50070 (deploy/local/up.sh's)
+
+Installs the pinned `prometheus-client` into .cache/ci-tools/prometheus-client (git-ignored) on first use. Parses the
+`/metrics` of the router and both workers with its text parser, sends one known request through the OpenAI API, and
+checks that the counters moved by the amounts the request's own usage reports: the router's requests, output tokens,
+accepted draft tokens, target passes and first-token histogram; the target worker's session open (its prompt rows)
+and release and its verifications; the draft worker's drafted tokens; no session left open, a KV capacity.
+Run it with no other client on the cluster. Exits non-zero on the first failed check.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TOOLS = REPO / ".cache" / "ci-tools" / "prometheus-client"
+if not (TOOLS / "prometheus_client").is_dir():
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-warn-conflicts",
+         "--target", str(TOOLS), "prometheus-client==0.23.1"],
+        check=True,
+    )
+sys.path.insert(0, str(TOOLS))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+defaults = ["http://127.0.0.1:8000", "http://127.0.0.1:50062", "http://127.0.0.1:50070"]
+router, draft, target = (sys.argv[1:4] + defaults[len(sys.argv[1:4]):])
+
+
+def check(cond, what):
+    if not cond:
+        sys.exit(f"metrics-check: FAILED: {what}")
+    print(f"metrics-check: ok: {what}", file=sys.stderr)
+
+
+def scrape(base):
+    """{(sample name, frozenset(labels)): value} of every sample at base/metrics (the parser raises on bad text)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+        ctype = r.headers.get("Content-Type", "")
+    check(ctype.startswith("text/plain"), f"{base}/metrics content type {ctype!r}")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def get(samples, name, **labels):
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+before = {k: scrape(v) for k, v in [("router", router), ("draft", draft), ("target", target)]}
+check(all(before.values()), "all three expositions parse and are not empty")
+
+body = json.dumps({
+    "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+    "max_tokens": 24,
+}).encode()
+req = urllib.request.Request(f"{router}/v1/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=600) as r:
+    reply = json.load(r)
+usage = reply["usage"]
+figures = usage["parse"]
+mode = figures["mode"]
+after = {k: scrape(v) for k, v in [("router", router), ("draft", draft), ("target", target)]}
+
+
+def delta(who, name, **labels):
+    return get(after[who], name, **labels) - get(before[who], name, **labels)
+
+
+m = {"mode": mode}
+check(delta("router", "parse_requests_total", outcome="ok", **m) == 1, "router: one more ok request")
+check(delta("router", "parse_output_tokens_total", **m) == usage["completion_tokens"],
+      f"router: output tokens +{usage['completion_tokens']}")
+check(delta("router", "parse_draft_tokens_accepted_total", **m) == figures["draft_tokens_accepted"],
+      f"router: accepted draft tokens +{figures['draft_tokens_accepted']}")
+check(delta("router", "parse_draft_tokens_proposed_total", **m) == figures["draft_tokens_proposed"],
+      f"router: proposed draft tokens +{figures['draft_tokens_proposed']}")
+check(delta("router", "parse_target_passes_total", **m) == figures["target_passes"],
+      f"router: target passes +{figures['target_passes']}")
+check(delta("router", "parse_time_to_first_token_seconds_count", **m) == 1, "router: one first-token sample")
+check(delta("router", "parse_request_duration_seconds_count", **m) == 1, "router: one latency sample")
+check(get(after["router"], "parse_requests_in_flight") == 0, "router: nothing in flight")
+
+check(delta("target", "parse_worker_steps_total", op="open") == 1, "target: one session opened")
+check(delta("target", "parse_worker_rows_total", op="open") == usage["prompt_tokens"] - 1,
+      f"target: prompt rows +{usage['prompt_tokens'] - 1} (all but the pending token)")
+check(delta("target", "parse_worker_steps_total", op="release") == 1, "target: one session released")
+check(delta("target", "parse_worker_steps_total", op="verify") >= 1, "target: verifications ran")
+check(delta("target", "parse_worker_rows_total", op="verify")
+      >= delta("target", "parse_worker_steps_total", op="verify"), "target: each verification has rows")
+check(get(after["target"], "parse_worker_open_sessions") == 0, "target: no session left open")
+check(get(after["target"], "parse_worker_kv_capacity_bytes") > 0, "target: a KV capacity")
+
+# Drafting ahead may write tokens the loop never asks for: at least the proposed ones were drafted.
+check(delta("draft", "parse_worker_rows_total", op="draft") >= figures["draft_tokens_proposed"],
+      f"draft: drafted tokens >= {figures['draft_tokens_proposed']}")
+check(get(after["draft"], "parse_worker_open_sessions") == 0, "draft: no session left open")
+print("metrics-check: all checks passed", file=sys.stderr)
