@@ -14,6 +14,7 @@ use parse_core::{
 use tonic::{Code, Status};
 
 pub mod serve;
+pub mod telemetry;
 
 #[allow(clippy::all)]
 pub mod v1 {

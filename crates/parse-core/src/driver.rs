@@ -631,17 +631,24 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.open_target()?;
         let sampling = self.draft_sampling();
         self.open_draft(&sampling)?;
+        let mut round = 0usize;
         while self.finished.is_none() {
+            let span = round_span(round);
+            let _round = span.enter();
+            round += 1;
             let (draft, bs, probs) = self.draft(None, self.req.window.token_spec_tokens)?;
+            span.record("drafted", draft.len());
             if draft.is_empty() {
                 self.extend(1, None)?;
                 continue;
             }
+            let before = self.stats.draft_tokens_accepted;
             if sampling.is_greedy() {
                 self.verify(&draft, &bs, true, true)?;
             } else {
                 self.verify_sampled(&draft, &probs)?;
             }
+            span.record("accepted", self.stats.draft_tokens_accepted - before);
         }
         Ok(())
     }
@@ -650,8 +657,16 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.open_target()?;
         self.open_draft(&SamplingParams::default())?;
         self.window = self.req.window.initial_segments;
+        let mut round = 0usize;
         while self.finished.is_none() {
+            // One span per round (draft, verification, extension): the workers' spans of its calls are its
+            // children (the trace context travels with each call).
+            let span = round_span(round);
+            let _round = span.enter();
+            round += 1;
             let (draft, bs, _) = self.draft(Some(self.window), 0)?;
+            span.record("drafted", draft.len());
+            span.record("segments", bs.len());
             if draft.is_empty() {
                 // The draft had nothing to say: the target writes a segment.
                 self.extend_segment()?;
@@ -674,7 +689,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                     ahead,
                 )?;
             }
-            let (_, full) = self.verify(&draft, &bs, false, false)?;
+            let (accepted, full) = self.verify(&draft, &bs, false, false)?;
+            span.record("accepted", accepted);
             if full {
                 self.window = (self.window * 2).min(self.req.window.max_segments);
             } else {
@@ -707,6 +723,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         }
         Ok(())
     }
+}
+
+/// The span of one speculation round; `drafted`, `segments` and `accepted` are recorded as they are known.
+fn round_span(round: usize) -> tracing::Span {
+    tracing::info_span!(
+        "round",
+        round,
+        drafted = tracing::field::Empty,
+        segments = tracing::field::Empty,
+        accepted = tracing::field::Empty,
+    )
 }
 
 /// Generates one request. `sink` receives output as it is accepted and returns `false` to stop generation. Every

@@ -64,6 +64,11 @@ app.kubernetes.io/component: {{ .component }}
       fieldPath: status.podIP
 - name: PARSE_ETCD
   value: {{ include "parse.etcdEndpoints" . | quote }}
+{{- with .Values.tracing.otlpEndpoint }}
+# Spans over OTLP/gRPC (each service names itself: parse-router, parse-draft-worker, parse-target-worker).
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "parse.probes" -}}

@@ -10,6 +10,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use parse_core::{Drafter as _, Error as CoreError};
 use parse_engine::Engine;
@@ -119,6 +120,8 @@ impl Drafter for DraftWorker {
         &self,
         request: Request<DraftRequest>,
     ) -> Result<Response<Self::DraftStream>, Status> {
+        // The span covers the begin (prefill) and the stream's steps; `tokens` counts what was sent.
+        let span = parse_proto::telemetry::call_span("draft", "draft", &request);
         let r = request.into_inner();
         check_session(&r.session)?;
         if r.context.is_empty() {
@@ -159,6 +162,7 @@ impl Drafter for DraftWorker {
                 st.backend.begin(&session, &r.context, &sampling)?;
                 Ok(epoch)
             })
+            .instrument(span.clone())
             .await?;
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
         if r.max_tokens == 0 {
@@ -168,44 +172,48 @@ impl Drafter for DraftWorker {
         let session = r.session;
         let max = r.max_tokens as usize;
         let shell = self.shell.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let mut sent = 0usize;
-            while sent < max && !tx.is_closed() {
-                let s = session.clone();
-                let step = shell
-                    .call_waiting("draft", move |st| {
-                        // Superseded by a newer draft, or released: nothing more to send.
-                        if st.book.epoch(&s) != Some(epoch) {
-                            return Ok(None);
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let mut sent = 0usize;
+                while sent < max && !tx.is_closed() {
+                    let s = session.clone();
+                    let step = shell
+                        .call_waiting("draft", move |st| {
+                            // Superseded by a newer draft, or released: nothing more to send.
+                            if st.book.epoch(&s) != Some(epoch) {
+                                return Ok(None);
+                            }
+                            st.book.touch(&s);
+                            st.backend.next(&s, 1).map(Some)
+                        })
+                        .await;
+                    match step {
+                        Ok(Some(c)) => {
+                            sent += c.tokens.len();
+                            tracing::Span::current().record("tokens", sent);
+                            shell.metrics().rows("draft", c.tokens.len());
+                            let done = c.done || c.tokens.is_empty();
+                            let m = DraftResponse {
+                                tokens: c.tokens,
+                                pieces: c.pieces,
+                                probs: c.probs,
+                                done,
+                            };
+                            if tx.send(Ok(m)).await.is_err() || done {
+                                return;
+                            }
                         }
-                        st.book.touch(&s);
-                        st.backend.next(&s, 1).map(Some)
-                    })
-                    .await;
-                match step {
-                    Ok(Some(c)) => {
-                        sent += c.tokens.len();
-                        shell.metrics().rows("draft", c.tokens.len());
-                        let done = c.done || c.tokens.is_empty();
-                        let m = DraftResponse {
-                            tokens: c.tokens,
-                            pieces: c.pieces,
-                            probs: c.probs,
-                            done,
-                        };
-                        if tx.send(Ok(m)).await.is_err() || done {
+                        Ok(None) => return,
+                        Err(status) => {
+                            let _ = tx.send(Err(status)).await;
                             return;
                         }
                     }
-                    Ok(None) => return,
-                    Err(status) => {
-                        let _ = tx.send(Err(status)).await;
-                        return;
-                    }
                 }
             }
-        });
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -213,33 +221,43 @@ impl Drafter for DraftWorker {
         &self,
         request: Request<DistributionRequest>,
     ) -> Result<Response<DistributionResponse>, Status> {
-        let r = request.into_inner();
-        check_session(&r.session)?;
-        let d = self
-            .shell
-            .call("distribution", move |st| {
-                st.backend.distribution(&r.session, r.index as usize)
-            })
-            .await?;
-        Ok(Response::new(DistributionResponse {
-            tokens: d.iter().map(|x| x.0).collect(),
-            probs: d.iter().map(|x| x.1).collect(),
-        }))
+        let span = parse_proto::telemetry::call_span("draft", "distribution", &request);
+        async move {
+            let r = request.into_inner();
+            check_session(&r.session)?;
+            let d = self
+                .shell
+                .call("distribution", move |st| {
+                    st.backend.distribution(&r.session, r.index as usize)
+                })
+                .await?;
+            Ok(Response::new(DistributionResponse {
+                tokens: d.iter().map(|x| x.0).collect(),
+                probs: d.iter().map(|x| x.1).collect(),
+            }))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn release(
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let r = request.into_inner();
-        check_session(&r.session)?;
-        self.shell
-            .call_waiting("release", move |st| {
-                st.book.remove(&r.session);
-                st.backend.release(&r.session)
-            })
-            .await?;
-        Ok(Response::new(ReleaseResponse {}))
+        let span = parse_proto::telemetry::call_span("draft", "release", &request);
+        async move {
+            let r = request.into_inner();
+            check_session(&r.session)?;
+            self.shell
+                .call_waiting("release", move |st| {
+                    st.book.remove(&r.session);
+                    st.backend.release(&r.session)
+                })
+                .await?;
+            Ok(Response::new(ReleaseResponse {}))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn get_model_info(

@@ -105,6 +105,14 @@ pub struct Router {
 
 type Sender = mpsc::Sender<Result<GenerateStreamResponse, Status>>;
 
+/// Attaches a request's span to the trace its client sent (gRPC metadata or HTTP headers), if any.
+pub(crate) type TraceParent = Box<dyn FnOnce(&tracing::Span) + Send>;
+
+fn grpc_parent<T>(req: &Request<T>) -> TraceParent {
+    let md = req.metadata().clone();
+    Box::new(move |span| parse_proto::telemetry::set_parent(span, &md))
+}
+
 /// Reads the `grpc-timeout` header (the client's deadline).
 fn deadline_of<T>(req: &Request<T>) -> Option<Instant> {
     let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
@@ -391,6 +399,7 @@ impl Router {
         r: GenerateRequest,
         deadline: Option<Instant>,
         tx: Sender,
+        parent: TraceParent,
     ) -> Result<(), Status> {
         let permit = self.in_flight.clone().try_acquire_owned().map_err(|_| {
             self.metrics.rejected("busy");
@@ -448,8 +457,15 @@ impl Router {
         let metrics = self.metrics.clone();
         let running = metrics.running();
         let started = Instant::now();
-        let span =
-            tracing::info_span!("generate", request_id = %request_id, mode = req.mode.as_str());
+        let span = tracing::info_span!(
+            "generate",
+            request_id = %request_id,
+            mode = req.mode.as_str(),
+            prompt_tokens = req.prompt.len(),
+            output_tokens = tracing::field::Empty,
+            target_passes = tracing::field::Empty,
+        );
+        parent(&span);
         let task = tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let _running = running;
@@ -546,6 +562,8 @@ impl Router {
             stats.fell_back_to_target = drafter.fell_back;
             stats.draft_prefetch_hits = drafter.prefetch_hits as u32;
             stats.draft_prefetch_misses = drafter.prefetch_misses as u32;
+            tracing::Span::current().record("output_tokens", outcome.stats.output_tokens);
+            tracing::Span::current().record("target_passes", outcome.stats.target_passes);
             tracing::info!(
                 output_tokens = outcome.stats.output_tokens,
                 finish = outcome.finish_reason.as_str(),
@@ -574,12 +592,13 @@ impl Generation for Router {
         request: Request<GenerateRequest>,
     ) -> Result<Response<GenerateResponse>, Status> {
         let deadline = deadline_of(&request);
+        let parent = grpc_parent(&request);
         let r = request.into_inner();
         let (tx, mut rx) = mpsc::channel(64);
         let router = self.clone();
         // The loop runs in its own task; if this handler is dropped (client gone), `rx` goes with it and the loop
         // stops at its next output.
-        let run = tokio::spawn(async move { router.run(r, deadline, tx).await });
+        let run = tokio::spawn(async move { router.run(r, deadline, tx, parent).await });
         let mut text = String::new();
         let mut token_ids = Vec::new();
         let mut finished = None;
@@ -612,12 +631,13 @@ impl Generation for Router {
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStreamStream>, Status> {
         let deadline = deadline_of(&request);
+        let parent = grpc_parent(&request);
         let r = request.into_inner();
         let (tx, rx) = mpsc::channel(64);
         let router = self.clone();
         let err_tx = tx.clone();
         tokio::spawn(async move {
-            if let Err(s) = router.run(r, deadline, tx).await {
+            if let Err(s) = router.run(r, deadline, tx, parent).await {
                 let _ = err_tx.send(Err(s)).await;
             }
         });

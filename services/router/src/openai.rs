@@ -557,8 +557,10 @@ async fn generate(router: Router, headers: HeaderMap, body: Bytes, kind: Kind) -
     let runner = router.clone();
     // The loop runs in its own task; this handler (or the stream below) holding `rx` is what keeps it going: a
     // client that goes away drops it, and the router cancels the request on both workers.
+    let parent: crate::TraceParent =
+        Box::new(move |span| parse_proto::telemetry::set_parent_from_http(span, &headers));
     tokio::spawn(async move {
-        if let Err(s) = runner.run(r, None, tx).await {
+        if let Err(s) = runner.run(r, None, tx, parent).await {
             let _ = err_tx.send(Err(s)).await;
         }
     });

@@ -70,8 +70,11 @@ impl CallCtx {
         Ok(())
     }
 
+    /// A worker call's request: the deadline, and the current span's trace context (the PARSE round it belongs
+    /// to) so that the worker's span joins the request's trace.
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
+        parse_proto::telemetry::inject(r.metadata_mut());
         if let Some(d) = self.deadline {
             r.set_timeout(d.saturating_duration_since(Instant::now()));
         }
@@ -429,9 +432,10 @@ impl Drafter for RemoteDrafter {
         self.prefetch = None;
         if let Some(mut client) = self.client() {
             // Release even when the request itself was cancelled: no deadline on the cleanup.
-            let req = tonic::Request::new(ReleaseRequest {
+            let mut req = tonic::Request::new(ReleaseRequest {
                 session: session.to_string(),
             });
+            parse_proto::telemetry::inject(req.metadata_mut());
             if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
                 // A lost worker frees its sessions with its process; a live one expires them after its TTL.
                 tracing::warn!("draft release failed: {}", s.message());
@@ -625,9 +629,10 @@ impl Verifier for RemoteVerifier {
     fn release(&mut self, session: &str) -> Result<()> {
         if let Some(l) = &self.lease {
             let mut client = VerifierClient::new(l.worker.channel.clone());
-            let req = tonic::Request::new(ReleaseRequest {
+            let mut req = tonic::Request::new(ReleaseRequest {
                 session: session.to_string(),
             });
+            parse_proto::telemetry::inject(req.metadata_mut());
             if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
                 tracing::warn!("target release failed: {}", s.message());
             }

@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use tracing::Instrument;
 
 use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _, VerifyPlan};
 use parse_engine::EngineOps;
@@ -238,100 +239,129 @@ impl Verifier for TargetWorker {
         &self,
         request: Request<OpenSessionRequest>,
     ) -> Result<Response<OpenSessionResponse>, Status> {
-        let r = request.into_inner();
-        if self.shell.drain.is_draining() {
-            return Err(Status::unavailable("the target worker is draining"));
+        let span = parse_proto::telemetry::call_span("target", "open", &request);
+        async move {
+            let r = request.into_inner();
+            if self.shell.drain.is_draining() {
+                return Err(Status::unavailable("the target worker is draining"));
+            }
+            self.check_tokens(&r.prompt)?;
+            let max = self.shell.info().max_context as usize;
+            if r.prompt.len() >= max {
+                return Err(Status::invalid_argument(format!(
+                    "prompt of {} tokens does not fit the model's context of {max}",
+                    r.prompt.len()
+                )));
+            }
+            let sampling = sampling_from(r.sampling.as_ref()).map_err(status_from_core)?;
+            let session = r.session.clone();
+            // The cache takes all but the last token (the pending one).
+            let rows = r.prompt.len().saturating_sub(1);
+            self.call("open", session.clone(), move |v| {
+                v.open(&session, &r.prompt, &sampling)
+            })
+            .await?;
+            self.shell.metrics().rows("open", rows);
+            tracing::Span::current().record("rows", rows);
+            Ok(Response::new(OpenSessionResponse {}))
         }
-        self.check_tokens(&r.prompt)?;
-        let max = self.shell.info().max_context as usize;
-        if r.prompt.len() >= max {
-            return Err(Status::invalid_argument(format!(
-                "prompt of {} tokens does not fit the model's context of {max}",
-                r.prompt.len()
-            )));
-        }
-        let sampling = sampling_from(r.sampling.as_ref()).map_err(status_from_core)?;
-        let session = r.session.clone();
-        // The cache takes all but the last token (the pending one).
-        let rows = r.prompt.len().saturating_sub(1);
-        self.call("open", session.clone(), move |v| {
-            v.open(&session, &r.prompt, &sampling)
-        })
-        .await?;
-        self.shell.metrics().rows("open", rows);
-        Ok(Response::new(OpenSessionResponse {}))
+        .instrument(span)
+        .await
     }
 
     async fn verify(
         &self,
         request: Request<VerifyRequest>,
     ) -> Result<Response<VerifyResponse>, Status> {
-        let r = request.into_inner();
-        self.check_tokens(&r.tokens)?;
-        let plan = VerifyPlan::try_from(&r).map_err(status_from_core)?;
-        let session = r.session;
-        let rows = plan.tokens.len();
-        let out = self
-            .call("verify", session.clone(), move |v| {
-                v.verify(&session, &plan)
-            })
-            .await?;
-        self.shell.metrics().rows("verify", rows);
-        Ok(Response::new(VerifyResponse::from(&out)))
+        let span = parse_proto::telemetry::call_span("target", "verify", &request);
+        async move {
+            let r = request.into_inner();
+            self.check_tokens(&r.tokens)?;
+            let plan = VerifyPlan::try_from(&r).map_err(status_from_core)?;
+            let session = r.session;
+            let rows = plan.tokens.len();
+            let out = self
+                .call("verify", session.clone(), move |v| {
+                    v.verify(&session, &plan)
+                })
+                .await?;
+            self.shell.metrics().rows("verify", rows);
+            tracing::Span::current().record("rows", rows);
+            Ok(Response::new(VerifyResponse::from(&out)))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn extend(
         &self,
         request: Request<ExtendRequest>,
     ) -> Result<Response<ExtendResponse>, Status> {
-        let r = request.into_inner();
-        self.check_tokens(&[r.pending])?;
-        if r.max_tokens == 0 || r.max_tokens > self.cfg.max_extend {
-            return Err(Status::invalid_argument(format!(
-                "max_tokens must be 1..={}",
-                self.cfg.max_extend
-            )));
+        let span = parse_proto::telemetry::call_span("target", "extend", &request);
+        async move {
+            let r = request.into_inner();
+            self.check_tokens(&[r.pending])?;
+            if r.max_tokens == 0 || r.max_tokens > self.cfg.max_extend {
+                return Err(Status::invalid_argument(format!(
+                    "max_tokens must be 1..={}",
+                    self.cfg.max_extend
+                )));
+            }
+            let segment: Option<SegmenterConfig> = match &r.segment {
+                None => None,
+                Some(s) => Some(
+                    segmenter_from(Some(s), &SegmenterConfig::default())
+                        .map_err(status_from_core)?,
+                ),
+            };
+            let session = r.session;
+            let out = self
+                .call("extend", session.clone(), move |v| {
+                    v.extend(&session, r.pending, r.max_tokens as usize, segment.as_ref())
+                })
+                .await?;
+            self.shell.metrics().rows("extend", out.tokens.len());
+            tracing::Span::current().record("tokens", out.tokens.len());
+            Ok(Response::new(ExtendResponse {
+                tokens: out.tokens,
+                pieces: out.pieces,
+            }))
         }
-        let segment: Option<SegmenterConfig> = match &r.segment {
-            None => None,
-            Some(s) => Some(
-                segmenter_from(Some(s), &SegmenterConfig::default()).map_err(status_from_core)?,
-            ),
-        };
-        let session = r.session;
-        let out = self
-            .call("extend", session.clone(), move |v| {
-                v.extend(&session, r.pending, r.max_tokens as usize, segment.as_ref())
-            })
-            .await?;
-        self.shell.metrics().rows("extend", out.tokens.len());
-        Ok(Response::new(ExtendResponse {
-            tokens: out.tokens,
-            pieces: out.pieces,
-        }))
+        .instrument(span)
+        .await
     }
 
     async fn truncate(
         &self,
         request: Request<TruncateRequest>,
     ) -> Result<Response<TruncateResponse>, Status> {
-        let r = request.into_inner();
-        let session = r.session;
-        self.call("truncate", session.clone(), move |v| {
-            v.truncate(&session, r.len as usize)
-        })
-        .await?;
-        Ok(Response::new(TruncateResponse {}))
+        let span = parse_proto::telemetry::call_span("target", "truncate", &request);
+        async move {
+            let r = request.into_inner();
+            let session = r.session;
+            self.call("truncate", session.clone(), move |v| {
+                v.truncate(&session, r.len as usize)
+            })
+            .await?;
+            Ok(Response::new(TruncateResponse {}))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn release(
         &self,
         request: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let session = request.into_inner().session;
-        self.call("release", session.clone(), move |v| v.release(&session))
-            .await?;
-        Ok(Response::new(ReleaseResponse {}))
+        let span = parse_proto::telemetry::call_span("target", "release", &request);
+        async move {
+            let session = request.into_inner().session;
+            self.call("release", session.clone(), move |v| v.release(&session))
+                .await?;
+            Ok(Response::new(ReleaseResponse {}))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn get_model_info(

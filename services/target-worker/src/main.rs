@@ -144,11 +144,9 @@ fn nccl_group(_: TcpComm, _: usize, _: Duration) -> anyhow::Result<Arc<dyn Comm>
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    // Logs, and spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (flushed when this guard drops).
+    let _telemetry = parse_proto::telemetry::init("parse-target-worker")
+        .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
     check(&args)?;
     let layout: Layout = args.tp_layout.parse()?;
