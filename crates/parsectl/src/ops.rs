@@ -364,23 +364,19 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
             });
         }
         drop(tx);
+        // On stderr, and hidden where stderr is not a terminal (indicatif's default).
+        let bar = indicatif::ProgressBar::new(b.requests as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("[{bar:30}] {pos}/{len} {elapsed}")
+                .expect("valid template")
+                .progress_chars("#> "),
+        );
         let mut results = Vec::new();
-        let mut err = std::io::stderr();
         while let Some(r) = rx.recv().await {
             results.push(r);
-            let done = results.len();
-            let width = 30;
-            let filled = done * width / b.requests;
-            let _ = write!(
-                err,
-                "\r[{}{}] {done}/{} {:.0}s",
-                "#".repeat(filled),
-                " ".repeat(width - filled),
-                b.requests,
-                start.elapsed().as_secs_f64()
-            );
+            bar.inc(1);
         }
-        let _ = writeln!(err);
+        bar.finish();
         results
     });
     let wall = start.elapsed().as_secs_f64();
