@@ -4,8 +4,9 @@
 # XSum prompts (ROUGE-L against the same run's `target` output, an open-ended proxy). Greedy, each suite's default
 # budget.
 #
-#   benches/quality-eval.sh                                  # the default verdict (relative, tau 0.9)
+#   benches/quality-eval.sh                                  # the default (parse+token-spec, relative, tau 0.9)
 #   VERDICT=entropy TAU=0.6,0.9 OUT=bench-results/sweep benches/quality-eval.sh
+#   MODES=target,parse,parse+token-spec benches/quality-eval.sh
 #
 # Runs in chunks of 25 (HumanEval) or 50 (ASDiv) prompts, every mode on a chunk's prompts in one process, so an
 # interrupted run loses at most one chunk and each chunk's tok/s ratio comes from one process; per-prompt results
@@ -16,6 +17,7 @@
 # depend on the machine (the kernels give the same bits on every CPU); tok/s do: compare them within one chunk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODES="${MODES:-target,parse+token-spec}"
 VERDICT="${VERDICT:-relative}"
 TAU="${TAU:-0.9}"
 OUT="${OUT:-bench-results/quality-eval}"
@@ -33,7 +35,7 @@ for packed in sorted(out.glob("*-prompts.jsonl")):
             path.write_text(json.dumps(rec))
 PY
 cargo build --release -p parse-bench   # a no-op when up to date; never a stale harness
-run() { "$bin" --modes target,parse --verdict "$VERDICT" --tau "$TAU" --out-dir "$OUT" --resume "$@"; }
+run() { "$bin" --modes "$MODES" --verdict "$VERDICT" --tau "$TAU" --out-dir "$OUT" --resume "$@"; }
 for skip in 0 25 50 75; do run --suite humaneval --skip "$skip" --n 25 >/dev/null; done
 run --suite humaneval --n 100
 for skip in 0 50 100 150; do run --suite asdiv --skip "$skip" --n 50 >/dev/null; done

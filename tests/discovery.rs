@@ -256,7 +256,7 @@ fn the_admin_api_needs_the_token_and_reports_workers_stats_and_policy() {
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(p.default_mode, "parse");
+        assert_eq!(p.default_mode, "parse+token-spec");
         let bad = a
             .set_policy(authed(
                 SetPolicyRequest {

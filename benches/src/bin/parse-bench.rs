@@ -1,6 +1,7 @@
 //! End-to-end throughput and quality harness: every mode on the same prompts, in one run, on one machine.
 //!
-//! `cargo run --release -p parse-bench -- --suite humaneval --n 20 --modes target,token-spec,parse --tau 1e-3`
+//! `cargo run --release -p parse-bench -- --suite humaneval --n 20` (the defaults: `target`, `token-spec` and the
+//! shipped default, `parse+token-spec` with `relative` at `tau = 0.9`)
 //!
 //! Reports per mode, verdict and tau: tokens/s and its ratio to `target` (same run), target passes and positions
 //! per output token, token and segment acceptance, and quality against the same run's `target` mode: HumanEval
@@ -48,11 +49,15 @@ struct Args {
     /// Records used (the first N).
     #[arg(long, default_value_t = 20)]
     n: usize,
-    #[arg(long, value_delimiter = ',', default_value = "target,token-spec,parse")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "target,token-spec,parse+token-spec"
+    )]
     modes: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "likelihood")]
+    #[arg(long, value_delimiter = ',', default_value = "relative")]
     verdict: Vec<String>,
-    #[arg(long, value_delimiter = ',', default_value = "0.001")]
+    #[arg(long, value_delimiter = ',', default_value = "0.9")]
     tau: Vec<f32>,
     /// Output budget per prompt [default: by suite].
     #[arg(long)]

@@ -68,7 +68,7 @@ impl Default for RouterConfig {
             targets: Vec::new(),
             max_in_flight: 64,
             max_new_tokens_limit: 4096,
-            default_mode: Mode::Parse,
+            default_mode: Mode::ParseTokenSpec,
             default_policy: AcceptPolicy::default(),
             connect_timeout: Duration::from_secs(2),
             probe_every: Duration::from_secs(1),

@@ -35,7 +35,7 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     max_new_tokens_limit: usize,
     /// Mode of requests that name none.
-    #[arg(long, value_enum, default_value_t = Mode::Parse)]
+    #[arg(long, value_enum, default_value_t = Mode::ParseTokenSpec)]
     default_mode: Mode,
     /// Acceptance threshold of requests that name none [default: the verdict's default, see docs/parse.md].
     #[arg(long)]
