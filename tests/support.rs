@@ -284,11 +284,52 @@ pub struct Etcd {
     peer: u16,
 }
 
-fn free_port() -> u16 {
+/// A port free on loopback now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port")
+}
+
+/// A binary of the workspace's build, beside the test's own directory (target/release/deps/<test> ->
+/// target/release/<name>).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's path");
+    let p = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>")
+        .join(name);
+    assert!(p.exists(), "{} is not built", p.display());
+    p
+}
+
+/// The default draft checkpoint (`$PARSE_MODEL_DIR` or `~/.cache/parse/models`).
+pub fn draft_checkpoint() -> PathBuf {
+    let dir = match std::env::var_os("PARSE_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/parse/models")
+        }
+    };
+    let p = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run deploy/models/fetch.py",
+        p.display()
+    );
+    p
+}
+
+/// A child process, killed when dropped (a failing test leaves nothing behind).
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 impl Etcd {

@@ -3,60 +3,14 @@
 //! killed with SIGKILL fails the leader's in-flight call with UNAVAILABLE within seconds, and the leader turns
 //! NOT_SERVING.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{ExtendRequest, OpenSessionRequest};
-use parse_tests::{Etcd, eventually};
+use parse_tests::{Etcd, Proc, draft_checkpoint, eventually, free_port, workspace_binary};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
-
-fn binary() -> PathBuf {
-    // target/release/deps/<this test> -> target/release/parse-target-worker
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("parse-target-worker");
-    assert!(p.exists(), "{} is not built", p.display());
-    p
-}
-
-fn model() -> PathBuf {
-    let dir = match std::env::var_os("PARSE_MODEL_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/parse/models"),
-    };
-    let p = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run deploy/models/fetch.py",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the process when dropped (a failing test leaves nothing behind).
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn rank(r: usize, listen: u16, addrs: &str) -> Proc {
     rank_with(r, listen, &["--tp-addrs", addrs])
@@ -64,8 +18,8 @@ fn rank(r: usize, listen: u16, addrs: &str) -> Proc {
 
 fn rank_with(r: usize, listen: u16, extra: &[&str]) -> Proc {
     Proc(
-        Command::new(binary())
-            .args(["--model", &model().display().to_string()])
+        Command::new(workspace_binary("parse-target-worker"))
+            .args(["--model", &draft_checkpoint().display().to_string()])
             .args(["--listen", &format!("127.0.0.1:{listen}")])
             .args(["--tp", "2", "--rank", &r.to_string()])
             .args(extra)

@@ -5,9 +5,7 @@
 //! spans, the draft and verification calls of the rounds in particular.
 
 use std::collections::{HashMap, HashSet};
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,6 +17,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use parse_proto::v1::GenerateRequest;
 use parse_proto::v1::generation_client::GenerationClient;
+use parse_tests::{Proc, draft_checkpoint, free_port, workspace_binary};
 
 /// A collected span: service, name, ids (hex).
 #[derive(Debug, Clone)]
@@ -71,50 +70,9 @@ impl TraceService for Receiver {
     }
 }
 
-fn bin(name: &str) -> PathBuf {
-    // target/release/deps/<this test> -> target/release/<name>
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().and_then(|d| d.parent()).unwrap().join(name);
-    assert!(p.exists(), "{} is not built", p.display());
-    p
-}
-
-fn model() -> PathBuf {
-    let dir = match std::env::var_os("PARSE_MODEL_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/parse/models"),
-    };
-    // The small checkpoint plays both roles (one tokenizer): the test is about spans, not answers.
-    let p = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run deploy/models/fetch.py",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the process when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn(name: &str, args: &[String], otlp: u16) -> Proc {
     Proc(
-        Command::new(bin(name))
+        Command::new(workspace_binary(name))
             .args(args)
             .env(
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -145,7 +103,8 @@ fn one_request_is_one_trace_across_the_router_and_both_worker_processes() {
         });
     }
     let (tp, dp, rp) = (free_port(), free_port(), free_port());
-    let m = model().display().to_string();
+    // The small checkpoint plays both roles (one tokenizer): the test is about spans, not answers.
+    let m = draft_checkpoint().display().to_string();
     let _target = spawn(
         "parse-target-worker",
         &[

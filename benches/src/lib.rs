@@ -14,6 +14,24 @@ pub fn model_dir() -> PathBuf {
     }
 }
 
+/// The prompts of the first `n` HumanEval development records (`shared/eval/humaneval-dev.jsonl`).
+pub fn humaneval_prompts(n: usize) -> anyhow::Result<Vec<String>> {
+    use anyhow::Context;
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/eval/humaneval-dev.jsonl");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    text.lines()
+        .take(n)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l)?;
+            Ok(v["prompt"]
+                .as_str()
+                .context("record without a prompt")?
+                .to_string())
+        })
+        .collect()
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));

@@ -9,9 +9,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use parse_bench::model_dir;
+use parse_bench::{humaneval_prompts, model_dir};
 use parse_client::{Client, GenerateRequest};
 use parse_core::{AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig};
 use parse_draft_worker::{DraftWorker, DraftWorkerConfig};
@@ -39,22 +39,6 @@ struct Args {
     concurrent_tokens: u32,
     #[arg(long)]
     out: Option<PathBuf>,
-}
-
-fn prompts(n: usize) -> Result<Vec<String>> {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/eval/humaneval-dev.jsonl");
-    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-    text.lines()
-        .take(n)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l)?;
-            Ok(v["prompt"]
-                .as_str()
-                .context("record without a prompt")?
-                .to_string())
-        })
-        .collect()
 }
 
 fn runtime() -> Result<Runtime> {
@@ -86,7 +70,7 @@ fn main() -> Result<()> {
         .mode
         .parse()
         .map_err(|e: parse_core::Error| anyhow::anyhow!(e.message))?;
-    let texts = prompts(args.n)?;
+    let texts = humaneval_prompts(args.n)?;
     let dir = model_dir();
     let mut target = Engine::load(&EngineConfig::new(
         dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),

@@ -23,7 +23,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use parse_bench::model_dir;
+use parse_bench::{humaneval_prompts, model_dir};
 use parse_proto::v1::GenerateRequest;
 use parse_proto::v1::generation_client::GenerationClient;
 use serde_json::json;
@@ -63,22 +63,6 @@ impl TraceService for Receiver {
         self.0.fetch_add(n as u64, Ordering::Relaxed);
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
-}
-
-fn prompts(n: usize) -> Result<Vec<String>> {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/eval/humaneval-dev.jsonl");
-    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
-    text.lines()
-        .take(n)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l)?;
-            Ok(v["prompt"]
-                .as_str()
-                .context("record without a prompt")?
-                .to_string())
-        })
-        .collect()
 }
 
 fn bin(name: &str) -> Result<PathBuf> {
@@ -259,7 +243,7 @@ async fn run(c: &Cluster, prompts: &[String], args: &Args) -> Result<(u64, f64)>
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let prompts = prompts(args.n)?;
+    let prompts = humaneval_prompts(args.n)?;
     let rt = tokio::runtime::Runtime::new()?;
     let receiver = Receiver::default();
     let otlp = free_port()?;
