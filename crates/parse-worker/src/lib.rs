@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 pub use info::model_info;
-pub use metrics::{WorkerMetrics, serve_metrics};
+pub use metrics::{WorkerMetrics, serve_metrics, spawn_metrics};
 pub use scheduler::{Scheduler, SchedulerError};
 
 /// A model backend the shell can own: it releases sessions and counts them.

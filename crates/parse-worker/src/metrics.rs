@@ -144,6 +144,23 @@ impl WorkerMetrics {
     }
 }
 
+/// With an address: binds it and serves `metrics` there until SIGINT/SIGTERM (a worker's `--metrics-listen`).
+pub async fn spawn_metrics(
+    metrics: std::sync::Arc<WorkerMetrics>,
+    listen: Option<std::net::SocketAddr>,
+) -> std::io::Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
+    let Some(addr) = listen else {
+        return Ok(None);
+    };
+    let (listener, local) = parse_proto::serve::bind(addr).await?;
+    tracing::info!(addr = %local, "metrics serving (http://{local}/metrics)");
+    Ok(Some(tokio::spawn(serve_metrics(
+        metrics,
+        listener,
+        parse_proto::serve::shutdown_signal(),
+    ))))
+}
+
 /// Serves `GET /metrics` (and nothing else) on `listener` until `shutdown` resolves.
 pub async fn serve_metrics(
     metrics: std::sync::Arc<WorkerMetrics>,

@@ -62,18 +62,7 @@ async fn main() -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!(e.message))?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;
     tracing::info!(%addr, model = %args.model.display(), "draft worker serving");
-    let metrics = match args.metrics_listen {
-        Some(m) => {
-            let (l, a) = parse_proto::serve::bind(m).await?;
-            tracing::info!(addr = %a, "metrics serving (http://{a}/metrics)");
-            Some(tokio::spawn(parse_worker::serve_metrics(
-                worker.metrics(),
-                l,
-                parse_proto::serve::shutdown_signal(),
-            )))
-        }
-        None => None,
-    };
+    let metrics = parse_worker::spawn_metrics(worker.metrics(), args.metrics_listen).await?;
     let registration = args.discovery.announce().register(
         Role::Draft,
         addr,

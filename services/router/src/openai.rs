@@ -379,22 +379,11 @@ fn chat_request(
         };
         messages.push(ChatMessage { role, content });
     }
-    let shape = Shape {
-        kind: Kind::Chat,
-        model: served.to_string(),
-        stream: req.common.stream,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
-    let mut r = GenerateRequest {
+    let r = GenerateRequest {
         messages,
         ..Default::default()
     };
-    common_into(req.common, &mut r, limit)?;
-    Ok((r, shape))
+    with_common(r, req.common, Kind::Chat, served, limit)
 }
 
 fn completion_request(
@@ -420,22 +409,32 @@ fn completion_request(
     if req.best_of.is_some_and(|b| b != 1) {
         return Err(bad("best_of must be 1"));
     }
-    let shape = Shape {
-        kind: Kind::Completion,
-        model: served.to_string(),
-        stream: req.common.stream,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
-    let mut r = GenerateRequest {
+    let r = GenerateRequest {
         prompt: prompts.remove(0),
         raw_prompt: true,
         ..Default::default()
     };
-    common_into(req.common, &mut r, limit)?;
+    with_common(r, req.common, Kind::Completion, served, limit)
+}
+
+/// Adds the shared fields to an endpoint's request and notes the answer's shape.
+fn with_common(
+    mut r: GenerateRequest,
+    common: Common,
+    kind: Kind,
+    served: &str,
+    limit: usize,
+) -> Result<(GenerateRequest, Shape), Status> {
+    let shape = Shape {
+        kind,
+        model: served.to_string(),
+        stream: common.stream,
+        include_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    common_into(common, &mut r, limit)?;
     Ok((r, shape))
 }
 

@@ -203,14 +203,11 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
             // A follower's work shows in its leader's metrics; it answers scrapes (no series of its own) so that
             // a Pod template shared by every rank does not leave down targets.
-            let metrics = match args.metrics_listen {
-                Some(m) => Some(tokio::spawn(parse_worker::serve_metrics(
-                    Arc::new(parse_worker::WorkerMetrics::new()),
-                    parse_proto::serve::bind(m).await?.0,
-                    parse_proto::serve::shutdown_signal(),
-                ))),
-                None => None,
-            };
+            let metrics = parse_worker::spawn_metrics(
+                Arc::new(parse_worker::WorkerMetrics::new()),
+                args.metrics_listen,
+            )
+            .await?;
             let (ready, watch) = tokio::sync::watch::channel(true);
             let health = tokio::spawn(parse_proto::serve::run_health_only(
                 listener,
@@ -245,18 +242,7 @@ async fn main() -> anyhow::Result<()> {
     )
     .map_err(|e| anyhow::anyhow!(e.message))?;
     tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
-    let metrics = match args.metrics_listen {
-        Some(m) => {
-            let (l, a) = parse_proto::serve::bind(m).await?;
-            tracing::info!(addr = %a, "metrics serving (http://{a}/metrics)");
-            Some(tokio::spawn(parse_worker::serve_metrics(
-                worker.metrics(),
-                l,
-                parse_proto::serve::shutdown_signal(),
-            )))
-        }
-        None => None,
-    };
+    let metrics = parse_worker::spawn_metrics(worker.metrics(), args.metrics_listen).await?;
     // Only the leader of a group registers: it is the group's one address.
     let registration = args.discovery.announce().register(
         Role::Target,
