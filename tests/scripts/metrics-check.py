@@ -7,8 +7,9 @@
 Installs the pinned `prometheus-client` into .cache/ci-tools/prometheus-client (git-ignored) on first use. Parses the
 `/metrics` of the router and both workers with its text parser, sends one known request through the OpenAI API, and
 checks that the counters moved by the amounts the request's own usage reports: the router's requests, output tokens,
-accepted draft tokens, target passes and first-token histogram; the target worker's session open (its prompt rows)
-and release and its verifications; the draft worker's drafted tokens; no session left open, a KV capacity.
+accepted draft tokens, target passes and first-token histogram, the per-position and per-worker series; the target worker's session open (its prompt rows)
+and release and its verifications; the draft worker's drafted tokens; no session left open, a KV capacity, an empty
+queue.
 Run it with no other client on the cluster. Exits non-zero on the first failed check.
 """
 
@@ -78,6 +79,19 @@ def delta(who, name, **labels):
     return get(after[who], name, **labels) - get(before[who], name, **labels)
 
 
+def delta_sum(who, name, **labels):
+    """The change of every series of `name` whose labels include `labels`, summed (over the others' values)."""
+    want = set(labels.items())
+
+    def total(samples):
+        return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+    return total(after[who]) - total(before[who])
+
+
+def present(who, name):
+    return any(n == name for (n, _) in after[who])
+
+
 m = {"mode": mode}
 check(delta("router", "parse_requests_total", outcome="ok", **m) == 1, "router: one more ok request")
 check(delta("router", "parse_output_tokens_total", **m) == usage["completion_tokens"],
@@ -91,6 +105,19 @@ check(delta("router", "parse_target_passes_total", **m) == figures["target_passe
 check(delta("router", "parse_time_to_first_token_seconds_count", **m) == 1, "router: one first-token sample")
 check(delta("router", "parse_request_duration_seconds_count", **m) == 1, "router: one latency sample")
 check(get(after["router"], "parse_requests_in_flight") == 0, "router: nothing in flight")
+# Per draft position: every proposed (accepted) draft token is one position's count.
+check(delta_sum("router", "parse_draft_position_proposed_total", **m) == figures["draft_tokens_proposed"],
+      "router: proposed tokens by position sum to the request's")
+check(delta_sum("router", "parse_draft_position_accepted_total", **m) == figures["draft_tokens_accepted"],
+      "router: accepted tokens by position sum to the request's")
+check(delta("router", "parse_draft_position_accepted_total", position="0", **m)
+      <= delta("router", "parse_draft_position_proposed_total", position="0", **m),
+      "router: position 0 kept no more often than proposed")
+# Per worker: the request counts once for the target that served it, with its output tokens.
+check(delta_sum("router", "parse_worker_requests_total", role="target", outcome="ok") == 1,
+      "router: one more request served by a target worker")
+check(delta_sum("router", "parse_worker_output_tokens_total", role="target") == usage["completion_tokens"],
+      "router: the target worker's output tokens")
 
 check(delta("target", "parse_worker_steps_total", op="open") == 1, "target: one session opened")
 check(delta("target", "parse_worker_rows_total", op="open") == usage["prompt_tokens"] - 1,
@@ -101,6 +128,9 @@ check(delta("target", "parse_worker_rows_total", op="verify")
       >= delta("target", "parse_worker_steps_total", op="verify"), "target: each verification has rows")
 check(get(after["target"], "parse_worker_open_sessions") == 0, "target: no session left open")
 check(get(after["target"], "parse_worker_kv_capacity_bytes") > 0, "target: a KV capacity")
+for w in ("draft", "target"):
+    check(present(w, "parse_worker_queue_depth") and get(after[w], "parse_worker_queue_depth") == 0,
+          f"{w}: a queue depth, nothing waiting")
 
 # Drafting ahead may write tokens the loop never asks for: at least the proposed ones were drafted.
 check(delta("draft", "parse_worker_rows_total", op="draft") >= figures["draft_tokens_proposed"],

@@ -7,8 +7,8 @@
 //! per output token, token and segment acceptance, and quality against the same run's `target` mode: HumanEval
 //! pass@1 (each record's `test` run in a `python3` subprocess with a timeout), ASDiv exact numeric answer, and for
 //! MT-Bench / XSum the share of outputs identical to the target's and their mean common-prefix fraction. Writes
-//! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md`, `<out-dir>/<suite>.png` (speed-up against quality, one line
-//! per mode and verdict over the tau sweep, target mode as the cross-hair) and `<out-dir>/<suite>-work.png` (the
+//! `<out-dir>/<suite>.json`, `<out-dir>/<suite>.md`, `<out-dir>/<suite>.svg` (speed-up against quality, one line
+//! per mode and verdict over the tau sweep, target mode as the cross-hair) and `<out-dir>/<suite>-work.svg` (the
 //! target's forward passes per output token against quality, likewise).
 //!
 //! HumanEval replies are scored on their first code block, so generation stops once that block is closed (as
@@ -29,7 +29,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use parse_bench::model_dir;
-use parse_bench::plot::{Series, scatter_png};
+use parse_bench::plot::{Series, scatter_svg};
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Source, Stats, Verdict,
 };
@@ -541,15 +541,15 @@ fn main() -> Result<()> {
         serde_json::to_string_pretty(&report)?,
     )?;
     std::fs::write(args.out_dir.join(format!("{}.md", args.suite)), &md)?;
-    let png = args.out_dir.join(format!("{}.png", args.suite));
-    plot(&png, &args.suite, quality_name, &rows, base_q)?;
+    let svg = args.out_dir.join(format!("{}.svg", args.suite));
+    plot(&svg, &args.suite, quality_name, &rows, base_q)?;
     println!("{md}");
     Ok(())
 }
 
 /// Two plots, one line per (mode, verdict) over its tau values and single-setting modes as single points: quality
-/// against the speed-up (`<suite>.png`) and against the target's work, its forward passes per output token
-/// (`<suite>-work.png`; `target` mode is 1.0, the budget for `parse` 0.25), each with `target` mode as the
+/// against the speed-up (`<suite>.svg`) and against the target's work, its forward passes per output token
+/// (`<suite>-work.svg`; `target` mode is 1.0, the budget for `parse` 0.25), each with `target` mode as the
 /// cross-hair.
 fn plot(
     path: &std::path::Path,
@@ -588,7 +588,7 @@ fn plot(
         }
         series
     };
-    scatter_png(
+    scatter_svg(
         path,
         &format!("{suite}: speed-up vs {quality}"),
         &format!("{quality} (%)"),
@@ -599,8 +599,8 @@ fn plot(
     let base_work = rows[0]["target_passes_per_token"]
         .as_f64()
         .unwrap_or(f64::NAN);
-    scatter_png(
-        &path.with_file_name(format!("{suite}-work.png")),
+    scatter_svg(
+        &path.with_file_name(format!("{suite}-work.svg")),
         &format!("{suite}: target passes per output token vs {quality}"),
         &format!("{quality} (%)"),
         "target passes / output token",

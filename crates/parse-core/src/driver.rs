@@ -323,6 +323,12 @@ pub struct Stats {
     pub total_ms: f64,
     /// Output tokens per second of generation after prefill (prefill is the same work in every mode).
     pub tokens_per_s: f64,
+    /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
+    /// token. Left out of serialized figures.
+    #[serde(skip)]
+    pub proposed_by_position: Vec<usize>,
+    #[serde(skip)]
+    pub accepted_by_position: Vec<usize>,
 }
 
 /// A finished generation.
@@ -332,6 +338,14 @@ pub struct Outcome {
     pub tokens: Vec<u32>,
     pub finish_reason: FinishReason,
     pub stats: Stats,
+}
+
+/// Adds one to each of the first `n` positions' counts.
+fn count_positions(counts: &mut Vec<usize>, n: usize) {
+    if counts.len() < n {
+        counts.resize(n, 0);
+    }
+    counts[..n].iter_mut().for_each(|c| *c += 1);
 }
 
 fn ms(t: Instant) -> f64 {
@@ -571,6 +585,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let l = draft.len();
         self.stats.draft_tokens_accepted += a;
         self.stats.segments_accepted += boundaries.iter().take_while(|b| **b <= a).count();
+        count_positions(&mut self.stats.proposed_by_position, l);
+        count_positions(&mut self.stats.accepted_by_position, a);
         let full = a == l;
         let Some(next) = next else {
             // Keep pending and d_0..d_{L-2}; d_{L-1} becomes pending.

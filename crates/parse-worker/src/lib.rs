@@ -216,7 +216,10 @@ impl<B: Backend> Shell<B> {
     ) -> impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static {
         let open = self.open.clone();
         let metrics = self.metrics.clone();
+        // Made as the call is queued; dropped when it starts, or with the call if it never runs.
+        let waiting = metrics.queued();
         move |st: &mut State<B>| {
+            drop(waiting);
             let t = Instant::now();
             let out = f(st);
             metrics.step(op, t.elapsed().as_secs_f64());

@@ -8,6 +8,7 @@
 //!   counted in steps and time only.
 //! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
 //! - `parse_worker_refused_total`: calls answered RESOURCE_EXHAUSTED (queue full).
+//! - `parse_worker_queue_depth`: engine calls waiting for the scheduler (the one running excluded).
 
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
@@ -24,6 +25,16 @@ pub struct WorkerMetrics {
     kv_bytes: IntGauge,
     kv_capacity: IntGauge,
     refused: IntCounter,
+    queue_depth: IntGauge,
+}
+
+/// Counts a call in `parse_worker_queue_depth` until it starts running (or is dropped unrun).
+pub struct Queued(IntGauge);
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl std::fmt::Debug for WorkerMetrics {
@@ -100,6 +111,10 @@ impl WorkerMetrics {
             )
             .expect("valid metric"),
         );
+        let queue_depth = gauge(
+            "parse_worker_queue_depth",
+            "Engine calls waiting for the scheduler.",
+        );
         WorkerMetrics {
             registry: r,
             steps,
@@ -109,7 +124,14 @@ impl WorkerMetrics {
             kv_bytes,
             kv_capacity,
             refused,
+            queue_depth,
         }
+    }
+
+    /// A call waits in the queue until the guard is dropped.
+    pub fn queued(&self) -> Queued {
+        self.queue_depth.inc();
+        Queued(self.queue_depth.clone())
     }
 
     /// One engine command of `op` that took `seconds`.
@@ -201,6 +223,8 @@ mod tests {
         m.rows("verify", 17);
         m.state(2, 4096, 1 << 20);
         m.refused();
+        let (a, b) = (m.queued(), m.queued());
+        drop(a);
         let t = m.render();
         for line in [
             "parse_worker_steps_total{op=\"verify\"} 2",
@@ -210,8 +234,15 @@ mod tests {
             "parse_worker_kv_bytes 4096",
             "parse_worker_kv_capacity_bytes 1048576",
             "parse_worker_refused_total 1",
+            "parse_worker_queue_depth 1",
         ] {
             assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");
         }
+        drop(b);
+        assert!(
+            m.render()
+                .lines()
+                .any(|l| l == "parse_worker_queue_depth 0")
+        );
     }
 }

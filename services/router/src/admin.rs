@@ -1,19 +1,19 @@
 //! The router's operator API (`parse.v1.Admin`) on its own port, behind a bearer token: workers, drain, stats,
-//! policy. Also the live policy (defaults for requests that do not say) and the statistics book it reports.
+//! policy. Also the live policy (defaults for requests that do not say); the statistics come from the router's
+//! Prometheus registry.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use parse_core::{AcceptPolicy, DraftWindow, Mode, Outcome, Verdict};
+use parse_core::{AcceptPolicy, DraftWindow, Mode, Verdict};
 use parse_discovery::Role;
 use parse_proto::v1::admin_server::{Admin, AdminServer};
 use parse_proto::v1::drafter_client::DrafterClient;
 use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{
-    Counters, DrainRequest, DrainWorkerRequest, DrainWorkerResponse, GetPolicyRequest,
-    GetStatsRequest, GetStatsResponse, ListWorkersRequest, ListWorkersResponse, Policy,
-    SetPolicyRequest, WorkerCounters, WorkerState,
+    DrainRequest, DrainWorkerRequest, DrainWorkerResponse, GetPolicyRequest, GetStatsRequest,
+    GetStatsResponse, ListWorkersRequest, ListWorkersResponse, Policy, SetPolicyRequest,
+    WorkerState,
 };
 use tonic::{Request, Response, Status};
 
@@ -100,109 +100,10 @@ impl LivePolicy {
     }
 }
 
-/// Latencies kept for percentiles.
-const LATENCY_WINDOW: usize = 1024;
-
-#[derive(Debug, Clone, Default)]
-struct Book {
-    requests: u64,
-    failed: u64,
-    output_tokens: u64,
-    proposed: u64,
-    accepted: u64,
-    target_passes: u64,
-    latencies_ms: VecDeque<f64>,
-}
-
-impl Book {
-    fn add(&mut self, outcome: Option<&Outcome>, latency_ms: f64) {
-        self.requests += 1;
-        match outcome {
-            Some(o) => {
-                let s = &o.stats;
-                self.output_tokens += s.output_tokens as u64;
-                self.proposed += s.draft_tokens_proposed as u64;
-                self.accepted += s.draft_tokens_accepted as u64;
-                self.target_passes += s.target_passes as u64;
-                if self.latencies_ms.len() == LATENCY_WINDOW {
-                    self.latencies_ms.pop_front();
-                }
-                self.latencies_ms.push_back(latency_ms);
-            }
-            None => self.failed += 1,
-        }
-    }
-
-    fn counters(&self) -> Counters {
-        let mut l: Vec<f64> = self.latencies_ms.iter().copied().collect();
-        l.sort_by(|a, b| a.total_cmp(b));
-        let pct = |p: f64| {
-            if l.is_empty() {
-                0.0
-            } else {
-                l[((l.len() - 1) as f64 * p).round() as usize]
-            }
-        };
-        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-        Counters {
-            requests: self.requests,
-            failed: self.failed,
-            output_tokens: self.output_tokens,
-            draft_tokens_proposed: self.proposed,
-            draft_tokens_accepted: self.accepted,
-            target_passes: self.target_passes,
-            acceptance: ratio(self.accepted, self.proposed),
-            target_passes_per_token: ratio(self.target_passes, self.output_tokens),
-            latency_p50_ms: pct(0.5),
-            latency_p90_ms: pct(0.9),
-            latency_p99_ms: pct(0.99),
-        }
-    }
-}
-
-/// Books per `(role, worker id)`.
-type PerWorker = BTreeMap<(String, String), Book>;
-
-/// Request statistics, overall and per worker (a request counts for every worker that served it).
-#[derive(Debug, Default)]
-pub struct StatsBook {
-    inner: Mutex<(Book, PerWorker)>,
-}
-
-impl StatsBook {
-    /// Records one request: its outcome (`None`: failed), latency, and the `(role, id)` of its workers.
-    pub fn record(&self, outcome: Option<&Outcome>, latency_ms: f64, workers: &[(&str, String)]) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.0.add(outcome, latency_ms);
-        for (role, id) in workers {
-            g.1.entry((role.to_string(), id.clone()))
-                .or_default()
-                .add(outcome, latency_ms);
-        }
-    }
-
-    fn snapshot(&self) -> GetStatsResponse {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        GetStatsResponse {
-            overall: Some(g.0.counters()),
-            workers: g
-                .1
-                .iter()
-                .map(|((role, id), b)| WorkerCounters {
-                    id: id.clone(),
-                    role: role.clone(),
-                    counters: Some(b.counters()),
-                })
-                .collect(),
-        }
-    }
-}
-
 /// Shared admin state of a router.
 #[derive(Debug)]
 pub struct AdminState {
     pub policy: RwLock<LivePolicy>,
-    pub stats: StatsBook,
 }
 
 fn state_of(role: Role, w: &Worker) -> WorkerState {
@@ -303,7 +204,8 @@ impl Admin for AdminService {
         request: Request<GetStatsRequest>,
     ) -> Result<Response<GetStatsResponse>, Status> {
         self.authorize(&request)?;
-        Ok(Response::new(self.router.admin.stats.snapshot()))
+        // The same registry `GET /metrics` serves.
+        Ok(Response::new(self.router.metrics.stats()))
     }
 
     async fn get_policy(
@@ -367,6 +269,5 @@ pub async fn serve_admin(
 pub fn initial_state(mode: Mode, accept: AcceptPolicy) -> Arc<AdminState> {
     Arc::new(AdminState {
         policy: RwLock::new(LivePolicy::new(mode, accept)),
-        stats: StatsBook::default(),
     })
 }

@@ -453,7 +453,6 @@ impl Router {
         let drafts = self.drafts.clone();
         let targets = self.targets.clone();
         let draft_ahead = self.cfg.draft_ahead;
-        let admin = self.admin.clone();
         let metrics = self.metrics.clone();
         let running = metrics.running();
         let started = Instant::now();
@@ -512,7 +511,6 @@ impl Router {
             used.extend(drafter.used.iter().map(|id| ("draft", id.clone())));
             used.extend(verifier.used.iter().map(|id| ("target", id.clone())));
             let latency_ms = started.elapsed().as_secs_f64() * 1e3;
-            admin.stats.record(result.as_ref().ok(), latency_ms, &used);
             let s = result.as_ref().map(|o| &o.stats).ok();
             let n = |f: fn(&parse_core::Stats) -> usize| s.map_or(0, |s| f(s) as u64);
             metrics.record(&metrics::RequestRecord {
@@ -529,6 +527,9 @@ impl Router {
                 draft_failovers: drafter.failovers as u64,
                 target_failovers: verifier.failovers as u64,
                 fell_back: drafter.fell_back,
+                proposed_by_position: s.map_or(&[], |s| &s.proposed_by_position),
+                accepted_by_position: s.map_or(&[], |s| &s.accepted_by_position),
+                workers: &used,
             });
             let outcome = match result {
                 Ok(o) => o,

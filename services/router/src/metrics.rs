@@ -5,11 +5,32 @@
 //! first token, time per output token (after the first), output tokens, draft tokens proposed and accepted, segments
 //! proposed and accepted, target forward passes, failovers (by role) and fallbacks to the target alone; a gauge of
 //! requests in flight; requests rejected before generating, by reason. Target passes per output token is `parse_target_passes_total / parse_output_tokens_total`.
+//!
+//! Per position of a verified draft (label `position`: 0 to 31, then `32+` for every deeper position):
+//! `parse_draft_position_proposed_total` and `parse_draft_position_accepted_total`; their ratio is the chance the
+//! draft's i-th token survives verification.
+//!
+//! Per worker (labels `role`, `worker`; a request counts for every worker that served it, a failover's both):
+//! `parse_worker_requests_total{outcome}`, `parse_worker_output_tokens_total`,
+//! `parse_worker_draft_tokens_proposed_total`, `parse_worker_draft_tokens_accepted_total`,
+//! `parse_worker_target_passes_total`, `parse_worker_request_duration_seconds`. The admin API's statistics are read
+//! from this registry ([`Metrics::stats`]); its latency percentiles are estimated from the duration histogram's
+//! buckets the way Prometheus' `histogram_quantile` does (linear within a bucket; the buckets grow by a factor of
+//! the square root of 2).
+//!
+//! Queue depth: the router queues nothing (beyond `max_in_flight` it refuses at once, counted as `busy`
+//! rejections); the queues are the workers', `parse_worker_queue_depth` on their own `/metrics`.
 
+use std::collections::BTreeMap;
+
+use parse_proto::v1::{Counters, GetStatsResponse, WorkerCounters};
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
 };
+
+/// Draft positions with a series of their own; deeper ones share the label `32+`.
+pub const POSITIONS: usize = 32;
 
 /// What one finished request adds to the metrics.
 #[derive(Debug, Default, Clone)]
@@ -28,6 +49,11 @@ pub struct RequestRecord<'a> {
     pub draft_failovers: u64,
     pub target_failovers: u64,
     pub fell_back: bool,
+    /// Verified drafts that reached each position, and those whose token there was kept.
+    pub proposed_by_position: &'a [usize],
+    pub accepted_by_position: &'a [usize],
+    /// `(role, worker id)` of every worker that served the request.
+    pub workers: &'a [(&'a str, String)],
 }
 
 /// Counts a request in `parse_requests_in_flight` while it lives.
@@ -56,6 +82,14 @@ pub struct Metrics {
     failovers: IntCounterVec,
     fallbacks: IntCounter,
     rejected: IntCounterVec,
+    position_proposed: IntCounterVec,
+    position_accepted: IntCounterVec,
+    worker_requests: IntCounterVec,
+    worker_output_tokens: IntCounterVec,
+    worker_proposed: IntCounterVec,
+    worker_accepted: IntCounterVec,
+    worker_passes: IntCounterVec,
+    worker_latency: HistogramVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -70,16 +104,32 @@ fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterV
     c
 }
 
-fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &["mode"])
+fn histogram(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    buckets: Vec<f64>,
+    labels: &[&str],
+) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)
         .expect("valid metric");
     r.register(Box::new(h.clone())).expect("unique metric");
     h
 }
 
-/// Seconds from 1 ms to about 9 minutes, doubling.
+/// Seconds from 1 ms to about 17 minutes, each bucket sqrt(2) times the last (percentiles read from them are
+/// within that factor before interpolation).
 fn seconds_buckets() -> Vec<f64> {
-    prometheus::exponential_buckets(0.001, 2.0, 20).expect("valid buckets")
+    prometheus::exponential_buckets(0.001, std::f64::consts::SQRT_2, 41).expect("valid buckets")
+}
+
+/// The `position` label of a draft position.
+fn position_label(i: usize) -> String {
+    if i < POSITIONS {
+        i.to_string()
+    } else {
+        format!("{POSITIONS}+")
+    }
 }
 
 impl Default for Metrics {
@@ -102,18 +152,21 @@ impl Metrics {
             "parse_request_duration_seconds",
             "Time from a request's arrival to its last output.",
             seconds_buckets(),
+            &["mode"],
         );
         let ttft = histogram(
             &r,
             "parse_time_to_first_token_seconds",
             "Time from a request's arrival to its first output text.",
             seconds_buckets(),
+            &["mode"],
         );
         let tpot = histogram(
             &r,
             "parse_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             prometheus::exponential_buckets(0.0005, 2.0, 16).expect("valid buckets"),
+            &["mode"],
         );
         let in_flight = IntGauge::new("parse_requests_in_flight", "Requests running now.")
             .expect("valid metric");
@@ -161,6 +214,56 @@ impl Metrics {
              429), invalid (bad input: INVALID_ARGUMENT, HTTP 400), unavailable (no worker to ask).",
             &["reason"],
         );
+        let position_proposed = counter(
+            &r,
+            "parse_draft_position_proposed_total",
+            "Verified drafts that reached a position (0-based; 32+ pools the deeper ones), by mode.",
+            &["mode", "position"],
+        );
+        let position_accepted = counter(
+            &r,
+            "parse_draft_position_accepted_total",
+            "Verified drafts whose token at a position was kept, by mode.",
+            &["mode", "position"],
+        );
+        let rw = &["role", "worker"];
+        let worker_requests = counter(
+            &r,
+            "parse_worker_requests_total",
+            "Requests a worker served, by role, worker id and outcome (ok, error).",
+            &["role", "worker", "outcome"],
+        );
+        let worker_output_tokens = counter(
+            &r,
+            "parse_worker_output_tokens_total",
+            "Output tokens of the requests a worker served.",
+            rw,
+        );
+        let worker_proposed = counter(
+            &r,
+            "parse_worker_draft_tokens_proposed_total",
+            "Draft tokens sent to verification in the requests a worker served.",
+            rw,
+        );
+        let worker_accepted = counter(
+            &r,
+            "parse_worker_draft_tokens_accepted_total",
+            "Draft tokens kept in the requests a worker served.",
+            rw,
+        );
+        let worker_passes = counter(
+            &r,
+            "parse_worker_target_passes_total",
+            "Target forward passes of the requests a worker served.",
+            rw,
+        );
+        let worker_latency = histogram(
+            &r,
+            "parse_worker_request_duration_seconds",
+            "Time of the requests a worker served, from arrival to last output.",
+            seconds_buckets(),
+            rw,
+        );
         Metrics {
             registry: r,
             requests,
@@ -177,6 +280,14 @@ impl Metrics {
             failovers,
             fallbacks,
             rejected,
+            position_proposed,
+            position_accepted,
+            worker_requests,
+            worker_output_tokens,
+            worker_proposed,
+            worker_accepted,
+            worker_passes,
+            worker_latency,
         }
     }
 
@@ -219,6 +330,39 @@ impl Metrics {
         if r.fell_back {
             self.fallbacks.inc();
         }
+        for (series, counts) in [
+            (&self.position_proposed, r.proposed_by_position),
+            (&self.position_accepted, r.accepted_by_position),
+        ] {
+            for (i, &n) in counts.iter().enumerate() {
+                if n > 0 {
+                    series
+                        .with_label_values(&[r.mode, &position_label(i)])
+                        .inc_by(n as u64);
+                }
+            }
+        }
+        for (role, id) in r.workers {
+            let w = [*role, id.as_str()];
+            self.worker_requests
+                .with_label_values(&[*role, id.as_str(), outcome])
+                .inc();
+            self.worker_output_tokens
+                .with_label_values(&w)
+                .inc_by(r.output_tokens);
+            self.worker_proposed
+                .with_label_values(&w)
+                .inc_by(r.draft_tokens_proposed);
+            self.worker_accepted
+                .with_label_values(&w)
+                .inc_by(r.draft_tokens_accepted);
+            self.worker_passes
+                .with_label_values(&w)
+                .inc_by(r.target_passes);
+            self.worker_latency
+                .with_label_values(&w)
+                .observe(r.latency_s);
+        }
     }
 
     /// A request is running until the guard is dropped.
@@ -232,6 +376,66 @@ impl Metrics {
         self.rejected.with_label_values(&[reason]).inc();
     }
 
+    /// The admin API's statistics, read from this registry: overall (every mode) and per worker.
+    pub fn stats(&self) -> GetStatsResponse {
+        let mut overall = Tally::default();
+        let mut workers: BTreeMap<(String, String), Tally> = BTreeMap::new();
+        for family in self.registry.gather() {
+            let name = family.name().to_string();
+            for m in family.get_metric() {
+                let label = |k: &str| {
+                    m.get_label()
+                        .iter()
+                        .find(|l| l.name() == k)
+                        .map_or(String::new(), |l| l.value().to_string())
+                };
+                let counter = m.get_counter().get_value() as u64;
+                let per_worker = name.starts_with("parse_worker_");
+                let t = if per_worker {
+                    workers.entry((label("role"), label("worker"))).or_default()
+                } else {
+                    &mut overall
+                };
+                match name.trim_start_matches("parse_worker_") {
+                    "requests_total" | "parse_requests_total" => {
+                        t.requests(counter, &label("outcome"))
+                    }
+                    "output_tokens_total" | "parse_output_tokens_total" => {
+                        t.output_tokens += counter
+                    }
+                    "draft_tokens_proposed_total" | "parse_draft_tokens_proposed_total" => {
+                        t.proposed += counter
+                    }
+                    "draft_tokens_accepted_total" | "parse_draft_tokens_accepted_total" => {
+                        t.accepted += counter
+                    }
+                    "target_passes_total" | "parse_target_passes_total" => t.passes += counter,
+                    "request_duration_seconds" | "parse_request_duration_seconds" => {
+                        let h = m.get_histogram();
+                        t.latency.add(
+                            h.get_sample_count(),
+                            h.get_bucket()
+                                .iter()
+                                .map(|b| (b.upper_bound(), b.cumulative_count())),
+                        )
+                    }
+                    _ => {}
+                }
+            }
+        }
+        GetStatsResponse {
+            overall: Some(overall.counters()),
+            workers: workers
+                .into_iter()
+                .map(|((role, id), t)| WorkerCounters {
+                    id,
+                    role,
+                    counters: Some(t.counters()),
+                })
+                .collect(),
+        }
+    }
+
     /// The text exposition format.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
@@ -240,6 +444,82 @@ impl Metrics {
             tracing::error!("metrics encoding: {e}");
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// A histogram's cumulative bucket counts, merged over series with the same bounds.
+#[derive(Debug, Default)]
+struct Buckets {
+    count: u64,
+    /// `(upper bound, cumulative count)`, the finite bounds in order.
+    cumulative: Vec<(f64, u64)>,
+}
+
+impl Buckets {
+    fn add(&mut self, count: u64, buckets: impl Iterator<Item = (f64, u64)>) {
+        self.count += count;
+        for (i, (bound, n)) in buckets.enumerate() {
+            match self.cumulative.get_mut(i) {
+                Some(c) => c.1 += n,
+                None => self.cumulative.push((bound, n)),
+            }
+        }
+    }
+
+    /// The `q` quantile as Prometheus' `histogram_quantile` estimates it: linear within the bucket that holds it,
+    /// the largest finite bound when it lies beyond; 0 with no samples.
+    fn quantile(&self, q: f64) -> f64 {
+        if self.count == 0 {
+            return 0.0;
+        }
+        let rank = q * self.count as f64;
+        let (mut lower, mut below) = (0.0, 0u64);
+        for &(upper, n) in &self.cumulative {
+            if n as f64 >= rank && n > below {
+                return lower + (upper - lower) * (rank - below as f64) / (n - below) as f64;
+            }
+            (lower, below) = (upper, n);
+        }
+        lower
+    }
+}
+
+/// Sums for one row of the admin statistics.
+#[derive(Debug, Default)]
+struct Tally {
+    requests: u64,
+    failed: u64,
+    output_tokens: u64,
+    proposed: u64,
+    accepted: u64,
+    passes: u64,
+    latency: Buckets,
+}
+
+impl Tally {
+    fn requests(&mut self, n: u64, outcome: &str) {
+        self.requests += n;
+        if outcome != "ok" {
+            self.failed += n;
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let ms = |q: f64| self.latency.quantile(q) * 1e3;
+        Counters {
+            requests: self.requests,
+            failed: self.failed,
+            output_tokens: self.output_tokens,
+            draft_tokens_proposed: self.proposed,
+            draft_tokens_accepted: self.accepted,
+            target_passes: self.passes,
+            acceptance: ratio(self.accepted, self.proposed),
+            target_passes_per_token: ratio(self.passes, self.output_tokens),
+            latency_p50_ms: ms(0.5),
+            latency_p90_ms: ms(0.9),
+            latency_p99_ms: ms(0.99),
+        }
     }
 }
 
@@ -316,5 +596,118 @@ mod tests {
             0.05
         );
         assert!(t.contains("# TYPE parse_request_duration_seconds histogram"));
+    }
+
+    #[test]
+    fn draft_positions_count_with_deep_ones_pooled() {
+        let m = Metrics::new();
+        // Two rounds: a 40-token draft with 3 kept, a 2-token draft with both kept.
+        let mut proposed = vec![1; 40];
+        proposed[0] = 2;
+        proposed[1] = 2;
+        m.record(&RequestRecord {
+            mode: "parse",
+            ok: true,
+            proposed_by_position: &proposed,
+            accepted_by_position: &[2, 2, 1],
+            ..Default::default()
+        });
+        let t = m.render();
+        let p = |kind: &str, pos: &str| {
+            value(
+                &t,
+                &format!("parse_draft_position_{kind}_total{{mode=\"parse\",position=\"{pos}\"}}"),
+            )
+        };
+        assert_eq!((p("proposed", "0"), p("accepted", "0")), (2.0, 2.0));
+        assert_eq!((p("proposed", "2"), p("accepted", "2")), (1.0, 1.0));
+        assert_eq!(p("proposed", "31"), 1.0);
+        // Positions 32..39 pool into one series; positions never kept have none.
+        assert_eq!(p("proposed", "32+"), 8.0);
+        assert!(!t.contains("parse_draft_position_accepted_total{mode=\"parse\",position=\"3\"}"));
+    }
+
+    #[test]
+    fn admin_stats_read_the_registry_overall_and_per_worker() {
+        let m = Metrics::new();
+        let both = [("draft", "d1".to_string()), ("target", "t1".to_string())];
+        let target = [("target", "t1".to_string())];
+        // 100 parse requests of 10 ms .. 1 s, and one failed target-only request.
+        for i in 1..=100 {
+            m.record(&RequestRecord {
+                mode: "parse",
+                ok: true,
+                latency_s: i as f64 / 100.0,
+                output_tokens: 10,
+                draft_tokens_proposed: 8,
+                draft_tokens_accepted: 6,
+                target_passes: 2,
+                workers: &both,
+                ..Default::default()
+            });
+        }
+        m.record(&RequestRecord {
+            mode: "target",
+            ok: false,
+            latency_s: 0.5,
+            workers: &target,
+            ..Default::default()
+        });
+        let s = m.stats();
+        let o = s.overall.unwrap();
+        assert_eq!(
+            (
+                o.requests,
+                o.failed,
+                o.output_tokens,
+                o.draft_tokens_proposed
+            ),
+            (101, 1, 1000, 800)
+        );
+        assert_eq!((o.draft_tokens_accepted, o.target_passes), (600, 200));
+        assert_eq!((o.acceptance, o.target_passes_per_token), (0.75, 0.2));
+        // The true median is 0.5 s and p90 0.9 s: the estimates lie within a bucket's factor of sqrt(2).
+        for (got, want) in [(o.latency_p50_ms, 500.0), (o.latency_p90_ms, 900.0)] {
+            assert!(
+                got > want / std::f64::consts::SQRT_2 && got < want * std::f64::consts::SQRT_2,
+                "{got} ms for {want} ms"
+            );
+        }
+        assert!(o.latency_p99_ms >= o.latency_p90_ms);
+        let per: Vec<_> = s
+            .workers
+            .iter()
+            .map(|w| {
+                let c = w.counters.unwrap();
+                (
+                    w.role.as_str(),
+                    w.id.as_str(),
+                    c.requests,
+                    c.failed,
+                    c.output_tokens,
+                )
+            })
+            .collect();
+        assert_eq!(
+            per,
+            [
+                ("draft", "d1", 100, 0, 1000),
+                ("target", "t1", 101, 1, 1000)
+            ]
+        );
+    }
+
+    #[test]
+    fn quantiles_interpolate_within_a_bucket_like_histogram_quantile() {
+        let mut b = Buckets::default();
+        assert_eq!(b.quantile(0.5), 0.0);
+        // 4 samples in (0, 1], 4 in (1, 2], none beyond.
+        b.add(8, [(1.0, 4), (2.0, 8), (4.0, 8)].into_iter());
+        assert_eq!(b.quantile(0.25), 0.5);
+        assert_eq!(b.quantile(0.5), 1.0);
+        assert_eq!(b.quantile(0.75), 1.5);
+        // Merging a second series with the same bounds adds counts; samples past the last bound read as it.
+        b.add(2, [(1.0, 0), (2.0, 0), (4.0, 0)].into_iter());
+        assert_eq!(b.quantile(0.99), 4.0);
     }
 }
