@@ -63,11 +63,13 @@ fn cluster_with(
     }
 }
 
+/// A request whose work is reproducible: pausing speculation (on by default) follows measured times.
 fn req(mode: &str, max: u32) -> GenerateRequest {
     GenerateRequest {
         prompt: PROMPT.into(),
         max_new_tokens: max,
         mode: mode.into(),
+        adaptive: Some(false),
         ..Default::default()
     }
 }
@@ -170,6 +172,143 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     });
     assert_eq!(c.drafts[0].worker.open_sessions(), 0);
     assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
+
+#[test]
+fn without_draft_workers_prompt_lookup_drafts_and_greedy_output_equals_target() {
+    let c = cluster(0, 1, 8);
+    let rt = client_rt();
+    let addr = c.router.endpoint();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let want = client.generate(req("target", 60)).await.unwrap();
+        for mode in ["token-spec", "parse+token-spec"] {
+            let r = GenerateRequest {
+                drafter: "ngram".into(),
+                ..req(mode, 60)
+            };
+            let got = client.generate(r).await.unwrap();
+            let s = got.stats.unwrap();
+            if mode == "token-spec" {
+                // Greedy token-level speculation keeps only the target's own tokens: lossless.
+                assert_eq!(got.token_ids, want.token_ids, "{mode} with ngram drafts");
+            }
+            assert_eq!(s.output_tokens as usize, got.token_ids.len());
+            assert!(
+                s.draft_tokens_accepted <= s.draft_tokens_proposed,
+                "{mode}: {s:?}"
+            );
+        }
+        // Pausing speculation where it does not pay changes the work, not the tokens.
+        let adaptive = client
+            .generate(GenerateRequest {
+                drafter: "ngram".into(),
+                adaptive: Some(true),
+                ..req("token-spec", 60)
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            adaptive.token_ids, want.token_ids,
+            "adaptive ngram token-spec"
+        );
+        // The tiny target repeats itself, so lookup finds drafts and some are kept.
+        let s = client
+            .generate(GenerateRequest {
+                drafter: "ngram".into(),
+                ..req("token-spec", 60)
+            })
+            .await
+            .unwrap()
+            .stats
+            .unwrap();
+        assert!(s.draft_tokens_accepted > 0, "{s:?}");
+        // The draft model is not there; a request that needs it, or the draft alone, is refused with a reason.
+        for r in [
+            req("parse", 8),
+            GenerateRequest {
+                drafter: "ngram".into(),
+                ..req("draft", 8)
+            },
+            GenerateRequest {
+                drafter: "eagle".into(),
+                ..req("token-spec", 8)
+            },
+        ] {
+            match client.generate(r).await {
+                Err(ClientError::InvalidArgument(m)) => assert!(!m.is_empty()),
+                other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+            }
+        }
+    });
+    assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
+
+/// A drafter that takes its time: every chunk costs 30 ms more than the draft model's.
+struct Slow<D>(D);
+
+impl<D: parse_core::Drafter> parse_core::Drafter for Slow<D> {
+    fn begin(&mut self, s: &str, c: &[u32], p: &SamplingParams) -> parse_core::Result<()> {
+        self.0.begin(s, c, p)
+    }
+    fn next(&mut self, s: &str, max: usize) -> parse_core::Result<parse_core::DraftChunk> {
+        std::thread::sleep(Duration::from_millis(30));
+        self.0.next(s, max)
+    }
+    fn distribution(&mut self, s: &str, i: usize) -> parse_core::Result<Vec<(u32, f32)>> {
+        self.0.distribution(s, i)
+    }
+    fn pieces(&mut self, t: &[u32]) -> parse_core::Result<Vec<String>> {
+        self.0.pieces(t)
+    }
+    fn release(&mut self, s: &str) -> parse_core::Result<()> {
+        self.0.release(s)
+    }
+}
+
+#[test]
+fn speculation_that_does_not_pay_pauses_and_the_output_stays_the_targets() {
+    let want = in_process(Mode::Target, 120, SamplingParams::default());
+    for mode in [Mode::TokenSpec, Mode::ParseTokenSpec] {
+        let (mut target, mut draft) = (tiny_engine(TARGET_SEED), tiny_engine(DRAFT_SEED));
+        let tok = target.tokenizer().clone();
+        let r = GenerationRequest {
+            session: "slow".into(),
+            prompt: tok.encode_chat(&[Message::user(PROMPT)]).unwrap(),
+            max_new_tokens: 120,
+            mode,
+            sampling: SamplingParams::default(),
+            // tau above 1: exact matches only, so parse+token-spec also writes the target's tokens.
+            policy: AcceptPolicy {
+                tau: 2.0,
+                ..Default::default()
+            },
+            segmenter: SegmenterConfig::default(),
+            window: DraftWindow {
+                adaptive: true,
+                ..Default::default()
+            },
+            eos: tok.eos_ids().to_vec(),
+            judge_suffix: tok.judge_suffix().unwrap(),
+        };
+        let mut v = EngineVerifier::new(&mut target);
+        // Every draft chunk costs 30 ms: a tiny target step takes far less, so token-level speculation loses on
+        // time and pauses; the pauses measure the target alone.
+        let mut d = Slow(EngineDrafter::new(&mut draft));
+        let o = parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
+        assert_eq!(o.tokens, want, "{mode:?}: the target's tokens");
+        let s = &o.stats;
+        if mode == Mode::ParseTokenSpec {
+            // Never paused (its extensions' rounds may run past a segment's end).
+            assert_eq!((s.pauses, s.paused_tokens), (0, 0), "{s:?}");
+            continue;
+        }
+        assert!(s.pauses > 0 && s.paused_tokens > 0, "{mode:?}: {s:?}");
+        assert!(
+            s.paused_tokens < s.output_tokens,
+            "{mode:?}: it speculated too: {s:?}"
+        );
+    }
 }
 
 #[test]

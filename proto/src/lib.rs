@@ -331,6 +331,8 @@ impl From<&Stats> for v1::Stats {
             fell_back_to_target: false,
             draft_prefetch_hits: 0,
             draft_prefetch_misses: 0,
+            paused_tokens: u(s.paused_tokens),
+            pauses: u(s.pauses),
         }
     }
 }

@@ -102,6 +102,8 @@ check(delta("router", "parse_draft_tokens_proposed_total", **m) == figures["draf
       f"router: proposed draft tokens +{figures['draft_tokens_proposed']}")
 check(delta("router", "parse_target_passes_total", **m) == figures["target_passes"],
       f"router: target passes +{figures['target_passes']}")
+check(delta("router", "parse_paused_tokens_total", **m) == figures["paused_tokens"],
+      f"router: tokens written while speculation paused +{figures['paused_tokens']}")
 check(delta("router", "parse_time_to_first_token_seconds_count", **m) == 1, "router: one first-token sample")
 check(delta("router", "parse_request_duration_seconds_count", **m) == 1, "router: one latency sample")
 check(get(after["router"], "parse_requests_in_flight") == 0, "router: nothing in flight")

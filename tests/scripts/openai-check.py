@@ -82,11 +82,18 @@ check(streamed == comp.choices[0].text, "streamed text completion equals the una
 target = client.chat.completions.create(
     model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"parse": {"mode": "target"}})
 check(target.usage.model_extra["parse"]["mode"] == "target", "the parse extension object picks the mode")
+# Prompt lookup drafts in the router; greedy token-level speculation with it writes the target's own tokens.
+lookup = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0,
+    extra_body={"parse": {"mode": "token-spec", "drafter": "ngram"}})
+check(lookup.choices[0].message.content == target.choices[0].message.content,
+      "token-spec with the ngram drafter writes target's text")
 
 for what, kwargs, error in [
     ("n = 2", {"n": 2}, openai.BadRequestError),
     ("max_tokens = 0", {"max_tokens": 0}, openai.BadRequestError),
     ("an unknown verdict", {"extra_body": {"parse": {"verdict": "vibes"}}}, openai.BadRequestError),
+    ("an unknown drafter", {"extra_body": {"parse": {"drafter": "eagle"}}}, openai.BadRequestError),
     ("a sampled PARSE request", {"temperature": 0.7, "extra_body": {"parse": {"mode": "parse"}}},
      openai.BadRequestError),
     ("an unknown model", {"model": "no-such-model"}, openai.NotFoundError),

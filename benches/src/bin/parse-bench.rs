@@ -31,7 +31,8 @@ use clap::Parser;
 use parse_bench::model_dir;
 use parse_bench::plot::{Series, scatter_svg};
 use parse_core::{
-    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Source, Stats, Verdict,
+    AcceptPolicy, DraftWindow, DrafterKind, GenerationRequest, Mode, NgramConfig, NgramDrafter,
+    SegmenterConfig, Source, Stats, Verdict,
 };
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message};
@@ -76,6 +77,15 @@ struct Args {
     /// Reuse per-prompt results of an earlier (interrupted) run with the same settings.
     #[arg(long)]
     resume: bool,
+    /// Drafters for the speculative modes, each run with every one: `model` (the draft model) and `ngram` (prompt
+    /// lookup, no model).
+    #[arg(long, value_delimiter = ',', default_value = "model")]
+    drafters: Vec<String>,
+    /// Pausing greedy token-level speculation where it does not pay (`DraftWindow::adaptive`, the router's
+    /// default), each speculative run with every value given: `--adaptive false,true` runs both; the adaptive runs'
+    /// labels say `adaptive`.
+    #[arg(long, value_delimiter = ',', default_value = "false")]
+    adaptive: Vec<bool>,
 }
 
 struct Record {
@@ -304,14 +314,23 @@ struct RunCfg {
     mode: Mode,
     verdict: Verdict,
     tau: f32,
+    /// Prompt lookup in place of the draft model.
+    ngram: bool,
+    adaptive: bool,
 }
 
 fn label(c: &RunCfg) -> String {
-    match c.mode {
+    let l = match c.mode {
         Mode::Parse | Mode::ParseTokenSpec => {
             format!("{} {:?} tau={}", c.mode.as_str(), c.verdict, c.tau).to_lowercase()
         }
         m => m.as_str().to_string(),
+    };
+    let l = if c.ngram { format!("{l} ngram") } else { l };
+    if c.adaptive {
+        format!("{l} adaptive")
+    } else {
+        l
     }
 }
 
@@ -328,7 +347,15 @@ fn main() -> Result<()> {
         mode: Mode::Target,
         verdict: Verdict::Likelihood,
         tau: 0.0,
+        ngram: false,
+        adaptive: false,
     }];
+    let kinds = args
+        .drafters
+        .iter()
+        .map(|d| Ok(d.parse::<DrafterKind>()? == DrafterKind::Ngram))
+        .collect::<Result<Vec<bool>, parse_core::Error>>()
+        .map_err(|e| anyhow::anyhow!(e.message))?;
     for m in &args.modes {
         let mode: Mode = m
             .parse()
@@ -341,15 +368,41 @@ fn main() -> Result<()> {
                         .parse()
                         .map_err(|e: parse_core::Error| anyhow::anyhow!(e.message))?;
                     for &tau in &args.tau {
-                        runs.push(RunCfg { mode, verdict, tau });
+                        for &ngram in &kinds {
+                            for &adaptive in &args.adaptive {
+                                runs.push(RunCfg {
+                                    mode,
+                                    verdict,
+                                    tau,
+                                    ngram,
+                                    adaptive,
+                                });
+                            }
+                        }
                     }
                 }
             }
-            _ => runs.push(RunCfg {
+            // The draft alone has nothing to look up.
+            Mode::Draft => runs.push(RunCfg {
                 mode,
                 verdict: Verdict::Likelihood,
                 tau: 0.0,
+                ngram: false,
+                adaptive: false,
             }),
+            _ => {
+                for &ngram in &kinds {
+                    for &adaptive in &args.adaptive {
+                        runs.push(RunCfg {
+                            mode,
+                            verdict: Verdict::Likelihood,
+                            tau: 0.0,
+                            ngram,
+                            adaptive,
+                        });
+                    }
+                }
+            }
         }
     }
     let dir = model_dir();
@@ -394,7 +447,10 @@ fn main() -> Result<()> {
                     lookahead: args.lookahead,
                 },
                 segmenter: SegmenterConfig::default(),
-                window: DraftWindow::default(),
+                window: DraftWindow {
+                    adaptive: cfg.adaptive,
+                    ..Default::default()
+                },
                 eos: tok.eos_ids().to_vec(),
                 judge_suffix: tok.judge_suffix()?,
             };
@@ -404,9 +460,16 @@ fn main() -> Result<()> {
                     .with_context(|| format!("{}", saved.display()))?,
                 _ => {
                     let mut v = EngineVerifier::new(&mut target);
-                    let mut d = EngineDrafter::new(&mut draft);
+                    let mut model = EngineDrafter::new(&mut draft);
+                    let mut lookup = NgramDrafter::new(
+                        NgramConfig::default(),
+                        tok.piece_fn(),
+                        tok.eos_ids().to_vec(),
+                    )?;
+                    let d: &mut dyn parse_core::Drafter =
+                        if cfg.ngram { &mut lookup } else { &mut model };
                     let mut end = AnswerEnd::new(&tok, &args.suite);
-                    let o = parse_core::generate(&mut d, &mut v, &req, &mut |t, s| end.push(t, s))
+                    let o = parse_core::generate(d, &mut v, &req, &mut |t, s| end.push(t, s))
                         .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
                     debug_assert!(o.tokens.starts_with(&end.kept));
                     let s = Saved {

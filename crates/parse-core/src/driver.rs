@@ -128,6 +128,12 @@ pub struct DraftWindow {
     pub max_tokens: usize,
     /// Draft tokens per round of token-level speculation.
     pub token_spec_tokens: usize,
+    /// Pause greedy `token-spec` speculation while, in this request, it writes tokens more slowly than the target
+    /// alone (see [`Pace`]). It changes how the target's tokens are found, never which: greedy token-level
+    /// speculation is lossless. `parse+token-spec`'s extensions are not paused (see `extend_segment`). Off by
+    /// default in the library, so that its figures are reproducible run to run; the router turns it on.
+    #[serde(default)]
+    pub adaptive: bool,
 }
 
 impl Default for DraftWindow {
@@ -137,6 +143,82 @@ impl Default for DraftWindow {
             max_segments: 8,
             max_tokens: 128,
             token_spec_tokens: 6,
+            adaptive: false,
+        }
+    }
+}
+
+/// Whether greedy token-level speculation (`token-spec`) pays in one request, judged on its own measured times:
+/// milliseconds per output token of recent speculative rounds (drafting and verifying) against the target writing
+/// alone. After
+/// [`Pace::PROBE`] rounds that lose, the target writes the next tokens alone (16, doubling while speculation keeps
+/// losing, up to 256), which also measures it; then speculation is tried again. Before the target's own speed is
+/// known, the cheapest verification seen stands in for it (a one-token step costs no more), and the first pause
+/// is short. Greedy only: a pause in a sampled request would change which random draws it uses.
+#[derive(Debug, Clone, Default)]
+pub struct Pace {
+    spec_ms: Option<f64>,
+    alone_ms: Option<f64>,
+    cheapest_verify_ms: Option<f64>,
+    rounds: usize,
+    next_pause: usize,
+    /// Tokens the target still writes alone in the current pause.
+    paused: usize,
+}
+
+impl Pace {
+    /// Speculative rounds judged before a decision.
+    pub const PROBE: usize = 3;
+    pub(crate) const FIRST_PAUSE: usize = 4;
+    const MIN_PAUSE: usize = 16;
+    const MAX_PAUSE: usize = 256;
+    /// Weight of the newest figure in the moving averages.
+    const NEW: f64 = 0.4;
+
+    fn average(old: Option<f64>, x: f64) -> Option<f64> {
+        Some(old.map_or(x, |o| o + Self::NEW * (x - o)))
+    }
+
+    /// A speculative round that wrote `tokens` in `ms`, with its verification passes' times.
+    pub fn speculated(&mut self, ms: f64, tokens: usize, verify_ms: &[f64]) {
+        for &v in verify_ms {
+            self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
+        }
+        if tokens > 0 {
+            self.spec_ms = Self::average(self.spec_ms, ms / tokens as f64);
+            self.rounds += 1;
+        }
+        if self.rounds < Self::PROBE {
+            return;
+        }
+        let (Some(spec), Some(alone)) = (self.spec_ms, self.alone_ms.or(self.cheapest_verify_ms))
+        else {
+            return;
+        };
+        if spec > alone {
+            self.paused = if self.alone_ms.is_none() {
+                Self::FIRST_PAUSE
+            } else {
+                self.next_pause.max(Self::MIN_PAUSE)
+            };
+            self.next_pause = (self.paused * 2).clamp(Self::MIN_PAUSE, Self::MAX_PAUSE);
+            self.rounds = 0;
+            self.spec_ms = None;
+        } else {
+            self.next_pause = Self::MIN_PAUSE;
+        }
+    }
+
+    /// Tokens the target should write alone now (0: speculate).
+    pub fn pause(&self) -> usize {
+        self.paused
+    }
+
+    /// The target wrote `tokens` alone in `ms`.
+    pub fn wrote_alone(&mut self, ms: f64, tokens: usize) {
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        if tokens > 0 {
+            self.alone_ms = Self::average(self.alone_ms, ms / tokens as f64);
         }
     }
 }
@@ -297,8 +379,9 @@ impl FinishReason {
     }
 }
 
-/// Per-request figures.
+/// Per-request figures (fields missing from a saved record read as zero).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Stats {
     pub mode: String,
     pub prompt_tokens: usize,
@@ -323,6 +406,10 @@ pub struct Stats {
     pub total_ms: f64,
     /// Output tokens per second of generation after prefill (prefill is the same work in every mode).
     pub tokens_per_s: f64,
+    /// Tokens the target wrote alone because token-level speculation was not paying in this request, and the
+    /// pauses that wrote them ([`DraftWindow::adaptive`]).
+    pub paused_tokens: usize,
+    pub pauses: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -366,6 +453,7 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     window: usize,
     /// The loop's own random stream (acceptance draws, replacement tokens), seeded from the request.
     rng: StdRng,
+    pace: Pace,
 }
 
 impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
@@ -652,21 +740,57 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let span = round_span(round);
             let _round = span.enter();
             round += 1;
-            let (draft, bs, probs) = self.draft(None, self.req.window.token_spec_tokens)?;
-            span.record("drafted", draft.len());
-            if draft.is_empty() {
-                self.extend(1, None)?;
-                continue;
-            }
             let before = self.stats.draft_tokens_accepted;
             if sampling.is_greedy() {
-                self.verify(&draft, &bs, true, true)?;
+                let drafted = self.token_round(self.req.window.adaptive)?;
+                span.record("drafted", drafted);
             } else {
+                let (draft, _, probs) = self.draft(None, self.req.window.token_spec_tokens)?;
+                span.record("drafted", draft.len());
+                if draft.is_empty() {
+                    self.extend(1, None)?;
+                    continue;
+                }
                 self.verify_sampled(&draft, &probs)?;
             }
             span.record("accepted", self.stats.draft_tokens_accepted - before);
         }
         Ok(())
+    }
+
+    /// One round of greedy token-level speculation or, with `adaptive` and while it does not pay in this request
+    /// ([`Pace`]), the target writing alone for the pause's length. Both give the target's greedy tokens. Returns
+    /// the tokens drafted.
+    fn token_round(&mut self, adaptive: bool) -> Result<usize> {
+        let (t, before) = (Instant::now(), self.out.len());
+        if adaptive && self.pace.pause() > 0 {
+            let max = self.pace.pause().min(self.remaining());
+            self.extend(max, None)?;
+            let n = self.out.len() - before;
+            self.pace.wrote_alone(ms(t), n);
+            self.stats.paused_tokens += n;
+            return Ok(0);
+        }
+        let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
+        if draft.is_empty() {
+            let t = Instant::now();
+            self.extend(1, None)?;
+            if adaptive {
+                self.pace.wrote_alone(ms(t), self.out.len() - before);
+            }
+            return Ok(0);
+        }
+        let verify_ms = self.stats.verify_ms;
+        self.verify(&draft, &bs, true, true)?;
+        if adaptive {
+            let this_verify = self.stats.verify_ms - verify_ms;
+            self.pace
+                .speculated(ms(t), self.out.len() - before, &[this_verify]);
+            if self.pace.pause() > 0 {
+                self.stats.pauses += 1;
+            }
+        }
+        Ok(draft.len())
     }
 
     fn run_parse(&mut self) -> Result<()> {
@@ -728,12 +852,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let mut pieces = self.d.pieces(&[self.pending])?;
         while self.finished.is_none() && segmenter::first_segment_end(&pieces, &cfg).is_none() {
             let start = self.out.len();
-            let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
-            if draft.is_empty() {
-                self.extend(1, None)?;
-            } else {
-                self.verify(&draft, &bs, true, true)?;
-            }
+            // Never paused: a token-level round may run past the segment's end, a paused target would stop at it,
+            // and the next PARSE round would start elsewhere (outputs would follow measured times).
+            self.token_round(false)?;
             let new: Vec<u32> = self.out[start..].to_vec();
             pieces.extend(self.d.pieces(&new)?);
         }
@@ -779,6 +900,7 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         window: req.window.initial_segments,
         // A stream of its own, apart from the workers' samplers that share the request's seed.
         rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
+        pace: Pace::default(),
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),
@@ -891,5 +1013,53 @@ impl Verifier for NoVerifier {
     }
     fn release(&mut self, _: &str) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pace;
+
+    #[test]
+    fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone() {
+        let mut p = Pace::default();
+        // Speculation at 50 ms/token with verifications of 100 ms: it beats what a target step can cost.
+        for _ in 0..5 {
+            p.speculated(200.0, 4, &[100.0]);
+            assert_eq!(p.pause(), 0);
+        }
+        // Rounds of 300 ms for 2 tokens (150 ms/token) lose to the cheapest verification (100 ms): a short first
+        // pause, which measures the target alone.
+        let mut p = Pace::default();
+        for i in 0..Pace::PROBE {
+            assert_eq!(p.pause(), 0, "round {i}: judged only after the probe");
+            p.speculated(300.0, 2, &[100.0]);
+        }
+        assert_eq!(p.pause(), Pace::FIRST_PAUSE);
+        p.wrote_alone(4.0 * 90.0, 4);
+        assert_eq!(p.pause(), 0);
+        // Still losing against the target's measured 90 ms/token: pauses of 16, then 32, ... up to 256.
+        let mut seen = Vec::new();
+        for _ in 0..7 {
+            for _ in 0..Pace::PROBE {
+                p.speculated(300.0, 2, &[100.0]);
+            }
+            let n = p.pause();
+            seen.push(n);
+            p.wrote_alone(n as f64 * 90.0, n);
+        }
+        assert_eq!(seen, [16, 32, 64, 128, 256, 256, 256]);
+        // Once speculation wins again (40 ms/token), it goes on, and a later loss starts from the shortest pause.
+        for _ in 0..Pace::PROBE {
+            p.speculated(160.0, 4, &[100.0]);
+        }
+        assert_eq!(p.pause(), 0);
+        for _ in 0..8 {
+            p.speculated(300.0, 2, &[100.0]);
+            if p.pause() > 0 {
+                break;
+            }
+        }
+        assert_eq!(p.pause(), 16);
     }
 }

@@ -5,6 +5,7 @@
 pub mod driver;
 pub mod error;
 pub mod mask;
+pub mod ngram;
 pub mod plan;
 pub mod policy;
 pub mod segmenter;
@@ -16,6 +17,7 @@ pub use driver::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use mask::{BlockMask, MaskRow};
+pub use ngram::{DrafterKind, NgramConfig, NgramDrafter, PieceFn};
 pub use plan::VerifyPlan;
 pub use policy::{AcceptPolicy, Acceptance, JudgeScore, RowScore, Verdict, VerifyOutput, decide};
 pub use segmenter::SegmenterConfig;

@@ -51,15 +51,7 @@ fn sparse_distribution(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f32
 }
 
 fn pieces_of(engine: &Engine, tokens: &[u32]) -> CoreResult<Vec<String>> {
-    tokens
-        .iter()
-        .map(|t| {
-            engine
-                .tokenizer()
-                .decode(&[*t], false)
-                .map_err(CoreError::from)
-        })
-        .collect()
+    Ok(engine.tokenizer().pieces(tokens)?)
 }
 
 fn prefill<E: EngineOps + ?Sized>(

@@ -359,6 +359,19 @@ impl Tokenizer {
     }
 
     /// Tokens that end generation.
+    /// Each token's own text (special tokens included), the way drafters report their tokens' pieces.
+    pub fn pieces(&self, tokens: &[u32]) -> Result<Vec<String>> {
+        tokens.iter().map(|t| self.decode(&[*t], false)).collect()
+    }
+
+    /// [`Tokenizer::pieces`] as the function a model-free drafter takes.
+    pub fn piece_fn(self: &std::sync::Arc<Self>) -> parse_core::PieceFn {
+        let tok = self.clone();
+        std::sync::Arc::new(move |tokens: &[u32]| {
+            tok.pieces(tokens).map_err(parse_core::Error::from)
+        })
+    }
+
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos
     }

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parse_core::{
-    AcceptPolicy, Error as CoreError, ErrorKind, GenerationRequest, Mode, Source, Verdict,
+    AcceptPolicy, DrafterKind, Error as CoreError, ErrorKind, GenerationRequest, Mode, NgramConfig,
+    NgramDrafter, Source, Verdict,
 };
 use parse_discovery::{Discovery, EtcdDiscovery, Role, StaticDiscovery};
 use parse_proto::v1::generation_server::{Generation, GenerationServer};
@@ -59,6 +60,11 @@ pub struct RouterConfig {
     pub etcd: Vec<String>,
     /// The model id of the OpenAI API [default: the target worker's model name].
     pub served_model_name: Option<String>,
+    /// Drafter of requests that name none.
+    pub default_drafter: DrafterKind,
+    /// Pause greedy token-level speculation where it does not pay, for requests that do not say
+    /// (`DraftWindow::adaptive`).
+    pub adaptive: bool,
 }
 
 impl Default for RouterConfig {
@@ -75,6 +81,8 @@ impl Default for RouterConfig {
             draft_ahead: true,
             etcd: Vec::new(),
             served_model_name: None,
+            default_drafter: DrafterKind::Model,
+            adaptive: true,
         }
     }
 }
@@ -273,13 +281,13 @@ impl Router {
             .cloned()
     }
 
-    /// Checks a request and turns it into the loop's request.
+    /// Checks a request and turns it into the loop's request, its stop strings and its drafter.
     fn build(
         &self,
         m: &ModelCtx,
         r: &GenerateRequest,
         session: &str,
-    ) -> Result<(GenerationRequest, Vec<String>), CoreError> {
+    ) -> Result<(GenerationRequest, Vec<String>, DrafterKind), CoreError> {
         let messages: Vec<Message> = if r.raw_prompt {
             if !r.messages.is_empty() || !r.system.is_empty() {
                 return Err(CoreError::invalid(
@@ -357,6 +365,7 @@ impl Router {
             policy.exact_floor = f;
         }
         let mut window = live.window();
+        window.adaptive = r.adaptive.unwrap_or(self.cfg.adaptive);
         if r.draft_segments > 0 {
             window.initial_segments = r.draft_segments as usize;
             window.max_segments = window.max_segments.max(window.initial_segments);
@@ -379,17 +388,29 @@ impl Router {
             judge_suffix: m.judge_suffix.clone(),
         };
         req.validate()?;
-        if matches!(
-            mode,
-            Mode::Draft | Mode::TokenSpec | Mode::Parse | Mode::ParseTokenSpec
-        ) && self.drafts.is_empty()
-        {
+        let drafter = if r.drafter.is_empty() {
+            self.cfg.default_drafter
+        } else {
+            r.drafter.parse()?
+        };
+        let model_drafts = match mode {
+            Mode::Target => false,
+            Mode::Draft if drafter == DrafterKind::Ngram => {
+                return Err(CoreError::invalid(
+                    "mode draft writes with the draft model; the ngram drafter only proposes tokens for the target \
+                     to check",
+                ));
+            }
+            Mode::Draft => true,
+            _ => drafter == DrafterKind::Model,
+        };
+        if model_drafts && self.drafts.is_empty() {
             return Err(CoreError::invalid(format!(
-                "mode {} needs a draft worker and the router has none",
+                "mode {} needs a draft worker and the router has none (drafter \"ngram\" needs none)",
                 mode.as_str()
             )));
         }
-        Ok((req, r.stop.clone()))
+        Ok((req, r.stop.clone(), drafter))
     }
 
     /// Runs one request, sending deltas and the final message to `tx`. Returns when the loop has finished and
@@ -424,7 +445,7 @@ impl Router {
             r.request_id.clone()
         };
         let session = format!("{request_id}/{}", uuid::Uuid::new_v4().simple());
-        let (req, stop) = self.build(&m, &r, &session).map_err(|e| {
+        let (req, stop, drafter_kind) = self.build(&m, &r, &session).map_err(|e| {
             self.metrics.rejected(if e.kind == ErrorKind::InvalidInput {
                 "invalid"
             } else {
@@ -473,6 +494,17 @@ impl Router {
             let tok = m.tokenizer.clone();
             let mut drafter = RemoteDrafter::new(drafts, ctx.clone(), tok.clone(), 256);
             drafter.draft_ahead = draft_ahead;
+            // Prompt lookup runs here, in the router; the remote drafter then stays unused (it leases no worker
+            // until asked to draft).
+            let mut lookup = match drafter_kind {
+                DrafterKind::Ngram => Some(NgramDrafter::new(
+                    NgramConfig::default(),
+                    tok.piece_fn(),
+                    tok.eos_ids().to_vec(),
+                )),
+                DrafterKind::Model => None,
+            }
+            .transpose();
             let mut verifier = RemoteVerifier::new(targets, ctx.clone());
             let mut text_sink = TextSink::new(tok, stop);
             let mut failure: Option<CoreError> = None;
@@ -502,7 +534,11 @@ impl Router {
                 !stopped && ctx.deadline.is_none_or(|d| Instant::now() < d)
             };
             // Both stand ready; the loop uses the ones the request's mode needs.
-            let result = parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink);
+            let result = match lookup.as_mut() {
+                Ok(Some(n)) => parse_core::generate(n, &mut verifier, &req, &mut sink),
+                Ok(None) => parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink),
+                Err(e) => Err(e.clone()),
+            };
             let result = match (result, failure) {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
@@ -524,6 +560,7 @@ impl Router {
                 segments_proposed: n(|s| s.segments_proposed),
                 segments_accepted: n(|s| s.segments_accepted),
                 target_passes: n(|s| s.target_passes),
+                paused_tokens: n(|s| s.paused_tokens),
                 draft_failovers: drafter.failovers as u64,
                 target_failovers: verifier.failovers as u64,
                 fell_back: drafter.fell_back,

@@ -62,6 +62,14 @@ struct Args {
     /// share one device).
     #[arg(long)]
     no_draft_ahead: bool,
+    /// Drafter of requests that name none: model (the draft workers) or ngram (prompt lookup in the router; with
+    /// it no draft worker is needed).
+    #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model")]
+    default_drafter: parse_core::DrafterKind,
+    /// Keep greedy token-level speculation going even where, in a request, it writes more slowly than the target
+    /// alone (by default it pauses there; the output is the same either way).
+    #[arg(long)]
+    no_adaptive: bool,
 }
 
 #[tokio::main]
@@ -84,6 +92,8 @@ async fn main() -> anyhow::Result<()> {
         draft_ahead: !args.no_draft_ahead,
         etcd: args.etcd.clone(),
         served_model_name: args.served_model_name.clone(),
+        default_drafter: args.default_drafter,
+        adaptive: !args.no_adaptive,
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;

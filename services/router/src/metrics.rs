@@ -3,7 +3,8 @@
 //!
 //! Per request (labels: `mode`, and `outcome` = ok | error on the request counter): requests, latency, time to
 //! first token, time per output token (after the first), output tokens, draft tokens proposed and accepted, segments
-//! proposed and accepted, target forward passes, failovers (by role) and fallbacks to the target alone; a gauge of
+//! proposed and accepted, target forward passes, tokens written while speculation was paused, failovers (by role)
+//! and fallbacks to the target alone; a gauge of
 //! requests in flight; requests rejected before generating, by reason. Target passes per output token is `parse_target_passes_total / parse_output_tokens_total`.
 //!
 //! Per position of a verified draft (label `position`: 0 to 31, then `32+` for every deeper position):
@@ -46,6 +47,8 @@ pub struct RequestRecord<'a> {
     pub segments_proposed: u64,
     pub segments_accepted: u64,
     pub target_passes: u64,
+    /// Tokens the target wrote alone while speculation was paused.
+    pub paused_tokens: u64,
     pub draft_failovers: u64,
     pub target_failovers: u64,
     pub fell_back: bool,
@@ -79,6 +82,7 @@ pub struct Metrics {
     segments_proposed: IntCounterVec,
     segments_accepted: IntCounterVec,
     target_passes: IntCounterVec,
+    paused_tokens: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
     rejected: IntCounterVec,
@@ -194,6 +198,10 @@ impl Metrics {
             "parse_target_passes_total",
             "Target forward passes (verifications and extensions).",
         );
+        let paused_tokens = by_mode(
+            "parse_paused_tokens_total",
+            "Output tokens the target wrote alone because token-level speculation was not paying.",
+        );
         let failovers = counter(
             &r,
             "parse_failovers_total",
@@ -277,6 +285,7 @@ impl Metrics {
             segments_proposed,
             segments_accepted,
             target_passes,
+            paused_tokens,
             failovers,
             fallbacks,
             rejected,
@@ -321,6 +330,9 @@ impl Metrics {
         self.target_passes
             .with_label_values(&m)
             .inc_by(r.target_passes);
+        self.paused_tokens
+            .with_label_values(&m)
+            .inc_by(r.paused_tokens);
         self.failovers
             .with_label_values(&["draft"])
             .inc_by(r.draft_failovers);
@@ -547,6 +559,7 @@ mod tests {
             segments_proposed: 6,
             segments_accepted: 4,
             target_passes: 5,
+            paused_tokens: 7,
             draft_failovers: 1,
             ..Default::default()
         });
@@ -575,6 +588,7 @@ mod tests {
             28.0
         );
         assert_eq!(value(&t, "parse_target_passes_total{mode=\"parse\"}"), 5.0);
+        assert_eq!(value(&t, "parse_paused_tokens_total{mode=\"parse\"}"), 7.0);
         assert_eq!(value(&t, "parse_failovers_total{role=\"draft\"}"), 1.0);
         assert_eq!(
             value(&t, "parse_requests_rejected_total{reason=\"busy\"}"),

@@ -10,7 +10,7 @@
 //! - `n` must be 1; `logprobs`, tools, penalties, `logit_bias`, `echo`, `suffix`, `best_of` and a non-text
 //!   `response_format` are refused with 400 rather than ignored. `user` is accepted and only logged.
 //! - PARSE settings go in an extension object, `"parse": {"mode", "tau", "verdict", "exact_floor",
-//!   "draft_segments"}` (every field optional, unknown fields refused), and `usage.parse` carries the acceptance
+//!   "draft_segments", "drafter", "adaptive"}` (every field optional, unknown fields refused), and `usage.parse` carries the acceptance
 //!   figures of the request beside OpenAI's token counts.
 //! - `model` must be the served model's id (`GET /v1/models`) when given, as in other OpenAI-compatible servers.
 //! - A client that disconnects (mid-stream or while waiting) cancels the request on both workers.
@@ -152,6 +152,8 @@ struct ParseExt {
     verdict: Option<String>,
     exact_floor: Option<bool>,
     draft_segments: Option<u32>,
+    drafter: Option<String>,
+    adaptive: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -311,6 +313,8 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
         r.verdict = p.verdict.unwrap_or_default();
         r.exact_floor = p.exact_floor;
         r.draft_segments = p.draft_segments.unwrap_or(0);
+        r.drafter = p.drafter.unwrap_or_default();
+        r.adaptive = p.adaptive;
     }
     if let Some(u) = &c.user {
         tracing::debug!(user = %u, "OpenAI request");
@@ -467,6 +471,7 @@ fn usage(stats: Option<&Stats>) -> Value {
             "segments_accepted": s.segments_accepted,
             "target_passes": s.target_passes,
             "target_passes_per_token": s.target_passes_per_token,
+            "paused_tokens": s.paused_tokens,
             "tokens_per_s": s.tokens_per_s,
         },
     })

@@ -365,10 +365,7 @@ impl Drafter for RemoteDrafter {
     }
 
     fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>> {
-        tokens
-            .iter()
-            .map(|t| self.tokenizer.decode(&[*t], false).map_err(Error::from))
-            .collect()
+        Ok(self.tokenizer.pieces(tokens)?)
     }
 
     fn prefetch(

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Replays a parse-bench `target` run through prompt lookup: how many target steps greedy token-level speculation
+with `NgramDrafter`'s rule (latest earlier occurrence of the longest matching suffix, sizes max..min) would need,
+with a verification of r rows costing 1 + c * (r - 1) one-token steps, for several per-row costs c and draft
+lengths k. Prints the speed-up over the target alone (steps / speculative cost) for each. Needs `pip install
+tokenizers`; the prompt is rebuilt from shared/eval the way parse-bench builds it (XSum only), inside a Qwen chat
+layout (the system line does not change what matches in the article).
+
+    benches/scripts/ngram-replay.py RUN_DIR [--n 20]   # RUN_DIR: <out-dir>/xsum-runs/target-b96-la3-r2
+"""
+
+import argparse
+import json
+import pathlib
+
+from tokenizers import Tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+
+ap = argparse.ArgumentParser()
+ap.add_argument("run_dir")
+ap.add_argument("--n", type=int, default=20)
+args = ap.parse_args()
+
+tok = Tokenizer.from_file(str(SHARED / "models" / "qwen2.5-tokenizer.json"))
+recs = [json.loads(line) for line in open(SHARED / "eval" / "xsum-dev.jsonl") if line.strip()][: args.n]
+data = []
+for i, r in enumerate(recs):
+    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+              "Summarize the following article in one sentence.\n\n" + r["document"][:2000]
+              + "<|im_end|>\n<|im_start|>assistant\n")
+    x = tok.encode(prompt, add_special_tokens=False).ids
+    y = json.load(open(pathlib.Path(args.run_dir) / f"{i}.json"))["tokens"]
+    data.append((x, y))
+
+
+def lookup(ctx, lo, hi):
+    n_ctx = len(ctx)
+    for n in range(hi, lo - 1, -1):
+        if n_ctx <= n:
+            continue
+        suffix = ctx[n_ctx - n:]
+        for i in range(n_ctx - n - 1, -1, -1):
+            if ctx[i:i + n] == suffix:
+                return ctx[i + n]
+    return None
+
+
+def speedup(lo, hi, k, c_row):
+    cost, steps = 0.0, 0
+    for x, y in data:
+        steps += len(y) + 1
+        i = 0
+        while i < len(y):
+            ctx, draft = x + y[:i], []
+            while len(draft) < k:
+                t = lookup(ctx + draft, lo, hi)
+                if t is None:
+                    break
+                draft.append(t)
+            if not draft:
+                cost, i = cost + 1, i + 1
+                continue
+            a = 0
+            while a < len(draft) and i + a < len(y) and draft[a] == y[i + a]:
+                a += 1
+            cost += 1 + c_row * len(draft)
+            i += a + 1
+    return steps / cost
+
+
+for c_row in (0.6, 0.2, 0.1, 0.05):
+    print(f"per-row cost {c_row}: " + "  ".join(f"k={k}: {speedup(2, 4, k, c_row):.2f}x" for k in (2, 4, 6)))
