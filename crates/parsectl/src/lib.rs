@@ -84,7 +84,8 @@ pub enum Command {
     /// Get or set the defaults requests get (admin API).
     #[command(subcommand)]
     Policy(ops::PolicyCommand),
-    /// N requests at concurrency C through the router, with a progress bar and a summary.
+    /// N requests per mode and concurrency through the router (`-c 1,4,8 --mode target,parse+token-spec` sweeps
+    /// them), with a progress bar and a table: tokens/s, time to first token, latency percentiles, acceptance.
     Bench(ops::BenchArgs),
 }
 

@@ -69,17 +69,21 @@ pub struct BenchArgs {
     /// The router's Generation address.
     #[arg(long, env = "PARSE_ROUTER_ADDR", default_value = "127.0.0.1:50051")]
     pub router: String,
-    /// Requests in all.
+    /// Requests per cell (one cell per mode and concurrency).
     #[arg(short = 'n', long, default_value_t = 16)]
     pub requests: usize,
-    /// Requests at once.
-    #[arg(short = 'c', long, default_value_t = 4)]
-    pub concurrency: usize,
+    /// Requests at once; a list sweeps them (`-c 1,4,8`).
+    #[arg(short = 'c', long, value_delimiter = ',', default_value = "4")]
+    pub concurrency: Vec<usize>,
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: u32,
-    /// Mode (the router's default when not given).
+    /// Modes, each measured at every concurrency (`--mode target,token-spec,parse+token-spec`); the router's
+    /// default when not given.
+    #[arg(long, value_delimiter = ',')]
+    pub mode: Vec<String>,
+    /// Drafter: model or ngram (the router's default when not given).
     #[arg(long)]
-    pub mode: Option<String>,
+    pub drafter: Option<String>,
     /// Prompts, one per line (cycled); without it a built-in set.
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
@@ -322,9 +326,105 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     }
 }
 
-/// `bench`: N requests at concurrency C through the router, a progress bar on stderr, a summary at the end.
+/// What one request of a bench cell gave.
+struct Sample {
+    latency_ms: f64,
+    /// Time to the first output text.
+    ttft_ms: Option<f64>,
+    stats: parse_client::Stats,
+}
+
+/// One cell of a bench: a mode at a concurrency.
+struct Cell {
+    mode: String,
+    concurrency: usize,
+    wall_s: f64,
+    samples: Vec<Sample>,
+    errors: Vec<String>,
+}
+
+impl Cell {
+    fn sum(&self, f: fn(&parse_client::Stats) -> u32) -> u64 {
+        self.samples.iter().map(|s| f(&s.stats) as u64).sum()
+    }
+
+    fn summary(&self) -> serde_json::Value {
+        let sorted = |mut v: Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v
+        };
+        let lat = sorted(self.samples.iter().map(|s| s.latency_ms).collect());
+        let ttft = sorted(self.samples.iter().filter_map(|s| s.ttft_ms).collect());
+        // A request's own rate: its output tokens over its time from arrival to last output.
+        let per_request: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|s| s.latency_ms > 0.0)
+            .map(|s| s.stats.output_tokens as f64 / (s.latency_ms / 1e3))
+            .collect();
+        let mean = |v: &[f64]| {
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let tokens = self.sum(|s| s.output_tokens);
+        json!({
+            "mode": self.mode, "concurrency": self.concurrency,
+            "ok": self.samples.len(), "failed": self.errors.len(),
+            "output_tokens": tokens, "wall_s": self.wall_s,
+            "tokens_per_s": tokens as f64 / self.wall_s,
+            "request_tokens_per_s": mean(&per_request),
+            "requests_per_s": self.samples.len() as f64 / self.wall_s,
+            "ttft_p50_ms": pct(&ttft, 0.5), "ttft_p90_ms": pct(&ttft, 0.9),
+            "latency_p50_ms": pct(&lat, 0.5), "latency_p90_ms": pct(&lat, 0.9), "latency_p99_ms": pct(&lat, 0.99),
+            "acceptance": ratio(self.sum(|s| s.draft_tokens_accepted), self.sum(|s| s.draft_tokens_proposed)),
+            "target_passes_per_token": ratio(self.sum(|s| s.target_passes), tokens),
+            "paused_tokens": self.sum(|s| s.paused_tokens),
+            "draft_failovers": self.sum(|s| s.draft_failovers),
+            "target_failovers": self.sum(|s| s.target_failovers),
+            "errors": self.errors.iter().take(5).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// One streamed request: its latency, time to first text and final stats.
+async fn timed(mut c: Client, req: GenerateRequest, timeout: Duration) -> Result<Sample, String> {
+    use tokio_stream::StreamExt;
+    let t = Instant::now();
+    let run = async {
+        let mut stream = c.generate_stream(req).await.map_err(|e| e.to_string())?;
+        let mut ttft = None;
+        while let Some(ev) = stream.next().await {
+            match ev.map_err(|e| e.to_string())? {
+                parse_client::Event::Delta(d) => {
+                    if ttft.is_none() && !d.text.is_empty() {
+                        ttft = Some(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+                parse_client::Event::Finished(f) => {
+                    return Ok(Sample {
+                        latency_ms: t.elapsed().as_secs_f64() * 1e3,
+                        ttft_ms: ttft,
+                        stats: f.stats.unwrap_or_default(),
+                    });
+                }
+            }
+        }
+        Err("the stream ended without a final message".to_string())
+    };
+    tokio::time::timeout(timeout, run)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", timeout.as_secs_f64())))
+}
+
+/// `bench`: for every mode and concurrency, N streamed requests through the router (a progress bar on stderr), then
+/// a table (or `--json`: the totals and one object per cell): aggregate and per-request tokens/s, time to first
+/// token, latency percentiles, acceptance, target passes per token.
 pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
-    if b.requests == 0 || b.concurrency == 0 {
+    if b.requests == 0 || b.concurrency.is_empty() || b.concurrency.contains(&0) {
         return Err(CliError::Usage("-n and -c must be at least 1".into()));
     }
     if !(b.timeout_s.is_finite() && b.timeout_s > 0.0) {
@@ -341,123 +441,123 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
     if prompts.is_empty() {
         return Err(CliError::Usage("the prompts file has no prompt".into()));
     }
+    let modes: Vec<String> = if b.mode.is_empty() {
+        vec![String::new()]
+    } else {
+        b.mode.clone()
+    };
     let rt = runtime()?;
     let client = rt.block_on(Client::connect(&b.router))?;
-    let start = Instant::now();
-    let results = rt.block_on(async {
-        let (tx, mut rx) = tokio::sync::mpsc::channel(b.requests);
-        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(b.concurrency));
-        for i in 0..b.requests {
-            let (mut c, tx, sem) = (client.clone(), tx.clone(), sem.clone());
-            let req = GenerateRequest {
-                prompt: prompts[i % prompts.len()].clone(),
-                max_new_tokens: b.max_new_tokens,
-                mode: b.mode.clone().unwrap_or_default(),
-                ..Default::default()
-            };
-            let timeout = Duration::from_secs_f64(b.timeout_s);
-            tokio::spawn(async move {
-                let _permit = sem.acquire_owned().await;
-                let t = Instant::now();
-                let r = tokio::time::timeout(timeout, c.generate(req)).await;
-                let _ = tx.send((r, t.elapsed())).await;
+    let total = (modes.len() * b.concurrency.len() * b.requests) as u64;
+    // On stderr, and hidden where stderr is not a terminal (indicatif's default).
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("[{bar:30}] {pos}/{len} {elapsed} {msg}")
+            .expect("valid template")
+            .progress_chars("#> "),
+    );
+    let mut cells = Vec::new();
+    for mode in &modes {
+        for &concurrency in &b.concurrency {
+            bar.set_message(format!("{} at {concurrency}", display_mode(mode)));
+            let start = Instant::now();
+            let results = rt.block_on(async {
+                let (tx, mut rx) = tokio::sync::mpsc::channel(b.requests);
+                let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(concurrency));
+                for i in 0..b.requests {
+                    let (c, tx, sem) = (client.clone(), tx.clone(), sem.clone());
+                    let req = GenerateRequest {
+                        prompt: prompts[i % prompts.len()].clone(),
+                        max_new_tokens: b.max_new_tokens,
+                        mode: mode.clone(),
+                        drafter: b.drafter.clone().unwrap_or_default(),
+                        ..Default::default()
+                    };
+                    let timeout = Duration::from_secs_f64(b.timeout_s);
+                    tokio::spawn(async move {
+                        let _permit = sem.acquire_owned().await;
+                        let _ = tx.send(timed(c, req, timeout).await).await;
+                    });
+                }
+                drop(tx);
+                let mut results = Vec::new();
+                while let Some(r) = rx.recv().await {
+                    results.push(r);
+                    bar.inc(1);
+                }
+                results
+            });
+            let wall_s = start.elapsed().as_secs_f64();
+            let (samples, errors): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+            cells.push(Cell {
+                mode: display_mode(mode).to_string(),
+                concurrency,
+                wall_s,
+                samples: samples.into_iter().filter_map(Result::ok).collect(),
+                errors: errors.into_iter().filter_map(Result::err).collect(),
             });
         }
-        drop(tx);
-        // On stderr, and hidden where stderr is not a terminal (indicatif's default).
-        let bar = indicatif::ProgressBar::new(b.requests as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("[{bar:30}] {pos}/{len} {elapsed}")
-                .expect("valid template")
-                .progress_chars("#> "),
-        );
-        let mut results = Vec::new();
-        while let Some(r) = rx.recv().await {
-            results.push(r);
-            bar.inc(1);
-        }
-        bar.finish();
-        results
-    });
-    let wall = start.elapsed().as_secs_f64();
-    let (mut ok, mut failed, mut tokens, mut proposed, mut accepted, mut passes) =
-        (0usize, 0usize, 0u64, 0u64, 0u64, 0u64);
-    let (mut draft_failovers, mut target_failovers) = (0u64, 0u64);
-    let mut lat = Vec::new();
-    let mut errors: Vec<String> = Vec::new();
-    for (r, took) in results {
-        match r {
-            Ok(Ok(resp)) => {
-                ok += 1;
-                lat.push(took.as_secs_f64() * 1e3);
-                if let Some(s) = resp.stats {
-                    tokens += s.output_tokens as u64;
-                    proposed += s.draft_tokens_proposed as u64;
-                    accepted += s.draft_tokens_accepted as u64;
-                    passes += s.target_passes as u64;
-                    draft_failovers += s.draft_failovers as u64;
-                    target_failovers += s.target_failovers as u64;
-                }
-            }
-            Ok(Err(e)) => {
-                failed += 1;
-                errors.push(e.to_string());
-            }
-            Err(_) => {
-                failed += 1;
-                errors.push(format!("no answer within {} s", b.timeout_s));
-            }
-        }
     }
-    lat.sort_by(|a, b| a.total_cmp(b));
-    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-    let summary = json!({
-        "requests": b.requests, "concurrency": b.concurrency, "ok": ok, "failed": failed,
-        "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens as f64 / wall,
-        "requests_per_s": ok as f64 / wall,
-        "latency_p50_ms": pct(&lat, 0.5), "latency_p90_ms": pct(&lat, 0.9), "latency_p99_ms": pct(&lat, 0.99),
-        "acceptance": ratio(accepted, proposed), "target_passes_per_token": ratio(passes, tokens),
-        "draft_failovers": draft_failovers, "target_failovers": target_failovers,
-        "errors": errors.iter().take(5).collect::<Vec<_>>(),
-    });
+    bar.finish();
+    let ok: usize = cells.iter().map(|c| c.samples.len()).sum();
+    let failed: usize = cells.iter().map(|c| c.errors.len()).sum();
+    let failovers =
+        |f: fn(&parse_client::Stats) -> u32| -> u64 { cells.iter().map(|c| c.sum(f)).sum() };
+    let summaries: Vec<serde_json::Value> = cells.iter().map(Cell::summary).collect();
     if b.json {
-        out(summary);
+        out(json!({
+            "requests": total, "ok": ok, "failed": failed,
+            "draft_failovers": failovers(|s| s.draft_failovers),
+            "target_failovers": failovers(|s| s.target_failovers),
+            "cells": summaries,
+        }));
     } else {
         out(format!(
-            "{:<24} {:>12}",
-            "requests ok / failed",
-            format!("{ok} / {failed}")
+            "{:<18} {:>4} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8}",
+            "mode",
+            "c",
+            "ok/fail",
+            "tok/s",
+            "req tok/s",
+            "ttft p50",
+            "lat p50",
+            "lat p90",
+            "lat p99",
+            "accept",
+            "pass/tok"
         ));
-        out(format!("{:<24} {:>12}", "concurrency", b.concurrency));
-        out(format!("{:<24} {:>12}", "output tokens", tokens));
-        out(format!("{:<24} {:>12.1}", "wall s", wall));
-        out(format!("{:<24} {:>12.2}", "tokens/s", tokens as f64 / wall));
-        out(format!("{:<24} {:>12.0}", "latency p50 ms", pct(&lat, 0.5)));
-        out(format!("{:<24} {:>12.0}", "latency p90 ms", pct(&lat, 0.9)));
-        out(format!(
-            "{:<24} {:>12.0}",
-            "latency p99 ms",
-            pct(&lat, 0.99)
-        ));
-        out(format!(
-            "{:<24} {:>12.3}",
-            "draft acceptance",
-            ratio(accepted, proposed)
-        ));
-        out(format!(
-            "{:<24} {:>12.3}",
-            "target passes/token",
-            ratio(passes, tokens)
-        ));
-        for e in errors.iter().take(5) {
+        for s in &summaries {
+            let f = |k: &str| s[k].as_f64().unwrap_or(0.0);
+            out(format!(
+                "{:<18} {:>4} {:>9} {:>9.2} {:>11.2} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.3} {:>8.3}",
+                s["mode"].as_str().unwrap_or_default(),
+                s["concurrency"],
+                format!("{}/{}", s["ok"], s["failed"]),
+                f("tokens_per_s"),
+                f("request_tokens_per_s"),
+                f("ttft_p50_ms"),
+                f("latency_p50_ms"),
+                f("latency_p90_ms"),
+                f("latency_p99_ms"),
+                f("acceptance"),
+                f("target_passes_per_token"),
+            ));
+        }
+        out("(tok/s: all output tokens over the cell's wall time; req tok/s: the mean of each request's own rate; \
+             times in ms)"
+            .to_string());
+        for e in cells.iter().flat_map(|c| c.errors.iter()).take(5) {
             out(format!("error: {e}"));
         }
     }
     if failed > 0 {
         return Err(CliError::Unhealthy(format!(
-            "{failed} of {} requests failed",
-            b.requests
+            "{failed} of {total} requests failed"
         )));
     }
     Ok(())
+}
+
+fn display_mode(mode: &str) -> &str {
+    if mode.is_empty() { "(default)" } else { mode }
 }
