@@ -528,7 +528,10 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     fn run_target(&mut self) -> Result<()> {
         self.open_target()?;
         while self.finished.is_none() {
-            self.extend(self.remaining().min(16), None)?;
+            // The first token on its own, so that its text goes out after one step (time to first token); then
+            // up to 16 per call.
+            let n = if self.out.is_empty() { 1 } else { 16 };
+            self.extend(self.remaining().min(n), None)?;
         }
         Ok(())
     }
