@@ -62,8 +62,7 @@ pub struct RouterConfig {
     pub served_model_name: Option<String>,
     /// Drafter of requests that name none.
     pub default_drafter: DrafterKind,
-    /// Pause greedy token-level speculation where it does not pay, for requests that do not say
-    /// (`DraftWindow::adaptive`).
+    /// Pause greedy `token-spec` where it does not pay, for requests that do not say (`DraftWindow::adaptive`).
     pub adaptive: bool,
 }
 

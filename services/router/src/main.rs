@@ -66,8 +66,8 @@ struct Args {
     /// it no draft worker is needed).
     #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model")]
     default_drafter: parse_core::DrafterKind,
-    /// Keep greedy token-level speculation going even where, in a request, it writes more slowly than the target
-    /// alone (by default it pauses there; the output is the same either way).
+    /// Keep greedy token-spec going even where, in a request, it writes more slowly than the target alone (by
+    /// default it pauses there; the output is the same either way).
     #[arg(long)]
     no_adaptive: bool,
 }
