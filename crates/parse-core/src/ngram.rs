@@ -132,8 +132,11 @@ impl NgramDrafter {
         })
     }
 
-    fn session(&mut self, session: &str) -> Result<&mut Lookup> {
-        self.sessions
+    fn session<'a>(
+        sessions: &'a mut HashMap<String, Lookup>,
+        session: &str,
+    ) -> Result<&'a mut Lookup> {
+        sessions
             .get_mut(session)
             .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no draft session `{session}`")))
     }
@@ -151,8 +154,8 @@ impl Drafter for NgramDrafter {
     }
 
     fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
-        let (cfg, end) = (self.cfg, self.end_tokens.clone());
-        let s = self.session(session)?;
+        let (cfg, end) = (self.cfg, &self.end_tokens);
+        let s = Self::session(&mut self.sessions, session)?;
         let mut tokens = Vec::new();
         while !s.done && tokens.len() < max {
             let Some(t) = lookup(&s.context, &cfg) else {
@@ -181,7 +184,7 @@ impl Drafter for NgramDrafter {
     }
 
     fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
-        let s = self.session(session)?;
+        let s = Self::session(&mut self.sessions, session)?;
         let t = s.drafted.get(index).ok_or_else(|| {
             Error::invalid(format!(
                 "draft token {index} asked for, {} drafted",
