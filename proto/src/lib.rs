@@ -13,6 +13,7 @@ use parse_core::{
 };
 use tonic::{Code, Status};
 
+pub mod security;
 pub mod serve;
 pub mod telemetry;
 
@@ -54,6 +55,9 @@ pub fn core_from_status(s: &Status) -> CoreError {
         Code::AlreadyExists => ErrorKind::AlreadyExists,
         Code::ResourceExhausted => ErrorKind::ResourceExhausted,
         Code::Unavailable | Code::Unknown | Code::Aborted => ErrorKind::Unavailable,
+        // A worker that refuses this router's credentials (wrong cluster token or certificate) is of no use to
+        // it: treated as lost, so the request goes to another worker, and the message says why.
+        Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Unavailable,
         Code::Cancelled => ErrorKind::Cancelled,
         Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
         _ => ErrorKind::Internal,

@@ -79,12 +79,44 @@ async fn report_health(
     }
 }
 
+/// Who may call a server: its TLS identity (clients must present a certificate of the same CA) and whether the
+/// cluster token is required (workers; not the router's public API). Health is always open.
+#[derive(Clone, Default)]
+pub struct Access {
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    pub auth: crate::security::RequireToken,
+}
+
+impl Access {
+    /// Open plain text: loopback demos and tests.
+    pub fn open() -> Self {
+        Access::default()
+    }
+
+    /// A worker's: mutual TLS when set up, and the cluster token when there is one.
+    pub fn worker(s: &crate::security::Security) -> Self {
+        Access {
+            tls: s.server_tls(),
+            auth: s.server_auth(),
+        }
+    }
+
+    /// A public API's (the router's Generation and Admin): mutual TLS when set up, no cluster token.
+    pub fn public(s: &crate::security::Security) -> Self {
+        Access {
+            tls: s.server_tls(),
+            auth: Default::default(),
+        }
+    }
+}
+
 /// Serves `service` with `grpc.health.v1` (reporting it serving) and reflection on `listener` until `shutdown`
 /// resolves: the one server set-up of the router and the workers.
 pub async fn run<S>(
     service: S,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    access: Access,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
     S: tower_service::Service<
@@ -99,16 +131,18 @@ where
     S::Future: Send + 'static,
 {
     let (_ready, watch) = tokio::sync::watch::channel(true);
-    run_reporting(service, listener, shutdown, watch).await
+    run_reporting(service, listener, shutdown, watch, access).await
 }
 
 /// Like [`run`], with health following `ready`: SERVING while it holds `true`, NOT_SERVING (for the service and
-/// the server as a whole) once it turns `false`.
+/// the server as a whole) once it turns `false`. The service and reflection sit behind `access`; health does not
+/// (probes hold no credentials).
 pub async fn run_reporting<S>(
     service: S,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ready: tokio::sync::watch::Receiver<bool>,
+    access: Access,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
     S: tower_service::Service<
@@ -122,13 +156,24 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    use tonic::service::interceptor::InterceptedService;
     let (health, health_service) = tonic_health::server::health_reporter();
     let reporter = tokio::spawn(report_health(health, ready, &["", S::NAME]));
-    let served = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = access.tls.clone() {
+        builder = builder.tls_config(tls)?;
+    }
+    let served = builder
         .add_service(health_service)
-        .add_service(reflection_service()?)
-        .add_service(reflection_service_v1alpha()?)
-        .add_service(service)
+        .add_service(InterceptedService::new(
+            reflection_service()?,
+            access.auth.clone(),
+        ))
+        .add_service(InterceptedService::new(
+            reflection_service_v1alpha()?,
+            access.auth.clone(),
+        ))
+        .add_service(InterceptedService::new(service, access.auth))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,
@@ -145,12 +190,18 @@ pub async fn run_health_only(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ready: tokio::sync::watch::Receiver<bool>,
+    access: Access,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    use tonic::service::interceptor::InterceptedService;
     let (health, health_service) = tonic_health::server::health_reporter();
     let reporter = tokio::spawn(report_health(health, ready, &[""]));
-    let served = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = access.tls.clone() {
+        builder = builder.tls_config(tls)?;
+    }
+    let served = builder
         .add_service(health_service)
-        .add_service(reflection_service()?)
+        .add_service(InterceptedService::new(reflection_service()?, access.auth))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,

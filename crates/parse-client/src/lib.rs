@@ -38,7 +38,7 @@ pub use parse_proto::v1::{
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// What went wrong, by the meaning of the router's status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -91,6 +91,9 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// Deadline of each call (sent as `grpc-timeout`; the router stops the request when it passes).
     pub request_timeout: Option<Duration>,
+    /// Mutual TLS to a router that runs it (`Security::from_pem` with this client's certificate and the cluster
+    /// CA); plain text by default.
+    pub security: parse_proto::security::Security,
 }
 
 impl Default for ClientOptions {
@@ -98,6 +101,7 @@ impl Default for ClientOptions {
         ClientOptions {
             connect_timeout: Duration::from_secs(5),
             request_timeout: None,
+            security: Default::default(),
         }
     }
 }
@@ -135,22 +139,19 @@ impl Client {
     }
 
     pub async fn connect_with(addr: &str, opts: ClientOptions) -> Result<Self, ClientError> {
-        let uri = if addr.contains("://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
-        };
         let err = |message: String| ClientError::Connect {
             addr: addr.to_string(),
             message,
         };
-        let channel = Endpoint::from_shared(uri)
-            .map_err(|e| err(e.to_string()))?
+        let channel = opts
+            .security
+            .endpoint(addr)
+            .map_err(|e| err(parse_proto::security::error_chain(&e)))?
             .connect_timeout(opts.connect_timeout)
             .tcp_nodelay(true)
             .connect()
             .await
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(parse_proto::security::error_chain(&e)))?;
         Ok(Client {
             inner: GenerationClient::new(channel),
             opts,

@@ -13,9 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 use crate::{Comm, CommError, CommErrorKind, Result};
 
-const MAGIC: &[u8; 8] = b"PARSETP1";
+const MAGIC: &[u8; 8] = b"PARSETP2";
 /// The largest frame a peer may announce (a corrupt length must not allocate without bound).
 const MAX_FRAME: u64 = 1 << 32;
 
@@ -29,6 +32,9 @@ pub struct TcpConfig {
     pub rendezvous_timeout: Duration,
     /// How long one receive may wait inside a collective before the peer counts as hung.
     pub op_timeout: Duration,
+    /// The group's shared secret (the cluster token): each side of every ring connection proves it holds it
+    /// (HMAC-SHA256 over a fresh nonce). None: the handshake runs with an empty key and proves nothing.
+    pub secret: Option<Vec<u8>>,
 }
 
 impl TcpConfig {
@@ -38,6 +44,7 @@ impl TcpConfig {
             addrs,
             rendezvous_timeout: Duration::from_secs(120),
             op_timeout: Duration::from_secs(10),
+            secret: None,
         }
     }
 }
@@ -87,6 +94,178 @@ fn resolve(addr: &str) -> Result<SocketAddr> {
         })
 }
 
+/// The two ends of one ring connection, as this rank sees them.
+#[derive(Clone, Copy)]
+struct Peer {
+    world: usize,
+    me: usize,
+    other: usize,
+}
+
+const NONCE: usize = 32;
+const TAG: usize = 32;
+/// MAGIC, world, rank, nonce.
+const HELLO: usize = 8 + 4 + 4 + NONCE;
+
+/// HMAC-SHA256 under the group's secret of who speaks (`role`, world size, rank) and the other side's nonce: what
+/// each side of a ring connection proves. A fresh nonce per connection keeps a recorded handshake from replaying.
+fn tag(secret: &[u8], role: &[u8], world: usize, rank: usize, nonce: &[u8]) -> Hmac<Sha256> {
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(role);
+    mac.update(&(world as u32).to_le_bytes());
+    mac.update(&(rank as u32).to_le_bytes());
+    mac.update(nonce);
+    mac
+}
+
+fn refused(peer: usize, why: &str) -> CommError {
+    CommError::new(
+        CommErrorKind::Rendezvous,
+        format!("tensor-parallel rank {peer}: {why}"),
+    )
+}
+
+/// Dials the next rank (it may not be listening yet) and proves this rank to it; it must prove itself back.
+fn connect_next(addr: SocketAddr, p: Peer, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
+    let mut s = loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("rank {} at {addr} not up yet: {e}", p.other);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(refused(p.other, &format!("at {addr} did not come up: {e}")));
+            }
+        }
+    };
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_secs(1));
+    s.set_read_timeout(Some(wait))
+        .map_err(|e| io_error(p.other, "handshake", &e))?;
+    let nonce: [u8; NONCE] = rand::random();
+    let mut hello = MAGIC.to_vec();
+    hello.extend((p.world as u32).to_le_bytes());
+    hello.extend((p.me as u32).to_le_bytes());
+    hello.extend(nonce);
+    s.write_all(&hello)
+        .map_err(|e| io_error(p.other, "handshake", &e))?;
+    let mut answer = [0u8; NONCE + TAG];
+    s.read_exact(&mut answer).map_err(|_| {
+        refused(
+            p.other,
+            &format!(
+                "at {addr} refused the handshake (not a rank {} of this group of {}?)",
+                p.other, p.world
+            ),
+        )
+    })?;
+    let (their_nonce, their_tag) = answer.split_at(NONCE);
+    tag(secret, b"accept", p.world, p.other, &nonce)
+        .verify_slice(their_tag)
+        .map_err(|_| {
+            refused(
+                p.other,
+                &format!("at {addr} could not prove it holds the cluster token"),
+            )
+        })?;
+    let mine = tag(secret, b"connect", p.world, p.me, their_nonce)
+        .finalize()
+        .into_bytes();
+    s.write_all(&mine)
+        .map_err(|e| io_error(p.other, "handshake", &e))?;
+    let mut ok = [0u8; 1];
+    match s.read_exact(&mut ok) {
+        Ok(()) if ok[0] == 1 => Ok(s),
+        _ => Err(refused(
+            p.other,
+            &format!("at {addr} did not accept this rank's proof (a different cluster token?)"),
+        )),
+    }
+}
+
+/// Checks one connection that claims to be the previous rank: its hello, this rank's proof, then its proof.
+fn handshake_prev(s: &mut TcpStream, p: Peer, secret: &[u8]) -> std::result::Result<(), String> {
+    let mut hello = [0u8; HELLO];
+    s.read_exact(&mut hello)
+        .map_err(|e| format!("no hello: {e}"))?;
+    let their_world = u32::from_le_bytes(hello[8..12].try_into().unwrap_or_default()) as usize;
+    let their_rank = u32::from_le_bytes(hello[12..16].try_into().unwrap_or_default()) as usize;
+    if &hello[..8] != MAGIC || their_world != p.world || their_rank != p.other {
+        return Err(format!(
+            "expected rank {} of {}, a peer introduced itself as rank {their_rank} of {their_world}",
+            p.other, p.world
+        ));
+    }
+    let nonce: [u8; NONCE] = rand::random();
+    let mut answer = nonce.to_vec();
+    answer.extend(
+        tag(secret, b"accept", p.world, p.me, &hello[16..])
+            .finalize()
+            .into_bytes(),
+    );
+    s.write_all(&answer).map_err(|e| format!("answer: {e}"))?;
+    let mut proof = [0u8; TAG];
+    s.read_exact(&mut proof)
+        .map_err(|e| format!("no proof: {e}"))?;
+    tag(secret, b"connect", p.world, p.other, &nonce)
+        .verify_slice(&proof)
+        .map_err(|_| "its proof does not match the cluster token".to_string())?;
+    s.write_all(&[1]).map_err(|e| format!("ack: {e}"))
+}
+
+/// Takes the previous rank's connection. Connections that fail the handshake (strangers, another group, a wrong
+/// token) are dropped and the wait goes on, so that junk on the port cannot break the rendezvous.
+fn accept_prev(
+    listener: TcpListener,
+    p: Peer,
+    secret: &[u8],
+    deadline: Instant,
+    give_up: &std::sync::atomic::AtomicBool,
+) -> Result<TcpStream> {
+    let mut last = String::from("no connection");
+    loop {
+        if give_up.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(refused(p.other, "rendezvous abandoned"));
+        }
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                let wait = deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(100), Duration::from_secs(5));
+                let checked = s
+                    .set_nonblocking(false)
+                    .and_then(|_| s.set_read_timeout(Some(wait)))
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| handshake_prev(&mut s, p, secret));
+                match checked {
+                    Ok(()) => return Ok(s),
+                    Err(why) => {
+                        tracing::warn!(%from, "refused a connection on the tensor-parallel port: {why}");
+                        last = why;
+                    }
+                }
+            }
+            Err(e) if e.kind() == IoKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                let why = if e.kind() == IoKind::WouldBlock {
+                    last
+                } else {
+                    e.to_string()
+                };
+                return Err(refused(
+                    p.other,
+                    &format!("did not connect in time ({why})"),
+                ));
+            }
+        }
+    }
+}
+
 impl TcpComm {
     /// Binds this rank's address and forms the ring.
     pub fn connect(cfg: &TcpConfig) -> Result<Self> {
@@ -128,61 +307,41 @@ impl TcpComm {
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let (next_rank, prev_rank) = ((rank + 1) % world, (rank + world - 1) % world);
         let next_addr = resolve(&cfg.addrs[next_rank])?;
-        // Connect to the next rank (it may not be listening yet), then take the previous rank's connection.
-        let mut next = loop {
-            match TcpStream::connect_timeout(&next_addr, Duration::from_secs(1)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() < deadline => {
-                    tracing::debug!("rank {next_rank} at {next_addr} not up yet: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                Err(e) => {
-                    return Err(CommError::new(
-                        CommErrorKind::Rendezvous,
-                        format!("rank {next_rank} at {next_addr} did not come up: {e}"),
-                    ));
-                }
-            }
-        };
-        let mut hello = MAGIC.to_vec();
-        hello.extend((world as u32).to_le_bytes());
-        hello.extend((rank as u32).to_le_bytes());
-        next.write_all(&hello)
-            .map_err(|e| io_error(next_rank, "handshake", &e))?;
+        let secret: Arc<[u8]> = cfg.secret.clone().unwrap_or_default().into();
+        // The previous rank's connection is taken on a thread of its own: every rank dials first, and each
+        // handshake needs an answer from the other side.
         listener
             .set_nonblocking(true)
             .map_err(|e| CommError::new(CommErrorKind::Rendezvous, format!("listener: {e}")))?;
-        let mut prev = loop {
-            match listener.accept() {
-                Ok((s, _)) => break s,
-                Err(e) if e.kind() == IoKind::WouldBlock && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => {
-                    return Err(CommError::new(
-                        CommErrorKind::Rendezvous,
-                        format!("rank {prev_rank} did not connect: {e}"),
-                    ));
-                }
-            }
+        let give_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let acceptor = {
+            let (secret, give_up) = (secret.clone(), give_up.clone());
+            let peer = Peer {
+                world,
+                me: rank,
+                other: prev_rank,
+            };
+            std::thread::Builder::new()
+                .name(format!("tp-accept-{rank}"))
+                .spawn(move || accept_prev(listener, peer, &secret, deadline, &give_up))
+                .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?
         };
-        prev.set_nonblocking(false)
-            .and_then(|_| prev.set_read_timeout(Some(cfg.rendezvous_timeout)))
-            .map_err(|e| io_error(prev_rank, "handshake", &e))?;
-        let mut got = [0u8; 16];
-        prev.read_exact(&mut got)
-            .map_err(|e| io_error(prev_rank, "handshake", &e))?;
-        let their_world = u32::from_le_bytes(got[8..12].try_into().unwrap_or_default()) as usize;
-        let their_rank = u32::from_le_bytes(got[12..16].try_into().unwrap_or_default()) as usize;
-        if &got[..8] != MAGIC || their_world != world || their_rank != prev_rank {
-            return Err(CommError::new(
-                CommErrorKind::Rendezvous,
-                format!(
-                    "expected rank {prev_rank} of {world}, a peer introduced itself as rank {their_rank} of \
-                     {their_world}"
-                ),
-            ));
+        let peer = Peer {
+            world,
+            me: rank,
+            other: next_rank,
+        };
+        let next = connect_next(next_addr, peer, &secret, deadline);
+        if next.is_err() {
+            give_up.store(true, std::sync::atomic::Ordering::Relaxed);
         }
+        let prev = acceptor.join().unwrap_or_else(|_| {
+            Err(CommError::new(
+                CommErrorKind::Rendezvous,
+                "the accepting thread panicked",
+            ))
+        });
+        let (mut next, prev) = (next?, prev?);
         for s in [&prev, &next] {
             s.set_nodelay(true)
                 .map_err(|e| CommError::new(CommErrorKind::Rendezvous, e.to_string()))?;
@@ -568,5 +727,75 @@ mod tests {
             TcpComm::connect(&one).err().unwrap().kind,
             CommErrorKind::Invalid
         );
+    }
+
+    /// Forms a group of `secrets.len()` on loopback, rank `r` holding `secrets[r]`; `before` runs on the bound
+    /// addresses before any rank starts.
+    fn form(
+        secrets: Vec<Option<&'static [u8]>>,
+        timeout: Duration,
+        before: impl FnOnce(&[String]),
+    ) -> Vec<Result<TcpComm>> {
+        let listeners: Vec<TcpListener> = secrets
+            .iter()
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<String> = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        before(&addrs);
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .zip(secrets)
+            .enumerate()
+            .map(|(r, (l, secret))| {
+                let mut cfg = TcpConfig::new(r, addrs.clone());
+                cfg.rendezvous_timeout = timeout;
+                cfg.secret = secret.map(<[u8]>::to_vec);
+                std::thread::spawn(move || TcpComm::with_listener(&cfg, l))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn the_ring_forms_among_holders_of_the_secret_despite_junk_on_its_ports() {
+        let k: &'static [u8] = b"cluster-token";
+        let mut junk = Vec::new();
+        let out = form(
+            vec![Some(k), Some(k), Some(k)],
+            Duration::from_secs(20),
+            |addrs| {
+                // A stranger that writes garbage, and one that connects and says nothing, before the ranks start.
+                let mut a = TcpStream::connect(&addrs[0]).unwrap();
+                a.write_all(
+                    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789012345678901234567890123456789",
+                )
+                .unwrap();
+                junk.push(a);
+                junk.push(TcpStream::connect(&addrs[1]).unwrap());
+            },
+        );
+        let comms: Vec<TcpComm> = out.into_iter().map(|r| r.unwrap()).collect();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| std::thread::spawn(move || c.all_gather(&[c.rank() as f32]).unwrap()))
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), vec![0.0, 1.0, 2.0]);
+        }
+    }
+
+    #[test]
+    fn a_rank_without_the_secret_is_refused() {
+        let k: &'static [u8] = b"cluster-token";
+        for odd in [Some(&b"another-token"[..]), None] {
+            let out = form(vec![Some(k), odd], Duration::from_secs(3), |_| {});
+            for r in out {
+                let e = r.err().expect("a group with a wrong secret must not form");
+                assert_eq!(e.kind, CommErrorKind::Rendezvous, "{}", e.message);
+            }
+        }
     }
 }

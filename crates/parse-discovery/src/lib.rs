@@ -16,6 +16,77 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
+/// How this process signs in to etcd: set once, from its flags, before any connection ([`configure_etcd`]). One
+/// process talks to one etcd cluster, so this is process-wide rather than threaded through every call.
+static ETCD_AUTH: std::sync::OnceLock<EtcdAuth> = std::sync::OnceLock::new();
+
+/// TLS and user/password for etcd.
+#[derive(Clone, Default)]
+pub struct EtcdAuth {
+    tls: Option<etcd_client::TlsOptions>,
+    user: Option<(String, String)>,
+}
+
+/// etcd's TLS and authentication, shared by the router and the workers.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct EtcdAuthArgs {
+    /// CA (PEM) etcd's server certificate must chain to; turns TLS to etcd on (endpoints become https).
+    #[arg(long, env = "PARSE_ETCD_CA")]
+    pub etcd_ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for etcd's client-certificate authentication (with --etcd-key).
+    #[arg(long, env = "PARSE_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    pub etcd_cert: Option<std::path::PathBuf>,
+    #[arg(long, env = "PARSE_ETCD_KEY", requires_all = ["etcd_cert", "etcd_ca"])]
+    pub etcd_key: Option<std::path::PathBuf>,
+    /// etcd user (etcd's own authentication; with --etcd-password).
+    #[arg(long, env = "PARSE_ETCD_USER", requires = "etcd_password")]
+    pub etcd_user: Option<String>,
+    #[arg(
+        long,
+        env = "PARSE_ETCD_PASSWORD",
+        hide_env_values = true,
+        requires = "etcd_user"
+    )]
+    pub etcd_password: Option<String>,
+}
+
+impl EtcdAuthArgs {
+    pub fn load(&self) -> Result<EtcdAuth, DiscoveryError> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p)
+                .map_err(|e| DiscoveryError::Etcd(format!("cannot read {}: {e}", p.display())))
+        };
+        let tls = match &self.etcd_ca {
+            None => None,
+            Some(ca) => {
+                let mut t = etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(read(ca)?));
+                if let (Some(c), Some(k)) = (&self.etcd_cert, &self.etcd_key) {
+                    t = t.identity(etcd_client::Identity::from_pem(read(c)?, read(k)?));
+                }
+                Some(t)
+            }
+        };
+        let user = match (&self.etcd_user, &self.etcd_password) {
+            (Some(u), Some(p)) => Some((u.clone(), p.clone())),
+            _ => None,
+        };
+        Ok(EtcdAuth { tls, user })
+    }
+
+    /// Loads and installs it for this process ([`configure_etcd`]).
+    pub fn install(&self) -> Result<(), DiscoveryError> {
+        configure_etcd(self.load()?)
+    }
+}
+
+/// Sets how this process signs in to etcd; once, before the first connection.
+pub fn configure_etcd(auth: EtcdAuth) -> Result<(), DiscoveryError> {
+    ETCD_AUTH
+        .set(auth)
+        .map_err(|_| DiscoveryError::Etcd("authentication is already configured".into()))
+}
+
 /// Every key lives under this prefix.
 pub const PREFIX: &str = "/parse/v1/workers/";
 
@@ -283,11 +354,19 @@ impl EtcdDiscovery {
     }
 
     async fn connect(endpoints: &[String]) -> Result<Client, String> {
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(CALL_TIMEOUT)
             // Detects a dead connection under a long-lived watch stream.
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
+        if let Some(a) = ETCD_AUTH.get() {
+            if let Some((user, password)) = &a.user {
+                opts = opts.with_user(user.clone(), password.clone());
+            }
+            if let Some(tls) = &a.tls {
+                opts = opts.with_tls(tls.clone());
+            }
+        }
         timed("connect", Client::connect(endpoints, Some(opts))).await
     }
 
@@ -649,6 +728,8 @@ pub struct AnnounceArgs {
     /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
     #[arg(long, default_value_t = 5)]
     pub lease_ttl_s: u64,
+    #[command(flatten)]
+    pub etcd_auth: EtcdAuthArgs,
 }
 
 impl AnnounceArgs {

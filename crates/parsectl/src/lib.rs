@@ -1,6 +1,7 @@
 //! The operator CLI. `generate --local` runs the models in process; `generate --router ADDR` asks a cluster through
 //! the client SDK, with the same output and `--json` contract.
 
+pub mod certs;
 pub mod ops;
 
 use std::io::Write;
@@ -10,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use parse_core::{Mode, Verdict};
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message, SamplingParams};
+use parse_proto::security::Security;
 use parse_text::TextSink;
 use serde_json::json;
 
@@ -67,6 +69,49 @@ impl CliError {
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// Mutual TLS to a router (and its admin API, and a worker's health) that runs it.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TlsArgs {
+    /// This client's certificate (PEM), signed by the cluster CA; with --tls-key and --tls-ca.
+    #[arg(long, global = true, env = "PARSE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The key of --tls-cert (PEM).
+    #[arg(long, global = true, env = "PARSE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM) the server's certificate must chain to.
+    #[arg(long, global = true, env = "PARSE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the server's certificate must carry [default: the host dialled].
+    #[arg(long, global = true, env = "PARSE_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
+}
+
+impl TlsArgs {
+    pub fn load(&self) -> Result<Security, CliError> {
+        let given = [
+            self.tls_cert.is_some(),
+            self.tls_key.is_some(),
+            self.tls_ca.is_some(),
+        ];
+        if given.iter().any(|g| *g) && !given.iter().all(|g| *g) {
+            return Err(CliError::Usage(
+                "TLS needs all three of --tls-cert, --tls-key and --tls-ca".into(),
+            ));
+        }
+        parse_proto::security::SecurityArgs {
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            tls_ca: self.tls_ca.clone(),
+            tls_server_name: self.tls_server_name.clone(),
+            ..Default::default()
+        }
+        .load()
+        .map_err(|e| CliError::Usage(e.0))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -87,6 +132,9 @@ pub enum Command {
     /// N requests per mode and concurrency through the router (`-c 1,4,8 --mode target,parse+token-spec` sweeps
     /// them), with a progress bar and a table: tokens/s, time to first token, latency percentiles, acceptance.
     Bench(ops::BenchArgs),
+    /// Write a throw-away cluster CA, router / worker / client certificates and a cluster token into a directory
+    /// (for `deploy/local/up.sh --tls` and trying the chart's TLS; use your own CA in production).
+    Certs(certs::CertsArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -214,14 +262,16 @@ pub struct GenerateArgs {
 }
 
 pub fn run(cli: Cli) -> Result<(), CliError> {
+    let sec = &cli.tls.load()?;
     match cli.command {
-        Command::Generate(args) => generate(&args),
-        Command::Health(args) => health(&args),
-        Command::Workers(a) => ops::workers(&a),
-        Command::Drain(d) => ops::drain(&d),
-        Command::Stats(a) => ops::stats(&a),
-        Command::Policy(p) => ops::policy(&p),
-        Command::Bench(b) => ops::bench(&b),
+        Command::Generate(args) => generate(&args, sec),
+        Command::Health(args) => health(&args, sec),
+        Command::Workers(a) => ops::workers(&a, sec),
+        Command::Drain(d) => ops::drain(&d, sec),
+        Command::Stats(a) => ops::stats(&a, sec),
+        Command::Policy(p) => ops::policy(&p, sec),
+        Command::Bench(b) => ops::bench(&b, sec),
+        Command::Certs(c) => certs::certs(&c),
     }
 }
 
@@ -231,12 +281,12 @@ fn load(path: PathBuf, tokenizer: &Option<PathBuf>) -> Result<Engine, CliError> 
     Ok(Engine::load(&cfg)?)
 }
 
-fn generate(args: &GenerateArgs) -> Result<(), CliError> {
+fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
     if args.prompt.trim().is_empty() {
         return Err(CliError::Usage("empty prompt".into()));
     }
     if let Some(addr) = &args.router {
-        return generate_remote(addr, args);
+        return generate_remote(addr, args, sec);
     }
     let mode = args.mode;
     let uses_target = args.mode != Mode::Draft;
@@ -369,7 +419,7 @@ fn generate(args: &GenerateArgs) -> Result<(), CliError> {
 }
 
 /// `generate --router`: the same request through the client SDK.
-fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
+fn generate_remote(addr: &str, args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
     use parse_client::{Client, ClientOptions, Event};
     use tokio_stream::StreamExt;
 
@@ -417,6 +467,7 @@ fn generate_remote(addr: &str, args: &GenerateArgs) -> Result<(), CliError> {
             addr,
             ClientOptions {
                 request_timeout: timeout,
+                security: sec.clone(),
                 ..Default::default()
             },
         )
@@ -505,7 +556,7 @@ pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
 }
 
 /// `health`: SERVING exits 0; anything else (unreachable, NOT_SERVING) exits 1 once the wait is over.
-fn health(args: &HealthArgs) -> Result<(), CliError> {
+fn health(args: &HealthArgs, sec: &Security) -> Result<(), CliError> {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
@@ -513,12 +564,8 @@ fn health(args: &HealthArgs) -> Result<(), CliError> {
     if !(args.wait_s.is_finite() && args.wait_s >= 0.0) {
         return Err(CliError::Usage("wait-s must be a number >= 0".into()));
     }
-    let uri = if args.addr.contains("://") {
-        args.addr.clone()
-    } else {
-        format!("http://{}", args.addr)
-    };
-    let endpoint = tonic::transport::Endpoint::from_shared(uri)
+    let endpoint = sec
+        .endpoint(&args.addr)
         .map_err(|e| CliError::Usage(format!("bad address {}: {e}", args.addr)))?
         .connect_timeout(std::time::Duration::from_secs(2));
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use parse_client::{Client, GenerateRequest};
+use parse_proto::security::Security;
 use parse_proto::v1::admin_client::AdminClient;
 use parse_proto::v1::{
     Counters, DrainWorkerRequest, GetPolicyRequest, GetStatsRequest, ListWorkersRequest, Policy,
@@ -105,21 +106,26 @@ fn status_error(s: tonic::Status) -> CliError {
     CliError::Admin(s)
 }
 
-async fn admin_client(a: &AdminArgs) -> Result<(AdminClient<Channel>, String), CliError> {
+async fn admin_client(
+    a: &AdminArgs,
+    sec: &Security,
+) -> Result<(AdminClient<Channel>, String), CliError> {
     let token = a.token.clone().filter(|t| !t.is_empty()).ok_or_else(|| {
         CliError::Usage("the admin API needs --token or PARSE_ADMIN_TOKEN".into())
     })?;
-    let uri = if a.admin.contains("://") {
-        a.admin.clone()
-    } else {
-        format!("http://{}", a.admin)
-    };
-    let ch = tonic::transport::Endpoint::from_shared(uri)
+    let ch = sec
+        .endpoint(&a.admin)
         .map_err(|e| CliError::Usage(format!("bad address {}: {e}", a.admin)))?
         .connect_timeout(Duration::from_secs(3))
         .connect()
         .await
-        .map_err(|e| CliError::Unhealthy(format!("{} unreachable: {e}", a.admin)))?;
+        .map_err(|e| {
+            CliError::Unhealthy(format!(
+                "{} unreachable: {}",
+                a.admin,
+                parse_proto::security::error_chain(&e)
+            ))
+        })?;
     Ok((AdminClient::new(ch), format!("Bearer {token}")))
 }
 
@@ -139,9 +145,9 @@ fn out(line: impl std::fmt::Display) {
     let _ = writeln!(std::io::stdout(), "{line}");
 }
 
-pub fn workers(a: &AdminArgs) -> Result<(), CliError> {
+pub fn workers(a: &AdminArgs, sec: &Security) -> Result<(), CliError> {
     let ws = runtime()?.block_on(async {
-        let (mut c, bearer) = admin_client(a).await?;
+        let (mut c, bearer) = admin_client(a, sec).await?;
         c.list_workers(authed(ListWorkersRequest {}, &bearer)?)
             .await
             .map_err(status_error)
@@ -178,9 +184,9 @@ pub fn workers(a: &AdminArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-pub fn drain(d: &DrainArgs) -> Result<(), CliError> {
+pub fn drain(d: &DrainArgs, sec: &Security) -> Result<(), CliError> {
     let r = runtime()?.block_on(async {
-        let (mut c, bearer) = admin_client(&d.admin).await?;
+        let (mut c, bearer) = admin_client(&d.admin, sec).await?;
         c.drain_worker(authed(DrainWorkerRequest { id: d.id.clone() }, &bearer)?)
             .await
             .map_err(status_error)
@@ -223,9 +229,9 @@ fn counters_row(name: &str, role: &str, c: &Counters) -> String {
     )
 }
 
-pub fn stats(a: &AdminArgs) -> Result<(), CliError> {
+pub fn stats(a: &AdminArgs, sec: &Security) -> Result<(), CliError> {
     let s = runtime()?.block_on(async {
-        let (mut c, bearer) = admin_client(a).await?;
+        let (mut c, bearer) = admin_client(a, sec).await?;
         c.get_stats(authed(GetStatsRequest {}, &bearer)?)
             .await
             .map_err(status_error)
@@ -279,12 +285,12 @@ fn print_policy(p: &Policy, json_out: bool) {
     }
 }
 
-pub fn policy(cmd: &PolicyCommand) -> Result<(), CliError> {
+pub fn policy(cmd: &PolicyCommand, sec: &Security) -> Result<(), CliError> {
     let rt = runtime()?;
     match cmd {
         PolicyCommand::Get(a) => {
             let p = rt.block_on(async {
-                let (mut c, bearer) = admin_client(a).await?;
+                let (mut c, bearer) = admin_client(a, sec).await?;
                 c.get_policy(authed(GetPolicyRequest {}, &bearer)?)
                     .await
                     .map_err(status_error)
@@ -300,7 +306,7 @@ pub fn policy(cmd: &PolicyCommand) -> Result<(), CliError> {
                 max_draft_tokens: s.max_draft_tokens,
             };
             let p = rt.block_on(async {
-                let (mut c, bearer) = admin_client(&s.admin).await?;
+                let (mut c, bearer) = admin_client(&s.admin, sec).await?;
                 c.set_policy(authed(req, &bearer)?)
                     .await
                     .map_err(status_error)
@@ -423,7 +429,7 @@ async fn timed(mut c: Client, req: GenerateRequest, timeout: Duration) -> Result
 /// `bench`: for every mode and concurrency, N streamed requests through the router (a progress bar on stderr), then
 /// a table (or `--json`: the totals and one object per cell): aggregate and per-request tokens/s, time to first
 /// token, latency percentiles, acceptance, target passes per token.
-pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
+pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
     if b.requests == 0 || b.concurrency.is_empty() || b.concurrency.contains(&0) {
         return Err(CliError::Usage("-n and -c must be at least 1".into()));
     }
@@ -447,7 +453,13 @@ pub fn bench(b: &BenchArgs) -> Result<(), CliError> {
         b.mode.clone()
     };
     let rt = runtime()?;
-    let client = rt.block_on(Client::connect(&b.router))?;
+    let client = rt.block_on(Client::connect_with(
+        &b.router,
+        parse_client::ClientOptions {
+            security: sec.clone(),
+            ..Default::default()
+        },
+    ))?;
     let total = (modes.len() * b.concurrency.len() * b.requests) as u64;
     // On stderr, and hidden where stderr is not a terminal (indicatif's default).
     let bar = indicatif::ProgressBar::new(total);

@@ -37,6 +37,8 @@ pub struct DraftWorkerConfig {
     pub session_ttl: Duration,
     /// Tokens one `Draft` call may ask for.
     pub max_tokens_per_draft: u32,
+    /// Mutual TLS and the cluster token its callers must present.
+    pub security: parse_proto::security::Security,
 }
 
 impl Default for DraftWorkerConfig {
@@ -45,6 +47,7 @@ impl Default for DraftWorkerConfig {
             max_streams: 64,
             session_ttl: Duration::from_secs(300),
             max_tokens_per_draft: 1024,
+            security: Default::default(),
         }
     }
 }
@@ -295,8 +298,10 @@ pub async fn serve_reporting(
     ready: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let reaper = worker.shell.spawn_reaper();
+    let access = parse_proto::serve::Access::worker(&worker.cfg.security);
     let result =
-        parse_proto::serve::run_reporting(worker.into_server(), listener, shutdown, ready).await;
+        parse_proto::serve::run_reporting(worker.into_server(), listener, shutdown, ready, access)
+            .await;
     reaper.abort();
     result.map_err(|e| anyhow::anyhow!(e))
 }

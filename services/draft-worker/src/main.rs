@@ -37,6 +37,8 @@ struct Args {
     kv_mib: usize,
     #[command(flatten)]
     discovery: AnnounceArgs,
+    #[command(flatten)]
+    security: parse_proto::security::SecurityArgs,
 }
 
 #[tokio::main]
@@ -45,6 +47,8 @@ async fn main() -> anyhow::Result<()> {
     let _telemetry = parse_proto::telemetry::init("parse-draft-worker")
         .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
+    let security = args.security.load()?;
+    args.discovery.etcd_auth.install()?;
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
@@ -55,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         DraftWorkerConfig {
             max_streams: args.max_streams,
             session_ttl: Duration::from_secs(args.session_ttl_s),
+            security,
             ..Default::default()
         },
         engine_stop.clone(),

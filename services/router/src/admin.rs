@@ -256,11 +256,12 @@ pub async fn serve_admin(
     if token.is_empty() {
         anyhow::bail!("the admin API needs a token");
     }
+    let access = parse_proto::serve::Access::public(&router.cfg.security);
     let svc = AdminServer::new(AdminService {
         router,
         want: Arc::new(format!("Bearer {token}").into_bytes()),
     });
-    parse_proto::serve::run(svc, listener, shutdown)
+    parse_proto::serve::run(svc, listener, shutdown, access)
         .await
         .map_err(|e| anyhow::anyhow!(e))
 }

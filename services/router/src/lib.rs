@@ -64,6 +64,11 @@ pub struct RouterConfig {
     pub default_drafter: DrafterKind,
     /// Pause greedy `token-spec` where it does not pay, for requests that do not say (`DraftWindow::adaptive`).
     pub adaptive: bool,
+    /// Mutual TLS on the router's own APIs and its worker calls, and the cluster token it sends to workers.
+    pub security: parse_proto::security::Security,
+    /// The longest a worker call may take when the client set no deadline (a wedged worker must not hold a
+    /// request forever).
+    pub worker_call_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -82,6 +87,8 @@ impl Default for RouterConfig {
             served_model_name: None,
             default_drafter: DrafterKind::Model,
             adaptive: true,
+            security: Default::default(),
+            worker_call_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -157,7 +164,7 @@ impl Router {
         }
         let discovery: Arc<dyn Discovery> = if cfg.etcd.is_empty() {
             for a in cfg.drafts.iter().chain(&cfg.targets) {
-                pool::check_address(a)?;
+                pool::check_address(a, &cfg.security)?;
             }
             Arc::new(StaticDiscovery::new(&cfg.drafts, &cfg.targets))
         } else {
@@ -172,8 +179,16 @@ impl Router {
     /// A router whose pools follow `discovery` (static, etcd, or in memory for tests); `cfg`'s worker lists only
     /// order the members they name. Call it inside a tokio runtime.
     pub fn with_discovery(cfg: RouterConfig, discovery: &dyn Discovery) -> Self {
-        let drafts = Arc::new(Pool::new(Role::Draft, cfg.connect_timeout));
-        let targets = Arc::new(Pool::new(Role::Target, cfg.connect_timeout));
+        let drafts = Arc::new(Pool::new(
+            Role::Draft,
+            cfg.connect_timeout,
+            cfg.security.clone(),
+        ));
+        let targets = Arc::new(Pool::new(
+            Role::Target,
+            cfg.connect_timeout,
+            cfg.security.clone(),
+        ));
         let cancel = CancellationToken::new();
         for (role, pool, listed) in [
             (Role::Draft, drafts.clone(), cfg.drafts.clone()),
@@ -459,6 +474,7 @@ impl Router {
             handle: tokio::runtime::Handle::current(),
             cancel: cancel.clone(),
             deadline,
+            call_timeout: self.cfg.worker_call_timeout,
         };
         // A client gone mid-call cancels the call at once (the worker sees its RPC cancelled), not at the next output.
         let closed = tx.clone();
@@ -690,7 +706,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let probers = router.spawn_probers();
     let root = router.cancel.clone();
-    let result = parse_proto::serve::run(router.into_server(), listener, shutdown).await;
+    let access = parse_proto::serve::Access::public(&router.cfg.security);
+    let result = parse_proto::serve::run(router.into_server(), listener, shutdown, access).await;
     root.cancel();
     for p in probers {
         p.abort();

@@ -70,6 +70,13 @@ struct Args {
     /// default it pauses there; the output is the same either way).
     #[arg(long)]
     no_adaptive: bool,
+    /// The longest one worker call may take when the client sent no deadline.
+    #[arg(long, default_value_t = 300)]
+    worker_call_timeout_s: u64,
+    #[command(flatten)]
+    security: parse_proto::security::SecurityArgs,
+    #[command(flatten)]
+    etcd_auth: parse_discovery::EtcdAuthArgs,
 }
 
 #[tokio::main]
@@ -78,6 +85,11 @@ async fn main() -> anyhow::Result<()> {
     let _telemetry = parse_proto::telemetry::init("parse-router")
         .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
+    let security = args.security.load()?;
+    args.etcd_auth.install()?;
+    if args.worker_call_timeout_s == 0 {
+        anyhow::bail!("--worker-call-timeout-s must be at least 1");
+    }
     let err = |e: parse_core::Error| anyhow::anyhow!(e.message);
     let default_mode = args.default_mode;
     let policy = AcceptPolicy::for_verdict(args.default_verdict, args.default_tau);
@@ -94,6 +106,8 @@ async fn main() -> anyhow::Result<()> {
         served_model_name: args.served_model_name.clone(),
         default_drafter: args.default_drafter,
         adaptive: !args.no_adaptive,
+        security,
+        worker_call_timeout: std::time::Duration::from_secs(args.worker_call_timeout_s),
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;

@@ -6,17 +6,22 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use parse_discovery::Role;
+use parse_proto::security::{Security, SendToken};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+/// A connection to a worker: every call carries the cluster token (when there is one).
+pub type WorkerChannel = InterceptedService<Channel, SendToken>;
 
 /// One worker.
 pub struct Worker {
     /// Its discovery id (the address for static members).
     pub id: String,
     pub addr: String,
-    pub channel: Channel,
+    pub channel: WorkerChannel,
     outstanding: AtomicUsize,
     healthy: AtomicBool,
     draining: AtomicBool,
@@ -64,15 +69,16 @@ pub struct Pool {
     pub role: Role,
     workers: RwLock<Vec<Arc<Worker>>>,
     connect_timeout: Duration,
+    security: Security,
 }
 
-fn endpoint(addr: &str, connect_timeout: Duration) -> Result<Endpoint, tonic::transport::Error> {
-    let uri = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    Ok(Endpoint::from_shared(uri)?
+fn endpoint(
+    addr: &str,
+    connect_timeout: Duration,
+    security: &Security,
+) -> Result<Endpoint, tonic::transport::Error> {
+    Ok(security
+        .endpoint(addr)?
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5))
@@ -83,11 +89,15 @@ fn worker(
     id: &str,
     addr: &str,
     connect_timeout: Duration,
+    security: &Security,
 ) -> Result<Worker, tonic::transport::Error> {
     Ok(Worker {
         id: id.to_string(),
         addr: addr.to_string(),
-        channel: endpoint(addr, connect_timeout)?.connect_lazy(),
+        channel: InterceptedService::new(
+            endpoint(addr, connect_timeout, security)?.connect_lazy(),
+            security.client_auth(),
+        ),
         outstanding: AtomicUsize::new(0),
         healthy: AtomicBool::new(true),
         draining: AtomicBool::new(false),
@@ -95,17 +105,18 @@ fn worker(
 }
 
 /// Checks that `addr` can be dialled (a flag's worker address).
-pub fn check_address(addr: &str) -> Result<(), tonic::transport::Error> {
-    endpoint(addr, Duration::from_secs(1)).map(|_| ())
+pub fn check_address(addr: &str, security: &Security) -> Result<(), tonic::transport::Error> {
+    endpoint(addr, Duration::from_secs(1), security).map(|_| ())
 }
 
 impl Pool {
     /// An empty pool; discovery fills it ([`Pool::sync`]).
-    pub fn new(role: Role, connect_timeout: Duration) -> Self {
+    pub fn new(role: Role, connect_timeout: Duration, security: Security) -> Self {
         Pool {
             role,
             workers: RwLock::new(Vec::new()),
             connect_timeout,
+            security,
         }
     }
 
@@ -141,7 +152,7 @@ impl Pool {
             if ws.iter().any(|w| w.id == *id && w.addr == *addr) {
                 continue;
             }
-            match worker(id, addr, self.connect_timeout) {
+            match worker(id, addr, self.connect_timeout, &self.security) {
                 Ok(w) => {
                     tracing::info!(role = self.role.as_str(), %id, %addr, "worker joined");
                     ws.push(Arc::new(w));

@@ -9,7 +9,7 @@
 //!   extensions), re-prefills it on another worker and retries the call.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
 use parse_core::policy::VerifyOutput;
@@ -28,7 +28,7 @@ use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::Streaming;
 
-use crate::pool::{Lease, Pool};
+use crate::pool::{Lease, Pool, WorkerChannel};
 
 /// Limits and cancellation shared by both sides of one request.
 #[derive(Clone)]
@@ -38,6 +38,8 @@ pub struct CallCtx {
     /// down. A cancelled request drops its in-flight worker calls, which cancels them on the workers.
     pub cancel: CancellationToken,
     pub deadline: Option<Instant>,
+    /// The longest one worker call may take (within the deadline, if any).
+    pub call_timeout: Duration,
 }
 
 impl CallCtx {
@@ -75,12 +77,16 @@ impl CallCtx {
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         parse_proto::telemetry::inject(r.metadata_mut());
-        if let Some(d) = self.deadline {
-            r.set_timeout(d.saturating_duration_since(Instant::now()));
-        }
+        let left = self.deadline.map_or(self.call_timeout, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        r.set_timeout(left.min(self.call_timeout));
         r
     }
 }
+
+/// How long a session release may take; past it the worker's session TTL frees the session.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether a worker call failed because the worker (or the connection to it) is gone. A dropped HTTP/2
 /// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled.
@@ -181,7 +187,7 @@ impl RemoteDrafter {
         }
     }
 
-    fn client(&self) -> Option<DrafterClient<tonic::transport::Channel>> {
+    fn client(&self) -> Option<DrafterClient<WorkerChannel>> {
         self.lease.as_ref().map(|l| {
             DrafterClient::new(l.worker.channel.clone())
                 .max_decoding_message_size(64 << 20)
@@ -428,11 +434,13 @@ impl Drafter for RemoteDrafter {
         self.stream = None;
         self.prefetch = None;
         if let Some(mut client) = self.client() {
-            // Release even when the request itself was cancelled: no deadline on the cleanup.
+            // Release even when the request itself was cancelled: the request's deadline does not bound the
+            // cleanup, a short one of its own does (a wedged worker must not hold the request's end).
             let mut req = tonic::Request::new(ReleaseRequest {
                 session: session.to_string(),
             });
             parse_proto::telemetry::inject(req.metadata_mut());
+            req.set_timeout(RELEASE_TIMEOUT);
             if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
                 // A lost worker frees its sessions with its process; a live one expires them after its TTL.
                 tracing::warn!("draft release failed: {}", s.message());
@@ -473,7 +481,7 @@ impl RemoteVerifier {
         }
     }
 
-    fn client(&mut self) -> Result<VerifierClient<tonic::transport::Channel>> {
+    fn client(&mut self) -> Result<VerifierClient<WorkerChannel>> {
         if self.lease.is_none() {
             self.lease = self.pool.pick(&self.lost);
             if let Some(l) = &self.lease {
@@ -512,7 +520,7 @@ impl RemoteVerifier {
         session: &str,
         mut call: impl FnMut(
             &CallCtx,
-            &mut VerifierClient<tonic::transport::Channel>,
+            &mut VerifierClient<WorkerChannel>,
         ) -> std::result::Result<T, tonic::Status>,
     ) -> Result<T> {
         loop {
@@ -630,6 +638,7 @@ impl Verifier for RemoteVerifier {
                 session: session.to_string(),
             });
             parse_proto::telemetry::inject(req.metadata_mut());
+            req.set_timeout(RELEASE_TIMEOUT);
             if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
                 tracing::warn!("target release failed: {}", s.message());
             }

@@ -40,6 +40,8 @@ pub struct TargetWorkerConfig {
     pub max_extend: u32,
     /// How often a tensor-parallel leader checks its followers.
     pub heartbeat: Duration,
+    /// Mutual TLS and the cluster token its callers must present.
+    pub security: parse_proto::security::Security,
 }
 
 impl Default for TargetWorkerConfig {
@@ -49,6 +51,7 @@ impl Default for TargetWorkerConfig {
             session_ttl: Duration::from_secs(300),
             max_extend: 4096,
             heartbeat: Duration::from_secs(1),
+            security: Default::default(),
         }
     }
 }
@@ -390,9 +393,15 @@ pub async fn serve(
     let reaper = worker.shell.spawn_reaper();
     let heartbeat = worker.spawn_heartbeat();
     let ready = worker.ready.subscribe();
-    let result =
-        parse_proto::serve::run_reporting(worker.clone().into_server(), listener, shutdown, ready)
-            .await;
+    let access = parse_proto::serve::Access::worker(&worker.cfg.security);
+    let result = parse_proto::serve::run_reporting(
+        worker.clone().into_server(),
+        listener,
+        shutdown,
+        ready,
+        access,
+    )
+    .await;
     reaper.abort();
     if let Some(h) = heartbeat {
         h.abort();

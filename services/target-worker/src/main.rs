@@ -46,6 +46,8 @@ struct Args {
     kv_mib: usize,
     #[command(flatten)]
     discovery: AnnounceArgs,
+    #[command(flatten)]
+    security: parse_proto::security::SecurityArgs,
     /// Ranks of the tensor-parallel group.
     #[arg(long, env = "PARSE_TP", default_value_t = 1)]
     tp: usize,
@@ -149,6 +151,8 @@ async fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
     check(&args)?;
+    let security = args.security.load()?;
+    args.discovery.etcd_auth.install()?;
     let layout: Layout = args.tp_layout.parse()?;
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
@@ -176,6 +180,7 @@ async fn main() -> anyhow::Result<()> {
             _ => args.tp_addrs.clone(),
         };
         let mut tcp = TcpConfig::new(args.rank, addrs);
+        tcp.secret = security.token().map(|t| t.as_bytes().to_vec());
         tcp.op_timeout = Duration::from_secs(args.tp_timeout_s.max(1));
         tcp.rendezvous_timeout = Duration::from_secs(args.tp_rendezvous_s);
         tracing::info!(
@@ -213,6 +218,7 @@ async fn main() -> anyhow::Result<()> {
                 listener,
                 parse_proto::serve::shutdown_signal(),
                 watch,
+                parse_proto::serve::Access::worker(&security),
             ));
             let followed = tokio::task::spawn_blocking(move || follower.follow()).await?;
             ready.send_replace(false);
@@ -236,6 +242,7 @@ async fn main() -> anyhow::Result<()> {
         TargetWorkerConfig {
             max_queue: args.max_queue,
             session_ttl: Duration::from_secs(args.session_ttl_s),
+            security: security.clone(),
             ..Default::default()
         },
         engine_stop.clone(),
