@@ -3,12 +3,18 @@
 # pair (fetched on first use). Waits until all of them report SERVING over grpc.health.v1, prints the endpoints, and
 # keeps pids and logs under the run directory; deploy/local/down.sh stops exactly these processes.
 #
-#   deploy/local/up.sh [--run-dir DIR] [--no-build] [--tp N] [--etcd]
+#   deploy/local/up.sh [--run-dir DIR] [--no-build] [--tp N] [--etcd] [--tls]
 #
 #   --tp N   the target is a tensor-parallel group of N processes (rank r: health on PARSE_TARGET_PORT + r, group
 #            connection on PARSE_TP_PORT + r, 50081 by default); rank 0 serves the router
 #   --etcd   also start etcd (Debian's etcd-server; PARSE_ETCD_PORT, 52379) with its data in the run dir; workers
 #            register there, the router and the TP group find each other through it
+#   --tls    mutual TLS on every gRPC hop (router, admin API, workers; TLS to etcd too with --etcd): a throw-away CA
+#            and certificates from `parsectl certs` in <run dir>/tls; clients need client.pem, client-key.pem and
+#            ca.pem from there (up.sh prints the environment to set)
+#
+# Workers always require the cluster token (<run dir>/tls/cluster-token, fresh per start): only this cluster's
+# router may open sessions on them or drain them; the TP ranks authenticate each other with it.
 #
 # Ports (env): PARSE_ROUTER_PORT (50051), PARSE_ADMIN_PORT (50052), PARSE_OPENAI_PORT (8000, the OpenAI HTTP API and
 # the router's /metrics), PARSE_DRAFT_PORT (50061), PARSE_TARGET_PORT (50071), PARSE_DRAFT_METRICS_PORT (50062),
@@ -23,13 +29,15 @@ run_dir="${PARSE_RUN_DIR:-$repo/.cache/local-cluster}"
 build=1
 tp=1
 use_etcd=0
+use_tls=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --run-dir) run_dir="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     --tp) tp="$2"; shift 2 ;;
     --etcd) use_etcd=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --tls) use_tls=1; shift ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "up.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -83,15 +91,42 @@ start() { # name, command...
   echo "$name $! $1" >> "$run_dir/pids"
 }
 
-wait_healthy() { # name, addr
-  "$bin/parsectl" health "$2" --wait-s "${PARSE_UP_TIMEOUT_S:-180}" > /dev/null 2>&1 \
+wait_healthy() { # name, addr, [server name in its certificate]
+  local name_args=()
+  [ -n "${3:-}" ] && name_args=(--tls-server-name "$3")
+  "$bin/parsectl" health "$2" "${name_args[@]}" --wait-s "${PARSE_UP_TIMEOUT_S:-180}" > /dev/null 2>&1 \
     || fail "$1 at $2 did not become healthy"
+}
+
+# Credentials: the cluster token always, certificates with --tls. Each process reads its own through the
+# environment (files, never values on the command line, which `ps` shows).
+tls="$run_dir/tls"
+rm -rf "$tls"
+if [ "$use_tls" = 1 ]; then
+  "$bin/parsectl" certs "$tls" > /dev/null || fail "parsectl certs failed"
+else
+  mkdir -p "$tls"
+  (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32))' > "$tls/cluster-token")
+fi
+export PARSE_CLUSTER_TOKEN_FILE="$tls/cluster-token"
+as() { # role (router|worker|client): the TLS environment of that role, when --tls
+  if [ "$use_tls" = 1 ]; then
+    export PARSE_TLS_CERT="$tls/$1.pem" PARSE_TLS_KEY="$tls/$1-key.pem" PARSE_TLS_CA="$tls/ca.pem"
+  fi
 }
 
 etcd_args=()
 if [ "$use_etcd" = 1 ]; then
+  etcd_tls=()
   etcd_url="http://127.0.0.1:$etcd_port"
-  start etcd "$(command -v etcd)" --name parse-local --data-dir "$run_dir/etcd" \
+  if [ "$use_tls" = 1 ]; then
+    # Client-certificate authentication: only holders of a cluster certificate reach etcd.
+    etcd_url="https://127.0.0.1:$etcd_port"
+    etcd_tls=(--cert-file "$tls/worker.pem" --key-file "$tls/worker-key.pem" --trusted-ca-file "$tls/ca.pem"
+      --client-cert-auth)
+    export PARSE_ETCD_CA="$tls/ca.pem" PARSE_ETCD_CERT="$tls/client.pem" PARSE_ETCD_KEY="$tls/client-key.pem"
+  fi
+  start etcd "$(command -v etcd)" --name parse-local --data-dir "$run_dir/etcd" "${etcd_tls[@]}" \
     --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
     --listen-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
     --initial-advertise-peer-urls "http://127.0.0.1:$((etcd_port + 1))" \
@@ -120,15 +155,18 @@ for r in $(seq 0 $((tp - 1))); do
   [ "$tp" -gt 1 ] && name="target-rank$r"
   # The group's leader (rank 0) serves the worker API and its metrics; followers only compute.
   [ "$r" = 0 ] && group_args+=(--metrics-listen "127.0.0.1:$target_metrics_port")
+  as worker
   start "$name" "$bin/parse-target-worker" --model "$target_model" --listen "127.0.0.1:$((target_port + r))" \
     "${group_args[@]}" "${etcd_args[@]}"
 done
+as worker
 start draft-worker "$bin/parse-draft-worker" --model "$draft_model" --listen "127.0.0.1:$draft_port" \
   --metrics-listen "127.0.0.1:$draft_metrics_port" "${etcd_args[@]}"
+as client
 for r in $(seq 0 $((tp - 1))); do
-  wait_healthy "target rank $r" "127.0.0.1:$((target_port + r))"
+  wait_healthy "target rank $r" "127.0.0.1:$((target_port + r))" parse-worker
 done
-wait_healthy draft-worker "127.0.0.1:$draft_port"
+wait_healthy draft-worker "127.0.0.1:$draft_port" parse-worker
 (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(16))' > "$run_dir/admin-token")
 # The token goes through the environment, not the command line (which `ps` shows).
 PARSE_ADMIN_TOKEN="$(cat "$run_dir/admin-token")"
@@ -138,9 +176,12 @@ if [ "$use_etcd" = 1 ]; then
 else
   router_args=(--target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port")
 fi
-start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
+as router
+# The router dials workers by address; their certificates name the role.
+PARSE_TLS_SERVER_NAME=parse-worker start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
   --admin-listen "127.0.0.1:$admin_port" --openai-listen "127.0.0.1:$openai_port" "${router_args[@]}"
-unset PARSE_ADMIN_TOKEN
+unset PARSE_ADMIN_TOKEN PARSE_CLUSTER_TOKEN_FILE
+as client
 wait_healthy router "127.0.0.1:$router_port"
 if [ "$use_etcd" = 1 ]; then
   # Discovery: the router serves once it has found both workers.
@@ -154,8 +195,17 @@ if [ "$use_etcd" = 1 ]; then
   [ "$n" -ge 2 ] || fail "the router did not discover the workers through etcd"
 fi
 
+tls_note="plain text on loopback; workers require the cluster token ($tls/cluster-token)"
+tls_env=""
+if [ "$use_tls" = 1 ]; then
+  tls_note="mutual TLS on every gRPC hop (CA and certificates in $tls); the HTTP ports stay plain, on loopback"
+  tls_env="export PARSE_TLS_CERT=$tls/client.pem PARSE_TLS_KEY=$tls/client-key.pem PARSE_TLS_CA=$tls/ca.pem
+     "
+fi
+
 cat <<MSG
 PARSE local cluster is up (run dir $run_dir)
+  security        $tls_note
   router          127.0.0.1:$router_port   (parse.v1.Generation)
   admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
   OpenAI API      http://127.0.0.1:$openai_port/v1   (chat/completions, completions, models; /health)
@@ -165,7 +215,7 @@ PARSE local cluster is up (run dir $run_dir)
   target worker   127.0.0.1:$target_port   ($(basename "$target_model"), tensor-parallel size $tp)
   etcd            $([ "$use_etcd" = 1 ] && echo "127.0.0.1:$etcd_port" || echo "not used")
   logs            $run_dir/logs
-Try: curl -s http://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
+Try: ${tls_env}curl -s http://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'
      $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse+token-spec "Write a Python function that reverses a string."
      PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port

@@ -117,7 +117,7 @@ impl SecurityArgs {
         if let Some(t) = token {
             s = s.with_token(&t)?;
         }
-        if let Some(n) = &self.tls_server_name {
+        if let Some(n) = self.tls_server_name.as_deref().filter(|n| !n.is_empty()) {
             s = s.with_server_name(n);
         }
         Ok(s)

@@ -2,7 +2,8 @@
 # The container cluster (deploy/compose): etcd, the router, two draft workers and a TP = 2 target group on a
 # private network. Checks: a generation succeeds; a draft container killed mid-run loses no request; its etcd key
 # expires (the router drops it) and, restarted, it registers again and is used; a network partition between the
-# router and the other draft worker (`docker network disconnect`) loses no request.
+# router and the other draft worker (`docker network disconnect`) loses no request. All of it over mutual TLS, with
+# etcd over TLS and workers that require the cluster token; a client without a certificate is refused.
 # Builds the images first (deploy/docker/build.sh --no-build: the release binaries must exist).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -11,6 +12,11 @@ export PARSE_MODEL_DIR="${PARSE_MODEL_DIR:-$HOME/.cache/parse/models}"
 PARSE_ADMIN_TOKEN="$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 export PARSE_ADMIN_TOKEN
 export PARSE_COMPOSE_PORT=55051 PARSE_COMPOSE_ADMIN_PORT=55052
+tls_dir="$(mktemp -d)/tls"
+target/release/parsectl certs "$tls_dir" --host etcd > /dev/null
+# The containers run as other users than this script's: the keys of this throw-away set must be readable to them.
+chmod a+rx "$(dirname "$tls_dir")" "$tls_dir" && chmod a+r "$tls_dir"/*
+export PARSE_TLS_DIR="$tls_dir"
 project=parsetest
 compose=(docker-compose -p "$project" -f deploy/compose/docker-compose.yml)
 ctl=target/release/parsectl
@@ -30,6 +36,7 @@ docker build -q -f deploy/docker/Dockerfile.etcd -t parse-etcd:local deploy/dock
 
 log "up"
 "${compose[@]}" up -d
+export PARSE_TLS_CERT="$tls_dir/client.pem" PARSE_TLS_KEY="$tls_dir/client-key.pem" PARSE_TLS_CA="$tls_dir/ca.pem"
 "$ctl" health "$router" --wait-s 240 > /dev/null
 workers() { "$ctl" workers "${admin[@]}" --json | python3 -c "
 import json, sys; print(' '.join(sorted(w['id'] for w in json.load(sys.stdin)['workers'])))"; }
@@ -43,8 +50,13 @@ wait_workers() { # expected ids, seconds
 }
 wait_workers "draft1 draft2 target-g1" 240
 
-log "a generation"
+log "a generation; none without a client certificate"
 "$ctl" generate --router "$router" --mode parse --max-new-tokens 16 "Say hello." > /dev/null
+if env -u PARSE_TLS_CERT -u PARSE_TLS_KEY -u PARSE_TLS_CA "$ctl" generate --router "$router" --max-new-tokens 4 \
+  "hi" > /dev/null 2>&1; then
+  echo "a client without a certificate was served" >&2
+  exit 1
+fi
 
 log "a draft container killed mid-run loses no request"
 "$ctl" bench --router "$router" -n 8 -c 2 --max-new-tokens 24 --json > /tmp/parse-bench-kill.json &

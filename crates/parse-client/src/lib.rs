@@ -73,7 +73,18 @@ impl ClientError {
 
 impl From<tonic::Status> for ClientError {
     fn from(s: tonic::Status) -> Self {
-        let m = s.message().to_string();
+        // A transport failure's status says only "transport error"; its causes say what happened (a TLS port
+        // spoken to in plain text, a refused certificate).
+        let m = match std::error::Error::source(&s) {
+            Some(cause) => {
+                let chain = parse_proto::security::error_chain(cause);
+                match chain.strip_prefix(s.message()) {
+                    Some(rest) => format!("{}{rest}", s.message()),
+                    None => format!("{}: {chain}", s.message()),
+                }
+            }
+            None => s.message().to_string(),
+        };
         match s.code() {
             Code::InvalidArgument | Code::OutOfRange => ClientError::InvalidArgument(m),
             Code::ResourceExhausted => ClientError::ResourceExhausted(m),

@@ -147,6 +147,10 @@ pub struct HealthArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Liveness: the server answers health at all (SERVING or NOT_SERVING). A worker that lost its etcd
+    /// registration is NOT_SERVING (not ready) but alive: restarting it would not bring etcd back.
+    #[arg(long)]
+    pub live: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -583,13 +587,19 @@ fn health(args: &HealthArgs, sec: &Security) -> Result<(), CliError> {
                     match HealthClient::new(ch).check(req).await {
                         Ok(r) => match ServingStatus::try_from(r.into_inner().status) {
                             Ok(ServingStatus::Serving) => Ok("SERVING".to_string()),
+                            Ok(ServingStatus::NotServing) if args.live => {
+                                Ok("NOT_SERVING (alive)".to_string())
+                            }
                             Ok(s) => Err(s.as_str_name().to_string()),
                             Err(_) => Err("UNKNOWN".to_string()),
                         },
                         Err(s) => Err(format!("{:?}: {}", s.code(), s.message())),
                     }
                 }
-                Err(e) => Err(format!("unreachable: {e}")),
+                Err(e) => Err(format!(
+                    "unreachable: {}",
+                    parse_proto::security::error_chain(&e)
+                )),
             };
             if answer.is_ok() || std::time::Instant::now() >= deadline {
                 return answer;
