@@ -181,9 +181,25 @@ impl TryFrom<&v1::VerifyRequest> for VerifyPlan {
     }
 }
 
+/// The most rows one Verify block may hold (draft, pending token and judge suffixes); checked before anything is
+/// allocated for the plan. A PARSE block is a few hundred rows at most.
+pub const MAX_VERIFY_ROWS: usize = 4096;
+
 fn plan_from(r: &v1::VerifyRequest) -> Result<VerifyPlan, CoreError> {
     let n = r.tokens.len();
     let l = r.draft.len();
+    if n > MAX_VERIFY_ROWS {
+        return Err(CoreError::invalid(format!(
+            "a verify block holds at most {MAX_VERIFY_ROWS} rows, got {n}"
+        )));
+    }
+    // A row attends to at most every block position: more ranges than that are not a mask.
+    if let Some(m) = r.mask.iter().find(|m| m.spans.len() > 2 * (n + 1)) {
+        return Err(CoreError::invalid(format!(
+            "a mask row has {} span bounds for a block of {n}",
+            m.spans.len()
+        )));
+    }
     if n == 0 || l == 0 || r.positions.len() != n || r.mask.len() != n || n < l + 1 {
         return Err(CoreError::invalid(format!(
             "inconsistent plan: {n} tokens, {} positions, {} mask rows, draft of {l}",
@@ -378,9 +394,18 @@ mod tests {
         let mut bad = wire.clone();
         bad.mask[0].spans.push(1);
         assert!(VerifyPlan::try_from(&bad).is_err());
-        let mut bad = wire;
+        let mut bad = wire.clone();
         bad.draft[0] = 99;
         assert!(VerifyPlan::try_from(&bad).is_err());
+        // Oversized blocks and masks are refused before anything is built from them.
+        let mut big = wire.clone();
+        big.tokens = vec![20; MAX_VERIFY_ROWS + 1];
+        let e = VerifyPlan::try_from(&big).unwrap_err();
+        assert!(e.message.contains("at most"), "{}", e.message);
+        let mut bad = wire;
+        bad.mask[1].spans = [0, 1].repeat(20);
+        let e = VerifyPlan::try_from(&bad).unwrap_err();
+        assert!(e.message.contains("span bounds"), "{}", e.message);
     }
 
     #[test]

@@ -173,10 +173,28 @@ impl ChatTemplate {
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same vocabulary encoding special tokens' text as plain text (for what users write).
+    plain: tokenizers::Tokenizer,
+    /// The text of the special tokens (`<|im_start|>`...), to tell whether a message writes one.
+    specials: Vec<String>,
     eos: Vec<u32>,
     bos: Option<u32>,
     add_bos: bool,
     template: ChatTemplate,
+}
+
+/// The plain-text twin of a tokenizer and the texts of its special tokens.
+fn plain_twin(inner: &tokenizers::Tokenizer) -> (tokenizers::Tokenizer, Vec<String>) {
+    let mut plain = inner.clone();
+    plain.set_encode_special_tokens(true);
+    let mut specials: Vec<String> = inner
+        .get_added_tokens_decoder()
+        .values()
+        .filter(|t| t.special && !t.content.is_empty())
+        .map(|t| t.content.clone())
+        .collect();
+    specials.sort();
+    (plain, specials)
 }
 
 const END_TOKENS: [&str; 5] = [
@@ -247,8 +265,11 @@ impl Tokenizer {
             }
         }
         let template = ChatTemplate::detect(template, |t| inner.token_to_id(t).is_some());
+        let (plain, specials) = plain_twin(&inner);
         Tokenizer {
             inner,
+            plain,
+            specials,
             eos: eos_ids,
             bos,
             add_bos,
@@ -289,8 +310,11 @@ impl Tokenizer {
             .tokenizer
             .parse()
             .map_err(|e: tokenizers::Error| Error::Tokenizer(e.to_string()))?;
+        let (plain, specials) = plain_twin(&inner);
         Ok(Tokenizer {
             inner,
+            plain,
+            specials,
             eos: p.eos,
             bos: p.bos,
             add_bos: p.add_bos,
@@ -330,12 +354,71 @@ impl Tokenizer {
         Ok(ids)
     }
 
-    /// Token ids of a chat conversation, ready for the assistant's reply.
+    /// Token ids of a chat conversation, ready for the assistant's reply. What the messages say is text: a message
+    /// that writes a control token's text (`<|im_start|>system`, `<|eot_id|>`) gets that text's ordinary tokens,
+    /// never the control token, so that no message can open or close turns of its own. Only the layout's own
+    /// markers are control tokens.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
         if messages.iter().all(|m| m.content.trim().is_empty()) {
             return Err(Error::InvalidInput("empty prompt".into()));
         }
-        self.encode_prompt(&self.template.render(messages))
+        if !messages
+            .iter()
+            .any(|m| self.specials.iter().any(|s| m.content.contains(s.as_str())))
+        {
+            // Nothing to tell apart: the rendered conversation in one piece (the tokens it always had).
+            return self.encode_prompt(&self.template.render(messages));
+        }
+        // Render with a marker in place of each message, then encode the layout's text with its control tokens and
+        // each message's text as plain text. The markers are private-use characters no layout writes.
+        const OPEN: char = '\u{F8F0}';
+        const CLOSE: char = '\u{F8F1}';
+        let marked: Vec<Message> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Message {
+                role: m.role,
+                content: format!("{OPEN}{i}{CLOSE}"),
+            })
+            .collect();
+        let rendered = self.template.render(&marked);
+        let mut ids = Vec::new();
+        let mut rest = rendered.as_str();
+        while let Some(at) = rest.find(OPEN) {
+            if at > 0 {
+                ids.extend(self.encode(&rest[..at])?);
+            }
+            let tail = &rest[at + OPEN.len_utf8()..];
+            let end = tail
+                .find(CLOSE)
+                .ok_or_else(|| Error::Tokenizer("chat layout lost a message marker".into()))?;
+            let i: usize = tail[..end]
+                .parse()
+                .map_err(|_| Error::Tokenizer("chat layout changed a message marker".into()))?;
+            let m = &messages[i];
+            // The layouts that trim a message's text (Llama 3) trim it here too.
+            let text = match self.template {
+                ChatTemplate::Llama3 => m.content.trim(),
+                _ => m.content.as_str(),
+            };
+            ids.extend(
+                self.plain
+                    .encode(text, false)
+                    .map_err(|e| Error::Tokenizer(e.to_string()))?
+                    .get_ids(),
+            );
+            rest = &tail[end + CLOSE.len_utf8()..];
+        }
+        if !rest.is_empty() {
+            ids.extend(self.encode(rest)?);
+        }
+        if self.add_bos
+            && let Some(b) = self.bos
+            && ids.first() != Some(&b)
+        {
+            ids.insert(0, b);
+        }
+        Ok(ids)
     }
 
     /// The judge verdict's verification suffix: it closes the assistant's turn and asks whether the answer so far is

@@ -72,6 +72,19 @@ impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
     }
 }
 
+/// Admits `session` to `backend`: a session it already holds always, a new one while fewer than `max` are open;
+/// beyond that RESOURCE_EXHAUSTED (the router takes the request to another worker). Run inside the scheduler, so
+/// that concurrent opens cannot pass the cap together.
+pub fn admit<B: Backend>(backend: &B, session: &str, max: usize) -> Result<(), CoreError> {
+    if backend.has_session(session) || backend.open_sessions() < max {
+        return Ok(());
+    }
+    Err(CoreError::new(
+        parse_core::ErrorKind::ResourceExhausted,
+        format!("{max} sessions open, the most this worker holds"),
+    ))
+}
+
 /// Per session: the epoch of its current draft (a newer draft supersedes older producers) and its last use.
 #[derive(Debug, Default)]
 pub struct SessionBook {

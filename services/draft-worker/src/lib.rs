@@ -39,6 +39,8 @@ pub struct DraftWorkerConfig {
     pub max_tokens_per_draft: u32,
     /// Mutual TLS and the cluster token its callers must present.
     pub security: parse_proto::security::Security,
+    /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
 }
 
 impl Default for DraftWorkerConfig {
@@ -48,6 +50,7 @@ impl Default for DraftWorkerConfig {
             session_ttl: Duration::from_secs(300),
             max_tokens_per_draft: 1024,
             security: Default::default(),
+            max_sessions: 256,
         }
     }
 }
@@ -150,6 +153,7 @@ impl Drafter for DraftWorker {
             ))
         })?;
         let draining = self.shell.drain.is_draining();
+        let max_sessions = self.cfg.max_sessions;
         let session = r.session.clone();
         // Begin (prefill may take a while): a new epoch supersedes the session's running draft.
         let epoch = self
@@ -161,6 +165,7 @@ impl Drafter for DraftWorker {
                         "the draft worker is draining",
                     ));
                 }
+                parse_worker::admit(&st.backend, &session, max_sessions)?;
                 let epoch = st.book.next_epoch(&session);
                 st.backend.begin(&session, &r.context, &sampling)?;
                 Ok(epoch)

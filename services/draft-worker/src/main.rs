@@ -29,6 +29,10 @@ struct Args {
     /// Drafts streaming at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 64)]
     max_streams: usize,
+    /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED (the router moves the request to another
+    /// worker).
+    #[arg(long, default_value_t = 256)]
+    max_sessions: usize,
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
@@ -59,6 +63,7 @@ async fn main() -> anyhow::Result<()> {
         DraftWorkerConfig {
             max_streams: args.max_streams,
             session_ttl: Duration::from_secs(args.session_ttl_s),
+            max_sessions: args.max_sessions.max(1),
             security,
             ..Default::default()
         },

@@ -69,6 +69,11 @@ pub struct RouterConfig {
     /// The longest a worker call may take when the client set no deadline (a wedged worker must not hold a
     /// request forever).
     pub worker_call_timeout: Duration,
+    /// The most bytes of prompt text (prompt, system and messages together) a request may carry.
+    pub max_prompt_bytes: usize,
+    /// How long a streaming client may leave its stream unread before the request is cancelled (its permit and
+    /// sessions freed).
+    pub stalled_reader_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -89,6 +94,8 @@ impl Default for RouterConfig {
             adaptive: true,
             security: Default::default(),
             worker_call_timeout: Duration::from_secs(300),
+            max_prompt_bytes: 1 << 20,
+            stalled_reader_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -119,6 +126,33 @@ pub struct Router {
 
 type Sender = mpsc::Sender<Result<GenerateStreamResponse, Status>>;
 
+/// Sends one message to a client's stream from the generation's thread. A client that leaves its stream unread for
+/// `stall` counts as gone: the request stops and frees its permit and its worker sessions rather than holding them
+/// for as long as the client holds the connection. False when the message was not delivered.
+fn send_within(
+    handle: &tokio::runtime::Handle,
+    tx: &Sender,
+    msg: Result<GenerateStreamResponse, Status>,
+    stall: Duration,
+) -> bool {
+    match tx.try_send(msg) {
+        Ok(()) => true,
+        Err(mpsc::error::TrySendError::Closed(_)) => false,
+        Err(mpsc::error::TrySendError::Full(msg)) => {
+            let sent = handle.block_on(async {
+                matches!(tokio::time::timeout(stall, tx.send(msg)).await, Ok(Ok(())))
+            });
+            if !sent && !tx.is_closed() {
+                tracing::warn!(
+                    stall_s = stall.as_secs_f64(),
+                    "the client stopped reading its stream: request cancelled"
+                );
+            }
+            sent
+        }
+    }
+}
+
 /// Attaches a request's span to the trace its client sent (gRPC metadata or HTTP headers), if any.
 pub(crate) type TraceParent = Box<dyn FnOnce(&tracing::Span) + Send>;
 
@@ -127,21 +161,75 @@ fn grpc_parent<T>(req: &Request<T>) -> TraceParent {
     Box::new(move |span| parse_proto::telemetry::set_parent(span, &md))
 }
 
-/// Reads the `grpc-timeout` header (the client's deadline).
+/// Reads the `grpc-timeout` header (the client's deadline). The value is the client's: at most 8 digits as gRPC
+/// says, and no arithmetic on it may overflow (a malformed one counts as none; every worker call still has the
+/// router's own limit).
 fn deadline_of<T>(req: &Request<T>) -> Option<Instant> {
     let v = req.metadata().get("grpc-timeout")?.to_str().ok()?;
     let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    if num.is_empty() || num.len() > 8 {
+        return None;
+    }
     let n: u64 = num.parse().ok()?;
     let d = match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
         "S" => Duration::from_secs(n),
         "m" => Duration::from_millis(n),
         "u" => Duration::from_micros(n),
         "n" => Duration::from_nanos(n),
         _ => return None,
     };
-    Some(Instant::now() + d)
+    Instant::now().checked_add(d)
+}
+
+/// Most messages one request may carry.
+pub const MAX_MESSAGES: usize = 1024;
+/// Most stop strings, and the longest one in bytes.
+pub const MAX_STOPS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 256;
+/// Most segments a request may ask its first draft to hold.
+pub const MAX_DRAFT_SEGMENTS: u32 = 64;
+
+/// Size limits, checked before the prompt is tokenized (tokenizing is the first cost a request makes).
+fn check_limits(r: &GenerateRequest, cfg: &RouterConfig) -> Result<(), CoreError> {
+    let text = r.prompt.len()
+        + r.system.len()
+        + r.messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum::<usize>();
+    if text > cfg.max_prompt_bytes {
+        return Err(CoreError::invalid(format!(
+            "the prompt is {text} bytes; this router takes at most {}",
+            cfg.max_prompt_bytes
+        )));
+    }
+    if r.messages.len() > MAX_MESSAGES {
+        return Err(CoreError::invalid(format!(
+            "{} messages; at most {MAX_MESSAGES}",
+            r.messages.len()
+        )));
+    }
+    if r.stop.len() > MAX_STOPS {
+        return Err(CoreError::invalid(format!(
+            "{} stop strings; at most {MAX_STOPS}",
+            r.stop.len()
+        )));
+    }
+    if let Some(s) = r.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(CoreError::invalid(format!(
+            "a stop string of {} bytes; at most {MAX_STOP_BYTES}",
+            s.len()
+        )));
+    }
+    if r.draft_segments > MAX_DRAFT_SEGMENTS {
+        return Err(CoreError::invalid(format!(
+            "draft_segments must be 0..={MAX_DRAFT_SEGMENTS}, got {}",
+            r.draft_segments
+        )));
+    }
+    Ok(())
 }
 
 fn source_of(s: Source) -> TokenSource {
@@ -302,6 +390,7 @@ impl Router {
         r: &GenerateRequest,
         session: &str,
     ) -> Result<(GenerationRequest, Vec<String>, DrafterKind), CoreError> {
+        check_limits(r, &self.cfg)?;
         let messages: Vec<Message> = if r.raw_prompt {
             if !r.messages.is_empty() || !r.system.is_empty() {
                 return Err(CoreError::invalid(
@@ -501,6 +590,7 @@ impl Router {
             target_passes = tracing::field::Empty,
         );
         parent(&span);
+        let stall = self.cfg.stalled_reader_timeout;
         let task = tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let _running = running;
@@ -542,8 +632,8 @@ impl Router {
                         source: source_of(source) as i32,
                     })),
                 };
-                if tx.blocking_send(Ok(delta)).is_err() {
-                    // The client went away: stop the loop (it releases the sessions).
+                if !send_within(&ctx.handle, &tx, Ok(delta), stall) {
+                    // The client went away or stopped reading: stop the loop (it releases the sessions).
                     return false;
                 }
                 !stopped && ctx.deadline.is_none_or(|d| Instant::now() < d)
@@ -589,25 +679,35 @@ impl Router {
                     if e.kind == ErrorKind::Internal {
                         tracing::error!("{}", e.message);
                     }
-                    let _ = tx.blocking_send(Err(status_from_core(e)));
+                    send_within(&ctx.handle, &tx, Err(status_from_core(e)), stall);
                     return;
                 }
             };
             if ctx.deadline.is_some_and(|d| Instant::now() >= d)
                 && outcome.finish_reason == parse_core::FinishReason::Stop
             {
-                let _ = tx.blocking_send(Err(Status::deadline_exceeded("deadline exceeded")));
+                send_within(
+                    &ctx.handle,
+                    &tx,
+                    Err(Status::deadline_exceeded("deadline exceeded")),
+                    stall,
+                );
                 return;
             }
             let tail = text_sink.flush();
             if !tail.is_empty() {
-                let _ = tx.blocking_send(Ok(GenerateStreamResponse {
-                    event: Some(Event::Delta(TextDelta {
-                        text: tail,
-                        token_ids: vec![],
-                        source: TokenSource::Unspecified as i32,
-                    })),
-                }));
+                send_within(
+                    &ctx.handle,
+                    &tx,
+                    Ok(GenerateStreamResponse {
+                        event: Some(Event::Delta(TextDelta {
+                            text: tail,
+                            token_ids: vec![],
+                            source: TokenSource::Unspecified as i32,
+                        })),
+                    }),
+                    stall,
+                );
             }
             let mut stats = parse_proto::v1::Stats::from(&outcome.stats);
             stats.draft_failovers = drafter.failovers as u32;
@@ -623,13 +723,18 @@ impl Router {
                 target_passes_per_token = outcome.stats.target_passes_per_token,
                 "done"
             );
-            let _ = tx.blocking_send(Ok(GenerateStreamResponse {
-                event: Some(Event::Finished(Finished {
-                    request_id,
-                    finish_reason: outcome.finish_reason.as_str().to_string(),
-                    stats: Some(stats),
-                })),
-            }));
+            send_within(
+                &ctx.handle,
+                &tx,
+                Ok(GenerateStreamResponse {
+                    event: Some(Event::Finished(Finished {
+                        request_id,
+                        finish_reason: outcome.finish_reason.as_str().to_string(),
+                        stats: Some(stats),
+                    })),
+                }),
+                stall,
+            );
         });
         task.await
             .map_err(|e| Status::internal(format!("generation task: {e}")))
@@ -713,4 +818,120 @@ pub async fn serve(
         p.abort();
     }
     result.map_err(|e| anyhow::anyhow!(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clients_grpc_timeout_cannot_overflow_the_deadline() {
+        for v in [
+            "18446744073709551615S",
+            "99999999999H",
+            "5124095576030431H",
+            "H",
+            "",
+            "12x",
+            "-5S",
+        ] {
+            let mut r = Request::new(());
+            r.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(deadline_of(&r), None, "{v:?}");
+        }
+        let mut r = Request::new(());
+        r.metadata_mut()
+            .insert("grpc-timeout", "99999999H".parse().unwrap());
+        assert!(deadline_of(&r).is_some());
+        let mut r = Request::new(());
+        r.metadata_mut()
+            .insert("grpc-timeout", "250m".parse().unwrap());
+        let d = deadline_of(&r).unwrap();
+        assert!(d > Instant::now() && d < Instant::now() + Duration::from_millis(300));
+    }
+
+    #[test]
+    fn a_stream_left_unread_gives_up_after_the_stall_limit() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (tx, rx) = mpsc::channel(1);
+        let msg = || Ok(GenerateStreamResponse { event: None });
+        assert!(send_within(
+            rt.handle(),
+            &tx,
+            msg(),
+            Duration::from_millis(100)
+        ));
+        // Full and never read: the next send gives up instead of blocking the generation for good.
+        let t = Instant::now();
+        assert!(!send_within(
+            rt.handle(),
+            &tx,
+            msg(),
+            Duration::from_millis(200)
+        ));
+        assert!(t.elapsed() < Duration::from_secs(2));
+        drop(rx);
+        assert!(!send_within(
+            rt.handle(),
+            &tx,
+            msg(),
+            Duration::from_secs(60)
+        ));
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_before_tokenizing() {
+        let cfg = RouterConfig {
+            max_prompt_bytes: 100,
+            ..Default::default()
+        };
+        let ok = GenerateRequest {
+            prompt: "hi".into(),
+            ..Default::default()
+        };
+        assert!(check_limits(&ok, &cfg).is_ok());
+        let cases = [
+            GenerateRequest {
+                prompt: "x".repeat(101),
+                ..Default::default()
+            },
+            GenerateRequest {
+                messages: vec![
+                    parse_proto::v1::ChatMessage {
+                        role: "user".into(),
+                        content: "y".repeat(60),
+                    };
+                    2
+                ],
+                ..Default::default()
+            },
+            GenerateRequest {
+                messages: vec![Default::default(); MAX_MESSAGES + 1],
+                ..Default::default()
+            },
+            GenerateRequest {
+                prompt: "hi".into(),
+                stop: vec!["a".into(); MAX_STOPS + 1],
+                ..Default::default()
+            },
+            GenerateRequest {
+                prompt: "hi".into(),
+                stop: vec!["a".repeat(MAX_STOP_BYTES + 1)],
+                ..Default::default()
+            },
+            GenerateRequest {
+                prompt: "hi".into(),
+                draft_segments: MAX_DRAFT_SEGMENTS + 1,
+                ..Default::default()
+            },
+        ];
+        for (i, r) in cases.iter().enumerate() {
+            let e = check_limits(r, &cfg).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidInput, "case {i}");
+        }
+    }
 }

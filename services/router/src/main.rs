@@ -70,6 +70,12 @@ struct Args {
     /// default it pauses there; the output is the same either way).
     #[arg(long)]
     no_adaptive: bool,
+    /// The most bytes of prompt text (prompt, system and messages together) a request may carry.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_prompt_bytes: usize,
+    /// Seconds a streaming client may leave its stream unread before its request is cancelled.
+    #[arg(long, default_value_t = 30)]
+    stalled_reader_timeout_s: u64,
     /// The longest one worker call may take when the client sent no deadline.
     #[arg(long, default_value_t = 300)]
     worker_call_timeout_s: u64,
@@ -108,6 +114,10 @@ async fn main() -> anyhow::Result<()> {
         adaptive: !args.no_adaptive,
         security,
         worker_call_timeout: std::time::Duration::from_secs(args.worker_call_timeout_s),
+        max_prompt_bytes: args.max_prompt_bytes,
+        stalled_reader_timeout: std::time::Duration::from_secs(
+            args.stalled_reader_timeout_s.max(1),
+        ),
         ..Default::default()
     })?;
     let (listener, addr) = parse_proto::serve::bind(args.listen).await?;

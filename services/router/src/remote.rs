@@ -89,10 +89,24 @@ impl CallCtx {
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether a worker call failed because the worker (or the connection to it) is gone. A dropped HTTP/2
-/// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled.
+/// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled; a call that ran
+/// past the router's per-call limit while the request's own deadline had not passed means a wedged worker (a
+/// stopped process, a partition the connection has not noticed yet).
 fn is_lost(ctx: &CallCtx, e: &Error) -> bool {
-    e.kind == ErrorKind::Unavailable
-        || (e.kind == ErrorKind::Cancelled && !ctx.cancel.is_cancelled())
+    match e.kind {
+        ErrorKind::Unavailable => true,
+        ErrorKind::Cancelled => !ctx.cancel.is_cancelled(),
+        ErrorKind::DeadlineExceeded => ctx.deadline.is_none_or(|d| Instant::now() < d),
+        _ => false,
+    }
+}
+
+/// Whether a worker's answer leaves the request something to try elsewhere: the worker is lost, full
+/// (RESOURCE_EXHAUSTED: its sessions, streams or KV are taken; another worker may have room), or no longer knows
+/// the session (NOT_FOUND: it restarted on the same address, or expired the session). Invalid input is not: it
+/// would be refused everywhere.
+fn is_recoverable(ctx: &CallCtx, e: &Error) -> bool {
+    is_lost(ctx, e) || matches!(e.kind, ErrorKind::ResourceExhausted | ErrorKind::NotFound)
 }
 
 /// A Draft stream the loop reads: the call's own, or one opened ahead by `prefetch` and read into a buffer by a
@@ -195,11 +209,16 @@ impl RemoteDrafter {
         })
     }
 
-    /// Drops the current worker after a transport failure; the next draft goes elsewhere.
+    /// Drops the current worker after a failure the request can go on from ([`is_recoverable`]); the next draft
+    /// goes elsewhere. Only a lost worker is marked failed for every request (a full one is skipped by this one).
     fn lose_worker(&mut self, e: &Error) {
         if let Some(l) = self.lease.take() {
-            tracing::warn!(addr = %l.worker.addr, "draft worker lost: {}", e.message);
-            l.worker.mark_failed();
+            if is_lost(&self.ctx, e) {
+                tracing::warn!(addr = %l.worker.addr, "draft worker lost: {}", e.message);
+                l.worker.mark_failed();
+            } else {
+                tracing::info!(addr = %l.worker.addr, "draft worker skipped for this request: {}", e.message);
+            }
             self.lost.push(l.worker.addr.clone());
             self.failovers += 1;
         }
@@ -260,7 +279,7 @@ impl Drafter for RemoteDrafter {
                 });
                 if let Err(s) = drained {
                     let e = core_from_status(&s);
-                    if !is_lost(&self.ctx, &e) {
+                    if !is_recoverable(&self.ctx, &e) {
                         return Err(e);
                     }
                     self.lose_worker(&e);
@@ -303,7 +322,7 @@ impl Drafter for RemoteDrafter {
                     }
                     Err(s) => {
                         let e = core_from_status(&s);
-                        if is_lost(&self.ctx, &e) {
+                        if is_recoverable(&self.ctx, &e) {
                             // The loop verifies what it has; the next draft goes to another worker.
                             self.lose_worker(&e);
                             self.done = true;
@@ -332,7 +351,7 @@ impl Drafter for RemoteDrafter {
                 }
                 Err(s) => {
                     let e = core_from_status(&s);
-                    if is_lost(&self.ctx, &e) {
+                    if is_recoverable(&self.ctx, &e) {
                         self.lose_worker(&e);
                         self.done = true;
                         break;
@@ -514,7 +533,9 @@ impl RemoteVerifier {
         Ok(())
     }
 
-    /// Runs `call` on the current worker; when that worker is lost, moves the session to another and retries.
+    /// Runs `call` on the current worker. When that worker is lost or full, moves the session to another
+    /// (re-prefilling the accepted context) and retries; when it no longer knows the session (restarted on the
+    /// same address, or expired it), opens it there again and retries.
     fn with_failover<T>(
         &mut self,
         session: &str,
@@ -523,6 +544,7 @@ impl RemoteVerifier {
             &mut VerifierClient<WorkerChannel>,
         ) -> std::result::Result<T, tonic::Status>,
     ) -> Result<T> {
+        let mut reopened_in_place = 0;
         loop {
             self.ctx.check()?;
             let mut client = self.client()?;
@@ -530,33 +552,68 @@ impl RemoteVerifier {
                 Ok(v) => return Ok(v),
                 Err(s) => {
                     let e = core_from_status(&s);
-                    if !is_lost(&self.ctx, &e) {
+                    if !is_recoverable(&self.ctx, &e) {
                         return Err(e);
                     }
-                    if let Some(l) = self.lease.take() {
-                        tracing::warn!(addr = %l.worker.addr, "target worker lost: {}", e.message);
-                        l.worker.mark_failed();
-                        self.lost.push(l.worker.addr.clone());
+                    if e.kind == ErrorKind::NotFound && self.opened && reopened_in_place < 2 {
+                        // Same worker, new process (or an expired session): the mirrored cache rebuilds it.
+                        reopened_in_place += 1;
+                        tracing::warn!(
+                            "target worker lost the session; opening it again: {}",
+                            e.message
+                        );
+                        self.failovers += 1;
+                        self.reopen_elsewhere(session)?;
+                        continue;
                     }
+                    self.leave_worker(&e);
                     self.failovers += 1;
                     if self.opened {
-                        // Re-prefill the accepted context elsewhere, then retry.
-                        let mut tries = 0;
-                        loop {
-                            match self.reopen(session) {
-                                Ok(()) => break,
-                                Err(e) if is_lost(&self.ctx, &e) && tries < 8 => {
-                                    tries += 1;
-                                    if let Some(l) = self.lease.take() {
-                                        l.worker.mark_failed();
-                                        self.lost.push(l.worker.addr.clone());
-                                    }
-                                }
-                                Err(e) => return Err(e),
-                            }
-                        }
+                        self.reopen_elsewhere(session)?;
+                    } else if self.pool.pick(&self.lost).is_none() {
+                        // Nothing else to try: the worker's own answer (RESOURCE_EXHAUSTED tells the client to
+                        // come back later).
+                        return Err(e);
                     }
                 }
+            }
+        }
+    }
+
+    /// Leaves the current worker for this request: a lost one is marked failed for every request, a full one is
+    /// only skipped by this one.
+    fn leave_worker(&mut self, e: &Error) {
+        if let Some(l) = self.lease.take() {
+            if is_lost(&self.ctx, e) {
+                tracing::warn!(addr = %l.worker.addr, "target worker lost: {}", e.message);
+                l.worker.mark_failed();
+            } else {
+                tracing::info!(addr = %l.worker.addr, "target worker skipped for this request: {}", e.message);
+            }
+            self.lost.push(l.worker.addr.clone());
+        }
+    }
+
+    /// Re-prefills the accepted context on the current worker (or, when there is none, the next one picked),
+    /// moving on while workers are lost or full. With none left: the last worker's error, RESOURCE_EXHAUSTED when
+    /// they were full (a client may retry later), UNAVAILABLE when none is there.
+    fn reopen_elsewhere(&mut self, session: &str) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            match self.reopen(session) {
+                Ok(()) => return Ok(()),
+                Err(e)
+                    if is_recoverable(&self.ctx, &e)
+                        && e.kind != ErrorKind::NotFound
+                        && tries < 8 =>
+                {
+                    tries += 1;
+                    self.leave_worker(&e);
+                    if self.pool.pick(&self.lost).is_none() {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
             }
         }
     }

@@ -42,6 +42,8 @@ pub struct TargetWorkerConfig {
     pub heartbeat: Duration,
     /// Mutual TLS and the cluster token its callers must present.
     pub security: parse_proto::security::Security,
+    /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
 }
 
 impl Default for TargetWorkerConfig {
@@ -52,6 +54,7 @@ impl Default for TargetWorkerConfig {
             max_extend: 4096,
             heartbeat: Duration::from_secs(1),
             security: Default::default(),
+            max_sessions: 256,
         }
     }
 }
@@ -260,7 +263,9 @@ impl Verifier for TargetWorker {
             let session = r.session.clone();
             // The cache takes all but the last token (the pending one).
             let rows = r.prompt.len().saturating_sub(1);
+            let max_sessions = self.cfg.max_sessions;
             self.call("open", session.clone(), move |v| {
+                parse_worker::admit(v, &session, max_sessions)?;
                 v.open(&session, &r.prompt, &sampling)
             })
             .await?;

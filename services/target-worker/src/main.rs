@@ -38,6 +38,10 @@ struct Args {
     /// Calls running or waiting at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
+    /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED (the router moves the request to another
+    /// worker).
+    #[arg(long, default_value_t = 256)]
+    max_sessions: usize,
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
@@ -242,6 +246,7 @@ async fn main() -> anyhow::Result<()> {
         TargetWorkerConfig {
             max_queue: args.max_queue,
             session_ttl: Duration::from_secs(args.session_ttl_s),
+            max_sessions: args.max_sessions.max(1),
             security: security.clone(),
             ..Default::default()
         },
