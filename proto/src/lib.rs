@@ -445,4 +445,83 @@ mod tests {
             .is_err()
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn mask_row() -> impl Strategy<Value = v1::MaskRow> {
+            (0u32..64, proptest::collection::vec(0u32..80, 0..12))
+                .prop_map(|(cached, spans)| v1::MaskRow { cached, spans })
+        }
+
+        fn floats() -> impl Strategy<Value = f32> {
+            prop_oneof![
+                any::<f32>(),
+                Just(f32::NAN),
+                Just(f32::INFINITY),
+                -1.0f32..2.0,
+            ]
+        }
+
+        prop_compose! {
+            fn wire_plan()(
+                tokens in proptest::collection::vec(0u32..50, 0..40),
+                positions in proptest::collection::vec(0u32..100, 0..40),
+                mask in proptest::collection::vec(mask_row(), 0..40),
+                draft in proptest::collection::vec(0u32..50, 0..40),
+                boundaries in proptest::collection::vec(0u32..50, 0..8),
+                suffix_rows in proptest::collection::vec(0u32..50, 0..8),
+                sample in proptest::option::of((
+                    proptest::collection::vec(floats(), 0..40),
+                    proptest::collection::vec(floats(), 0..40),
+                )),
+            ) -> v1::VerifyRequest {
+                v1::VerifyRequest {
+                    session: "s".into(),
+                    tokens,
+                    positions,
+                    mask,
+                    draft,
+                    boundaries,
+                    suffix_rows,
+                    sample: sample.map(|(draft_probs, uniforms)| v1::SampleCheck { draft_probs, uniforms }),
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// Whatever a peer sends as a Verify plan: a plan that survives the checks, or INVALID_ARGUMENT; never
+            /// a panic.
+            #[test]
+            fn any_wire_plan_is_a_plan_or_invalid_input(r in wire_plan()) {
+                match VerifyPlan::try_from(&r) {
+                    Ok(plan) => {
+                        prop_assert_eq!(plan.tokens.len(), r.tokens.len());
+                        // What it builds goes back on the wire as it came.
+                        let again = verify_request("s", &plan);
+                        prop_assert_eq!(again.tokens, r.tokens);
+                    }
+                    Err(e) => prop_assert_eq!(e.kind, ErrorKind::InvalidInput),
+                }
+            }
+
+            #[test]
+            fn any_wire_sampling_and_segmenter_are_checked(
+                temperature in floats(), top_p in proptest::option::of(floats()), top_k in any::<u32>(),
+                seed in any::<u64>(),
+                min in proptest::option::of(any::<u32>()), max in proptest::option::of(any::<u32>()),
+            ) {
+                let s = v1::Sampling { temperature, top_k, top_p, seed };
+                if let Ok(p) = sampling_from(Some(&s)) {
+                    prop_assert!(p.temperature.is_finite() && p.temperature >= 0.0);
+                    prop_assert!(p.top_p > 0.0 && p.top_p <= 1.0);
+                }
+                let seg = v1::Segmenter { min_tokens: min, max_tokens: max, ..Default::default() };
+                let _ = segmenter_from(Some(&seg), &Default::default());
+            }
+        }
+    }
 }

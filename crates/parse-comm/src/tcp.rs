@@ -94,6 +94,35 @@ fn resolve(addr: &str) -> Result<SocketAddr> {
         })
 }
 
+/// Reads one frame (a little-endian `u64` length, then that many bytes) from `peer`. A length above `max` is a
+/// protocol error before anything is allocated; the buffer grows as bytes arrive, so a peer that announces much
+/// and sends little costs little.
+fn read_frame(r: &mut impl Read, peer: usize, max: u64) -> Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len)
+        .map_err(|e| io_error(peer, "receive", &e))?;
+    let len = u64::from_le_bytes(len);
+    if len > max {
+        return Err(CommError::new(
+            CommErrorKind::Protocol,
+            format!("a frame of {len} bytes"),
+        ));
+    }
+    let mut buf = Vec::with_capacity(len.min(1 << 20) as usize);
+    let got = r
+        .take(len)
+        .read_to_end(&mut buf)
+        .map_err(|e| io_error(peer, "receive", &e))?;
+    if (got as u64) < len {
+        return Err(io_error(
+            peer,
+            "receive",
+            &std::io::Error::from(IoKind::UnexpectedEof),
+        ));
+    }
+    Ok(buf)
+}
+
 /// The two ends of one ring connection, as this rank sees them.
 #[derive(Clone, Copy)]
 struct Peer {
@@ -448,24 +477,7 @@ impl RingOps<'_> {
     }
 
     fn recv(&mut self) -> Result<Vec<u8>> {
-        let mut len = [0u8; 8];
-        self.ring
-            .prev
-            .read_exact(&mut len)
-            .map_err(|e| io_error(self.prev_rank, "receive", &e))?;
-        let len = u64::from_le_bytes(len);
-        if len > MAX_FRAME {
-            return Err(CommError::new(
-                CommErrorKind::Protocol,
-                format!("a frame of {len} bytes"),
-            ));
-        }
-        let mut buf = vec![0u8; len as usize];
-        self.ring
-            .prev
-            .read_exact(&mut buf)
-            .map_err(|e| io_error(self.prev_rank, "receive", &e))?;
-        Ok(buf)
+        read_frame(&mut self.ring.prev, self.prev_rank, MAX_FRAME)
     }
 
     fn send_f32(&mut self, v: &[f32]) -> Result<()> {
@@ -795,6 +807,48 @@ mod tests {
             for r in out {
                 let e = r.err().expect("a group with a wrong secret must not form");
                 assert_eq!(e.kind, CommErrorKind::Rendezvous, "{}", e.message);
+            }
+        }
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1024))]
+
+            /// Any byte stream from a peer: frames as they were framed, or a typed error; never a panic, never an
+            /// allocation the stream did not pay for.
+            #[test]
+            fn any_byte_stream_decodes_to_frames_or_an_error(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+                let mut r = std::io::Cursor::new(bytes.clone());
+                let mut consumed = 0usize;
+                loop {
+                    match read_frame(&mut r, 1, 1 << 16) {
+                        Ok(f) => {
+                            consumed += 8 + f.len();
+                            prop_assert!(consumed <= bytes.len());
+                        }
+                        Err(e) => {
+                            prop_assert!(matches!(e.kind, CommErrorKind::PeerLost | CommErrorKind::Protocol));
+                            break;
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn framed_payloads_round_trip(frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..8)) {
+                let mut wire = Vec::new();
+                for f in &frames {
+                    wire.extend((f.len() as u64).to_le_bytes());
+                    wire.extend(f);
+                }
+                let mut r = std::io::Cursor::new(wire);
+                for f in &frames {
+                    prop_assert_eq!(&read_frame(&mut r, 1, 1 << 16).unwrap(), f);
+                }
             }
         }
     }

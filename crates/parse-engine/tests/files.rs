@@ -426,3 +426,48 @@ fn ts_remove_and_check(dir: &Path) {
         Err(Error::MissingTensor(t)) if t == "model.norm.weight"
     ));
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn good_bytes() -> &'static [u8] {
+        static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        BYTES.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let model = Model::random(tiny(Arch::Qwen2), 5).unwrap();
+            let p = dir.path().join("good.gguf");
+            write_gguf(&p, &model, "qwen2", &[GgmlDType::Q8_0], false);
+            std::fs::read(&p).unwrap()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A GGUF file with bytes changed (its header, metadata and tensor table first of all) or cut short: a
+        /// model or a typed error, never a panic.
+        #[test]
+        fn a_damaged_gguf_is_a_model_or_a_typed_error(
+            flips in proptest::collection::vec((0usize..4096, any::<u8>()), 1..6),
+            cut in proptest::option::of(0usize..8192),
+        ) {
+            let mut bytes = good_bytes().to_vec();
+            for (at, v) in flips {
+                let at = at % bytes.len();
+                bytes[at] = v;
+            }
+            if let Some(c) = cut {
+                bytes.truncate(c.min(bytes.len()));
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("damaged.gguf");
+            std::fs::write(&p, &bytes).unwrap();
+            match load_path(&p) {
+                Ok(m) => prop_assert!(m.config().vocab_size > 0),
+                // Typed errors of every kind (invalid model, missing tensor, unsupported setting), each with its message.
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+        }
+    }
+}

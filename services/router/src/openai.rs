@@ -866,4 +866,82 @@ mod tests {
         };
         assert_eq!(usage(Some(&s))["parse"]["draft_share"], 1.0);
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// JSON values of every kind, a few levels deep.
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                any::<f64>().prop_map(
+                    |f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)
+                ),
+                ".{0,12}".prop_map(Value::from),
+            ];
+            leaf.prop_recursive(3, 24, 4, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    proptest::collection::btree_map(".{0,6}", inner, 0..4)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        const FIELDS: [&str; 14] = [
+            "messages",
+            "model",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "n",
+            "stream",
+            "stream_options",
+            "parse",
+            "prompt",
+        ];
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// Any JSON body, with the API's field names at random values: a request within the limits, or a 4xx
+            /// status with a message; never a panic.
+            #[test]
+            fn any_body_is_a_request_or_a_clear_refusal(
+                fields in proptest::collection::vec((0usize..FIELDS.len(), json()), 0..8),
+                raw in proptest::option::of(".{0,40}"),
+            ) {
+                let mut body = serde_json::Map::new();
+                for (k, v) in fields {
+                    body.insert(FIELDS[k].to_string(), v);
+                }
+                let bytes = match raw {
+                    Some(r) => Bytes::from(r),
+                    None => Bytes::from(Value::Object(body).to_string()),
+                };
+                for res in [
+                    chat_request(&bytes, "m", 4096).map(|(r, _)| r),
+                    completion_request(&bytes, "m", 4096).map(|(r, _)| r),
+                ] {
+                    match res {
+                        Ok(r) => {
+                            prop_assert!(r.max_new_tokens >= 1 && r.max_new_tokens <= 4096);
+                            prop_assert!(r.stop.len() <= 16);
+                        }
+                        Err(s) => {
+                            prop_assert!(matches!(s.code(), Code::InvalidArgument | Code::NotFound), "{s:?}");
+                            prop_assert!(!s.message().is_empty());
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -88,6 +88,59 @@ impl CallCtx {
 /// How long a session release may take; past it the worker's session TTL frees the session.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the router keeps trying to free a session on a worker a request left.
+const ORPHAN_RELEASE_FOR: Duration = Duration::from_secs(120);
+
+#[derive(Clone, Copy)]
+enum Side {
+    Draft,
+    Target,
+}
+
+/// Frees `session` on a worker this request left (lost, wedged or full), in the background: a worker that comes
+/// back (a stopped process continued, a partition healed) drops the session at once rather than after its TTL, and
+/// one that restarted answers NOT_FOUND, which ends it too. After [`ORPHAN_RELEASE_FOR`] the worker's TTL is left
+/// to do it.
+fn release_orphan(handle: &Handle, lease: &Lease, session: &str, side: Side) {
+    let channel = lease.worker.channel.clone();
+    let session = session.to_string();
+    handle.spawn(async move {
+        let until = Instant::now() + ORPHAN_RELEASE_FOR;
+        while Instant::now() < until {
+            let mut req = tonic::Request::new(ReleaseRequest {
+                session: session.clone(),
+            });
+            req.set_timeout(Duration::from_secs(5));
+            let r = match side {
+                Side::Draft => DrafterClient::new(channel.clone())
+                    .release(req)
+                    .await
+                    .map(drop),
+                Side::Target => VerifierClient::new(channel.clone())
+                    .release(req)
+                    .await
+                    .map(drop),
+            };
+            match r {
+                Ok(()) => return,
+                Err(s)
+                    if !matches!(
+                        s.code(),
+                        tonic::Code::Unavailable
+                            | tonic::Code::DeadlineExceeded
+                            | tonic::Code::Cancelled
+                            | tonic::Code::Unknown
+                            | tonic::Code::ResourceExhausted
+                    ) =>
+                {
+                    return;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_secs(2)).await,
+            }
+        }
+    });
+}
+
 /// Whether a worker call failed because the worker (or the connection to it) is gone. A dropped HTTP/2
 /// connection surfaces as CANCELLED, which means "lost" unless this request itself was cancelled; a call that ran
 /// past the router's per-call limit while the request's own deadline had not passed means a wedged worker (a
@@ -211,8 +264,9 @@ impl RemoteDrafter {
 
     /// Drops the current worker after a failure the request can go on from ([`is_recoverable`]); the next draft
     /// goes elsewhere. Only a lost worker is marked failed for every request (a full one is skipped by this one).
-    fn lose_worker(&mut self, e: &Error) {
+    fn lose_worker(&mut self, session: &str, e: &Error) {
         if let Some(l) = self.lease.take() {
+            release_orphan(&self.ctx.handle, &l, session, Side::Draft);
             if is_lost(&self.ctx, e) {
                 tracing::warn!(addr = %l.worker.addr, "draft worker lost: {}", e.message);
                 l.worker.mark_failed();
@@ -282,7 +336,7 @@ impl Drafter for RemoteDrafter {
                     if !is_recoverable(&self.ctx, &e) {
                         return Err(e);
                     }
-                    self.lose_worker(&e);
+                    self.lose_worker(session, &e);
                 }
             }
         }
@@ -324,7 +378,7 @@ impl Drafter for RemoteDrafter {
                         let e = core_from_status(&s);
                         if is_recoverable(&self.ctx, &e) {
                             // The loop verifies what it has; the next draft goes to another worker.
-                            self.lose_worker(&e);
+                            self.lose_worker(session, &e);
                             self.done = true;
                             break;
                         }
@@ -352,7 +406,7 @@ impl Drafter for RemoteDrafter {
                 Err(s) => {
                     let e = core_from_status(&s);
                     if is_recoverable(&self.ctx, &e) {
-                        self.lose_worker(&e);
+                        self.lose_worker(session, &e);
                         self.done = true;
                         break;
                     }
@@ -566,7 +620,7 @@ impl RemoteVerifier {
                         self.reopen_elsewhere(session)?;
                         continue;
                     }
-                    self.leave_worker(&e);
+                    self.leave_worker(session, &e);
                     self.failovers += 1;
                     if self.opened {
                         self.reopen_elsewhere(session)?;
@@ -582,8 +636,9 @@ impl RemoteVerifier {
 
     /// Leaves the current worker for this request: a lost one is marked failed for every request, a full one is
     /// only skipped by this one.
-    fn leave_worker(&mut self, e: &Error) {
+    fn leave_worker(&mut self, session: &str, e: &Error) {
         if let Some(l) = self.lease.take() {
+            release_orphan(&self.ctx.handle, &l, session, Side::Target);
             if is_lost(&self.ctx, e) {
                 tracing::warn!(addr = %l.worker.addr, "target worker lost: {}", e.message);
                 l.worker.mark_failed();
@@ -608,7 +663,7 @@ impl RemoteVerifier {
                         && tries < 8 =>
                 {
                     tries += 1;
-                    self.leave_worker(&e);
+                    self.leave_worker(session, &e);
                     if self.pool.pick(&self.lost).is_none() {
                         return Err(e);
                     }
