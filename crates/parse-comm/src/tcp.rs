@@ -633,18 +633,24 @@ pub fn loopback_group(n: usize, op_timeout: Duration) -> Result<Vec<TcpComm>> {
 mod tests {
     use super::*;
 
+    /// `n` listeners on loopback ports and their addresses.
+    fn bound(n: usize) -> (Vec<TcpListener>, Vec<String>) {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        (listeners, addrs)
+    }
+
     /// A group of `n` on loopback; rank `r`'s closure runs on its own thread.
     fn group<T: Send + 'static>(
         n: usize,
         f: impl Fn(TcpComm) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
-        let listeners: Vec<TcpListener> = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let addrs: Vec<String> = listeners
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
+        let (listeners, addrs) = bound(n);
         let f = Arc::new(f);
         let handles: Vec<_> = listeners
             .into_iter()
@@ -748,14 +754,7 @@ mod tests {
         timeout: Duration,
         before: impl FnOnce(&[String]),
     ) -> Vec<Result<TcpComm>> {
-        let listeners: Vec<TcpListener> = secrets
-            .iter()
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let addrs: Vec<String> = listeners
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
+        let (listeners, addrs) = bound(secrets.len());
         before(&addrs);
         let handles: Vec<_> = listeners
             .into_iter()

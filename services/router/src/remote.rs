@@ -97,6 +97,23 @@ enum Side {
     Target,
 }
 
+/// Leaves a worker for the rest of a request after `e`: a lost one is marked failed for every request, a full one
+/// only skipped by this one; either way the request's session there is freed in the background.
+fn leave(ctx: &CallCtx, l: Lease, session: &str, side: Side, e: &Error, lost: &mut Vec<String>) {
+    release_orphan(&ctx.handle, &l, session, side);
+    let role = match side {
+        Side::Draft => "draft",
+        Side::Target => "target",
+    };
+    if is_lost(ctx, e) {
+        tracing::warn!(addr = %l.worker.addr, "{role} worker lost: {}", e.message);
+        l.worker.mark_failed();
+    } else {
+        tracing::info!(addr = %l.worker.addr, "{role} worker skipped for this request: {}", e.message);
+    }
+    lost.push(l.worker.addr.clone());
+}
+
 /// Frees `session` on a worker this request left (lost, wedged or full), in the background: a worker that comes
 /// back (a stopped process continued, a partition healed) drops the session at once rather than after its TTL, and
 /// one that restarted answers NOT_FOUND, which ends it too. After [`ORPHAN_RELEASE_FOR`] the worker's TTL is left
@@ -266,14 +283,7 @@ impl RemoteDrafter {
     /// goes elsewhere. Only a lost worker is marked failed for every request (a full one is skipped by this one).
     fn lose_worker(&mut self, session: &str, e: &Error) {
         if let Some(l) = self.lease.take() {
-            release_orphan(&self.ctx.handle, &l, session, Side::Draft);
-            if is_lost(&self.ctx, e) {
-                tracing::warn!(addr = %l.worker.addr, "draft worker lost: {}", e.message);
-                l.worker.mark_failed();
-            } else {
-                tracing::info!(addr = %l.worker.addr, "draft worker skipped for this request: {}", e.message);
-            }
-            self.lost.push(l.worker.addr.clone());
+            leave(&self.ctx, l, session, Side::Draft, e, &mut self.lost);
             self.failovers += 1;
         }
         self.stream = None;
@@ -638,14 +648,7 @@ impl RemoteVerifier {
     /// only skipped by this one.
     fn leave_worker(&mut self, session: &str, e: &Error) {
         if let Some(l) = self.lease.take() {
-            release_orphan(&self.ctx.handle, &l, session, Side::Target);
-            if is_lost(&self.ctx, e) {
-                tracing::warn!(addr = %l.worker.addr, "target worker lost: {}", e.message);
-                l.worker.mark_failed();
-            } else {
-                tracing::info!(addr = %l.worker.addr, "target worker skipped for this request: {}", e.message);
-            }
-            self.lost.push(l.worker.addr.clone());
+            leave(&self.ctx, l, session, Side::Target, e, &mut self.lost);
         }
     }
 
