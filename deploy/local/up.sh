@@ -11,7 +11,8 @@
 #            register there, the router and the TP group find each other through it
 #   --tls    mutual TLS on every gRPC hop (router, admin API, workers; TLS to etcd too with --etcd): a throw-away CA
 #            and certificates from `parsectl certs` in <run dir>/tls; clients need client.pem, client-key.pem and
-#            ca.pem from there (up.sh prints the environment to set)
+#            ca.pem from there (up.sh prints the environment to set). The OpenAI API turns HTTPS with an API key
+#            (<run dir>/tls/openai-api-key).
 #
 # Workers always require the cluster token (<run dir>/tls/cluster-token, fresh per start): only this cluster's
 # router may open sessions on them or drain them; the TP ranks authenticate each other with it.
@@ -177,10 +178,16 @@ else
   router_args=(--target "127.0.0.1:$target_port" --draft "127.0.0.1:$draft_port")
 fi
 as router
+openai_scheme=http
+if [ "$use_tls" = 1 ]; then
+  (umask 077 && python3 -c 'import secrets; print("sk-" + secrets.token_hex(24))' > "$tls/openai-api-key")
+  export PARSE_OPENAI_TLS=true PARSE_OPENAI_API_KEY_FILE="$tls/openai-api-key"
+  openai_scheme=https
+fi
 # The router dials workers by address; their certificates name the role.
 PARSE_TLS_SERVER_NAME=parse-worker start router "$bin/parse-router" --listen "127.0.0.1:$router_port" \
   --admin-listen "127.0.0.1:$admin_port" --openai-listen "127.0.0.1:$openai_port" "${router_args[@]}"
-unset PARSE_ADMIN_TOKEN PARSE_CLUSTER_TOKEN_FILE
+unset PARSE_ADMIN_TOKEN PARSE_CLUSTER_TOKEN_FILE PARSE_OPENAI_TLS PARSE_OPENAI_API_KEY_FILE
 as client
 wait_healthy router "127.0.0.1:$router_port"
 if [ "$use_etcd" = 1 ]; then
@@ -197,10 +204,12 @@ fi
 
 tls_note="plain text on loopback; workers require the cluster token ($tls/cluster-token)"
 tls_env=""
+curl_tls=""
 if [ "$use_tls" = 1 ]; then
-  tls_note="mutual TLS on every gRPC hop (CA and certificates in $tls); the HTTP ports stay plain, on loopback"
+  tls_note="mutual TLS on every gRPC hop (CA and certificates in $tls); OpenAI API over HTTPS with an API key"
   tls_env="export PARSE_TLS_CERT=$tls/client.pem PARSE_TLS_KEY=$tls/client-key.pem PARSE_TLS_CA=$tls/ca.pem
      "
+  curl_tls="--cacert $tls/ca.pem -H \"Authorization: Bearer \$(cat $tls/openai-api-key)\" "
 fi
 
 cat <<MSG
@@ -208,14 +217,14 @@ PARSE local cluster is up (run dir $run_dir)
   security        $tls_note
   router          127.0.0.1:$router_port   (parse.v1.Generation)
   admin API       127.0.0.1:$admin_port   (parse.v1.Admin; token in $run_dir/admin-token)
-  OpenAI API      http://127.0.0.1:$openai_port/v1   (chat/completions, completions, models; /health)
-  metrics         http://127.0.0.1:$openai_port/metrics (router)  http://127.0.0.1:$draft_metrics_port/metrics (draft)
+  OpenAI API      $openai_scheme://127.0.0.1:$openai_port/v1   (chat/completions, completions, models; /health)
+  metrics         $openai_scheme://127.0.0.1:$openai_port/metrics (router)  http://127.0.0.1:$draft_metrics_port/metrics (draft)
                   http://127.0.0.1:$target_metrics_port/metrics (target)
   draft worker    127.0.0.1:$draft_port   ($(basename "$draft_model"))
   target worker   127.0.0.1:$target_port   ($(basename "$target_model"), tensor-parallel size $tp)
   etcd            $([ "$use_etcd" = 1 ] && echo "127.0.0.1:$etcd_port" || echo "not used")
   logs            $run_dir/logs
-Try: ${tls_env}curl -s http://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
+Try: ${tls_env}curl -s ${curl_tls}$openai_scheme://127.0.0.1:$openai_port/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]}'
      $bin/parsectl generate --router 127.0.0.1:$router_port --mode parse+token-spec "Write a Python function that reverses a string."
      PARSE_ADMIN_TOKEN=\$(cat $run_dir/admin-token) $bin/parsectl workers --admin 127.0.0.1:$admin_port

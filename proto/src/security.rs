@@ -179,6 +179,13 @@ impl Security {
         self.token.as_deref()
     }
 
+    /// This process's certificate chain and key (PEM), for servers outside tonic (the OpenAI HTTP API).
+    pub fn identity_pem(&self) -> Option<(&[u8], &[u8])> {
+        self.tls
+            .as_ref()
+            .map(|m| (m.cert.as_slice(), m.key.as_slice()))
+    }
+
     /// The server side of mutual TLS: this identity, clients must present a certificate the CA signed.
     pub fn server_tls(&self) -> Option<ServerTlsConfig> {
         self.tls.as_ref().map(|m| {

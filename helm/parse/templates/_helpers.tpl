@@ -216,5 +216,8 @@ annotations:
   prometheus.io/scrape: "true"
   prometheus.io/port: {{ .port | quote }}
   prometheus.io/path: /metrics
+  {{- if .scheme }}
+  prometheus.io/scheme: {{ .scheme }}
+  {{- end }}
 {{- end }}
 {{- end }}

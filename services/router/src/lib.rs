@@ -74,6 +74,11 @@ pub struct RouterConfig {
     /// How long a streaming client may leave its stream unread before the request is cancelled (its permit and
     /// sessions freed).
     pub stalled_reader_timeout: Duration,
+    /// The key OpenAI API clients must send (`Authorization: Bearer <key>`); none: the API is open.
+    pub openai_api_key: Option<String>,
+    /// HTTPS on the OpenAI API with the router's certificate (off: plain HTTP, for loopback or an ingress that
+    /// ends TLS).
+    pub openai_tls: bool,
 }
 
 impl Default for RouterConfig {
@@ -96,6 +101,8 @@ impl Default for RouterConfig {
             worker_call_timeout: Duration::from_secs(300),
             max_prompt_bytes: 1 << 20,
             stalled_reader_timeout: Duration::from_secs(30),
+            openai_api_key: None,
+            openai_tls: false,
         }
     }
 }

@@ -52,6 +52,20 @@ struct Args {
     /// Address of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health).
     #[arg(long, env = "PARSE_OPENAI_LISTEN", default_value = "127.0.0.1:8000")]
     openai_listen: SocketAddr,
+    /// The key OpenAI API clients must send as `Authorization: Bearer <key>` (or a file holding it:
+    /// --openai-api-key-file); without one the API is open to whoever reaches its port.
+    #[arg(long, env = "PARSE_OPENAI_API_KEY", hide_env_values = true)]
+    openai_api_key: Option<String>,
+    #[arg(
+        long,
+        env = "PARSE_OPENAI_API_KEY_FILE",
+        conflicts_with = "openai_api_key"
+    )]
+    openai_api_key_file: Option<std::path::PathBuf>,
+    /// HTTPS on the OpenAI API with the router's certificate (--tls-cert/--tls-key); clients need none of their
+    /// own. Off: plain HTTP (loopback, or TLS ended at an ingress).
+    #[arg(long, env = "PARSE_OPENAI_TLS")]
+    openai_tls: bool,
     /// Serve no OpenAI-compatible HTTP API.
     #[arg(long)]
     no_openai: bool,
@@ -92,7 +106,22 @@ async fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
     let security = args.security.load()?;
+    if args.openai_tls && !security.tls() {
+        anyhow::bail!("--openai-tls needs the router's --tls-cert, --tls-key and --tls-ca");
+    }
+    let router_tls = args.openai_tls;
     args.etcd_auth.install()?;
+    let openai_api_key = match (&args.openai_api_key, &args.openai_api_key_file) {
+        (Some(k), _) => Some(k.clone()),
+        (None, Some(p)) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    }
+    .filter(|k| !k.is_empty());
     if args.worker_call_timeout_s == 0 {
         anyhow::bail!("--worker-call-timeout-s must be at least 1");
     }
@@ -115,6 +144,8 @@ async fn main() -> anyhow::Result<()> {
         security,
         worker_call_timeout: std::time::Duration::from_secs(args.worker_call_timeout_s),
         max_prompt_bytes: args.max_prompt_bytes,
+        openai_api_key,
+        openai_tls: args.openai_tls,
         stalled_reader_timeout: std::time::Duration::from_secs(
             args.stalled_reader_timeout_s.max(1),
         ),
@@ -142,7 +173,8 @@ async fn main() -> anyhow::Result<()> {
         None
     } else {
         let (l, a) = parse_proto::serve::bind(args.openai_listen).await?;
-        tracing::info!(addr = %a, "OpenAI API serving (http://{a}/v1)");
+        let scheme = if router_tls { "https" } else { "http" };
+        tracing::info!(addr = %a, "OpenAI API serving ({scheme}://{a}/v1)");
         Some(tokio::spawn(parse_router::serve_openai(
             router.clone(),
             l,

@@ -45,28 +45,186 @@ pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 /// Stop strings a request may give.
 const MAX_STOP: usize = 16;
 
-/// The HTTP application; serve it with [`serve_openai`].
+/// The HTTP application; serve it with [`serve_openai`]. With an API key (`RouterConfig::openai_api_key`) every
+/// `/v1` route requires `Authorization: Bearer <key>`; `/health` and `/metrics` stay open (probes, Prometheus).
 pub fn app(router: Router) -> axum::Router {
-    axum::Router::new()
+    let key = router.cfg.openai_api_key.clone();
+    let v1 = axum::Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let key = key.clone();
+                async move {
+                    match check_api_key(key.as_deref(), req.headers()) {
+                        Ok(()) => next.run(req).await,
+                        Err(r) => r,
+                    }
+                }
+            },
+        ));
+    v1.route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", "not_found_error") })
         .with_state(router)
 }
 
-/// Serves the OpenAI API on `listener` until `shutdown` resolves.
+/// `Authorization: Bearer <key>` against the configured key (compared in constant time); 401 in OpenAI's shape.
+#[allow(clippy::result_large_err)]
+fn check_api_key(key: Option<&str>, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(key) = key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let same = given.len() == key.len()
+        && given
+            .bytes()
+            .zip(key.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API key (Authorization: Bearer <key>)",
+            "authentication_error",
+        ))
+    }
+}
+
+/// Serves the OpenAI API on `listener` until `shutdown` resolves: HTTPS with the router's certificate when
+/// `RouterConfig::openai_tls` is on (clients need no certificate of their own: the API key authenticates them),
+/// plain HTTP otherwise (loopback, or TLS ended at an ingress; /metrics is scraped there too).
 pub async fn serve_openai(
     router: Router,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    axum::serve(listener, app(router))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| anyhow::anyhow!("OpenAI API: {e}"))
+    let tls = match (router.cfg.openai_tls, router.cfg.security.identity_pem()) {
+        (false, _) => None,
+        (true, Some(id)) => Some(tls_acceptor(id)?),
+        (true, None) => {
+            anyhow::bail!("HTTPS on the OpenAI API needs the router's --tls-cert and --tls-key")
+        }
+    };
+    let app = app(router);
+    let served = match tls {
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        Some(acceptor) => {
+            axum::serve(TlsListener::spawn(listener, acceptor)?, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    };
+    served.map_err(|e| anyhow::anyhow!("OpenAI API: {e}"))
+}
+
+fn tls_acceptor((cert, key): (&[u8], &[u8])) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("OpenAI API TLS certificate: {e}"))?;
+    let key = PrivateKeyDer::from_pem_slice(key)
+        .map_err(|e| anyhow::anyhow!("OpenAI API TLS key: {e}"))?;
+    let mut cfg = tokio_rustls::rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        tokio_rustls::rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| anyhow::anyhow!("OpenAI API TLS: {e}"))?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .map_err(|e| anyhow::anyhow!("OpenAI API TLS: {e}"))?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
+}
+
+/// Most TLS handshakes in progress at once, and how long one may take: a flood of connections that never finish
+/// their handshake holds neither the accept loop nor unbounded tasks.
+const MAX_HANDSHAKES: usize = 256;
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A listener of finished TLS connections: a task accepts TCP connections and runs each handshake on a task of
+/// its own (a slow one does not hold up the others).
+struct TlsListener {
+    rx: tokio::sync::mpsc::Receiver<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        std::net::SocketAddr,
+    )>,
+    local: std::net::SocketAddr,
+    task: tokio::task::AbortHandle,
+}
+
+impl TlsListener {
+    fn spawn(
+        listener: tokio::net::TcpListener,
+        acceptor: tokio_rustls::TlsAcceptor,
+    ) -> std::io::Result<Self> {
+        let local = listener.local_addr()?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
+                };
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::debug!("OpenAI API accept: {e}");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, "OpenAI API TLS handshake: {e}"),
+                        Err(_) => tracing::debug!(%peer, "OpenAI API TLS handshake timed out"),
+                    }
+                });
+            }
+        })
+        .abort_handle();
+        Ok(TlsListener { rx, local, task })
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accepting task is gone (only when the listener is dropped): nothing more will come.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
 }
 
 /// An error in OpenAI's shape.
@@ -865,6 +1023,20 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(usage(Some(&s))["parse"]["draft_share"], 1.0);
+    }
+
+    #[test]
+    fn the_api_key_is_required_when_set() {
+        let mut h = HeaderMap::new();
+        assert!(check_api_key(None, &h).is_ok());
+        let refused = check_api_key(Some("sk-1"), &h).unwrap_err();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        for wrong in ["Bearer sk-2", "Bearer sk-1x", "sk-1", "Bearer "] {
+            h.insert("authorization", wrong.parse().unwrap());
+            assert!(check_api_key(Some("sk-1"), &h).is_err(), "{wrong}");
+        }
+        h.insert("authorization", "Bearer sk-1".parse().unwrap());
+        assert!(check_api_key(Some("sk-1"), &h).is_ok());
     }
 
     mod fuzz {
