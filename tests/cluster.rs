@@ -15,18 +15,9 @@ use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_router::RouterConfig;
 use parse_target_worker::TargetWorkerConfig;
 use parse_tests::*;
-use tokio::runtime::Runtime;
 use tokio_stream::StreamExt;
 
 const PROMPT: &str = "Write a function that adds two numbers.";
-
-fn client_rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 struct Cluster {
     router: Server<parse_router::Router>,
@@ -114,7 +105,7 @@ fn counters(s: &Stats) -> [u32; 9] {
 #[test]
 fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     let c = cluster(1, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     let sampled = SamplingParams {
         temperature: 0.9,
@@ -177,7 +168,7 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
 #[test]
 fn without_draft_workers_prompt_lookup_drafts_and_greedy_output_equals_target() {
     let c = cluster(0, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     rt.block_on(async {
         let mut client = Client::connect(&addr).await.unwrap();
@@ -316,7 +307,7 @@ fn the_next_draft_is_written_while_the_target_verifies() {
     // The draft worker serves the target's own weights: every draft is accepted whole, so each one after the first
     // was begun during the previous verification, and the output is the target's greedy output.
     let c = cluster_with(TARGET_SEED, 1, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let want = in_process(Mode::Target, 300, SamplingParams::default());
     let r = rt.block_on(async {
         let mut client = Client::connect(&c.router.endpoint()).await.unwrap();
@@ -335,7 +326,7 @@ fn the_next_draft_is_written_while_the_target_verifies() {
 #[test]
 fn cancelling_a_stream_frees_sessions_on_both_workers() {
     let c = cluster(1, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     rt.block_on(async {
         let mut client = Client::connect(&addr).await.unwrap();
@@ -360,7 +351,7 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
 #[test]
 fn a_killed_draft_worker_still_yields_a_complete_answer() {
     let mut c = cluster(1, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     let (tokens, stats) = rt.block_on(async {
         let mut client = Client::connect(&addr).await.unwrap();
@@ -393,7 +384,7 @@ fn a_killed_draft_worker_still_yields_a_complete_answer() {
 #[test]
 fn a_killed_target_worker_is_replaced_by_another() {
     let mut c = cluster(1, 2, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     let want = in_process(Mode::Parse, 300, SamplingParams::default());
     let (tokens, stats) = rt.block_on(async {
@@ -429,7 +420,7 @@ fn a_killed_target_worker_is_replaced_by_another() {
 #[test]
 fn bad_input_gets_invalid_argument_and_the_cluster_stays_healthy() {
     let c = cluster(1, 1, 8);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     let long_prompt = "word ".repeat(TINY_CONTEXT + 50);
     rt.block_on(async {
@@ -496,7 +487,7 @@ fn bad_input_gets_invalid_argument_and_the_cluster_stays_healthy() {
 #[test]
 fn an_overloaded_router_answers_resource_exhausted() {
     let c = cluster(1, 1, 1);
-    let rt = client_rt();
+    let rt = runtime();
     let addr = c.router.endpoint();
     rt.block_on(async {
         let mut client = Client::connect(&addr).await.unwrap();
@@ -565,7 +556,7 @@ fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_grou
         ..Default::default()
     });
     let want = in_process(Mode::Parse, 300, SamplingParams::default());
-    let rt = client_rt();
+    let rt = runtime();
     rt.block_on(async {
         let mut client = Client::connect(&router.endpoint()).await.unwrap();
         // Through the group (exact layout): the in-process output.
@@ -647,7 +638,7 @@ fn the_router_follows_membership_as_workers_come_and_go() {
         &members,
     );
     let want = in_process(Mode::Parse, 40, SamplingParams::default());
-    let rt = client_rt();
+    let rt = runtime();
     rt.block_on(async {
         let mut client = Client::connect(&router.endpoint()).await.unwrap();
         // No target yet: nothing to serve with.

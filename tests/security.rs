@@ -14,17 +14,8 @@ use parse_proto::v1::{DrainRequest, OpenSessionRequest};
 use parse_router::RouterConfig;
 use parse_target_worker::TargetWorkerConfig;
 use parse_tests::*;
-use tokio::runtime::Runtime;
 use tonic::Code;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-
-fn rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn req() -> GenerateRequest {
     GenerateRequest {
@@ -134,7 +125,7 @@ fn a_worker_with_a_cluster_token_serves_only_the_router_that_holds_it() {
         targets: vec![target.endpoint()],
         ..Default::default()
     });
-    let rt = rt();
+    let rt = runtime();
     rt.block_on(async {
         let mut c = Client::connect(&router.endpoint()).await.unwrap();
         let out = c.generate(req()).await.unwrap();
@@ -242,7 +233,7 @@ fn mutual_tls_on_every_hop_refuses_peers_without_a_cluster_certificate() {
         connect_timeout: Duration::from_secs(2),
         ..Default::default()
     });
-    let rt = rt();
+    let rt = runtime();
     rt.block_on(async {
         let opts = |security: Security| ClientOptions {
             connect_timeout: Duration::from_secs(3),
@@ -338,7 +329,7 @@ fn a_full_worker_sends_the_request_elsewhere_and_a_full_cluster_says_so() {
         targets: vec![full.endpoint()],
         ..Default::default()
     });
-    let rt = rt();
+    let rt = runtime();
     rt.block_on(async {
         // Another client holds the one session each full worker allows.
         let mut t = VerifierClient::connect(format!("http://{}", full.endpoint()))

@@ -86,7 +86,8 @@ impl<W> Drop for Server<W> {
     }
 }
 
-fn runtime() -> Runtime {
+/// A two-thread runtime (servers here; clients in the tests).
+pub fn runtime() -> Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
