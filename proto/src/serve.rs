@@ -80,7 +80,8 @@ async fn report_health(
 }
 
 /// Who may call a server: its TLS identity (clients must present a certificate of the same CA) and whether the
-/// cluster token is required (workers; not the router's public API). Health is always open.
+/// cluster token is required (workers; not the router's public API). Health never needs the token (probes hold
+/// none); with TLS it needs a certificate like every other call.
 #[derive(Clone, Default)]
 pub struct Access {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
@@ -88,11 +89,6 @@ pub struct Access {
 }
 
 impl Access {
-    /// Open plain text: loopback demos and tests.
-    pub fn open() -> Self {
-        Access::default()
-    }
-
     /// A worker's: mutual TLS when set up, and the cluster token when there is one.
     pub fn worker(s: &crate::security::Security) -> Self {
         Access {
@@ -135,8 +131,8 @@ where
 }
 
 /// Like [`run`], with health following `ready`: SERVING while it holds `true`, NOT_SERVING (for the service and
-/// the server as a whole) once it turns `false`. The service and reflection sit behind `access`; health does not
-/// (probes hold no credentials).
+/// the server as a whole) once it turns `false`. The service and reflection sit behind `access`'s token check;
+/// health only behind its TLS.
 pub async fn run_reporting<S>(
     service: S,
     listener: TcpListener,
