@@ -106,6 +106,11 @@ impl Engine {
         &self.tokenizer
     }
 
+    /// Caps what one session may hold at `share` of the KV capacity (see [`SessionStore::set_session_share`]).
+    pub fn set_kv_session_share(&mut self, share: f64) -> Result<()> {
+        self.sessions.set_session_share(share)
+    }
+
     pub fn sessions(&self) -> &SessionStore {
         &self.sessions
     }

@@ -41,6 +41,15 @@ pub enum Error {
         available: usize,
         capacity: usize,
     },
+    #[error(
+        "KV share exceeded: session `{session}` would hold {would_hold} bytes of KV cache; one session may hold \
+         {limit} (the worker's --kv-session-share)"
+    )]
+    SessionShareExceeded {
+        session: String,
+        would_hold: usize,
+        limit: usize,
+    },
     #[error("context length exceeded: {needed} tokens, the model allows {limit}")]
     ContextExceeded { needed: usize, limit: usize },
     #[error("tokenizer: {0}")]
@@ -78,7 +87,9 @@ impl From<Error> for parse_core::Error {
         use parse_core::ErrorKind as K;
         let kind = match &e {
             Error::InvalidInput(_) | Error::ContextExceeded { .. } => K::InvalidInput,
-            Error::CapacityExceeded { .. } => K::ResourceExhausted,
+            Error::CapacityExceeded { .. } | Error::SessionShareExceeded { .. } => {
+                K::ResourceExhausted
+            }
             Error::UnknownSession(_) => K::NotFound,
             Error::SessionExists(_) => K::AlreadyExists,
             Error::Backend(inner) => inner.kind,

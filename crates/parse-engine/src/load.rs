@@ -45,6 +45,126 @@ pub struct GgufFile {
     file_len: u64,
 }
 
+/// Walks a GGUF header (metadata and tensor table) without allocating from what it says: every string, array and
+/// count must fit in the `len` bytes of the file. Versions 1 (32-bit lengths) to 3.
+fn check_header(r: &mut impl std::io::Read, len: u64) -> std::result::Result<(), String> {
+    struct Walk<'a, R> {
+        r: &'a mut R,
+        pos: u64,
+        len: u64,
+        wide: bool,
+    }
+    impl<R: std::io::Read> Walk<'_, R> {
+        fn bytes<const N: usize>(&mut self) -> std::result::Result<[u8; N], String> {
+            let mut b = [0u8; N];
+            self.r
+                .read_exact(&mut b)
+                .map_err(|_| format!("ends at byte {}", self.pos))?;
+            self.pos += N as u64;
+            Ok(b)
+        }
+        fn u32(&mut self) -> std::result::Result<u32, String> {
+            self.bytes::<4>().map(u32::from_le_bytes)
+        }
+        fn count(&mut self) -> std::result::Result<u64, String> {
+            if self.wide {
+                self.bytes::<8>().map(u64::from_le_bytes)
+            } else {
+                self.u32().map(u64::from)
+            }
+        }
+        /// Skips `n` items of `size` bytes, which must fit in what is left of the file.
+        fn skip(&mut self, n: u64, size: u64) -> std::result::Result<(), String> {
+            let bytes = n
+                .checked_mul(size)
+                .filter(|b| *b <= self.len.saturating_sub(self.pos))
+                .ok_or_else(|| {
+                    format!(
+                        "a length of {n} items at byte {} runs past the file",
+                        self.pos
+                    )
+                })?;
+            std::io::copy(&mut self.r.take(bytes), &mut std::io::sink())
+                .map_err(|e| e.to_string())?;
+            self.pos += bytes;
+            Ok(())
+        }
+        fn string(&mut self) -> std::result::Result<(), String> {
+            let n = self.count()?;
+            self.skip(n, 1)
+        }
+        fn value(&mut self, ty: u32, depth: u32) -> std::result::Result<(), String> {
+            match ty {
+                0 | 1 | 7 => self.skip(1, 1),
+                2 | 3 => self.skip(1, 2),
+                4..=6 => self.skip(1, 4),
+                10..=12 => self.skip(1, 8),
+                8 => self.string(),
+                9 if depth < 2 => {
+                    let item = self.u32()?;
+                    let n = self.count()?;
+                    // Every item takes at least a byte: a count beyond the file is a lie, whatever the type.
+                    if n > self.len.saturating_sub(self.pos) {
+                        return Err(format!(
+                            "an array of {n} items at byte {} runs past the file",
+                            self.pos
+                        ));
+                    }
+                    match item {
+                        0 | 1 | 7 => self.skip(n, 1),
+                        2 | 3 => self.skip(n, 2),
+                        4..=6 => self.skip(n, 4),
+                        10..=12 => self.skip(n, 8),
+                        _ => (0..n).try_for_each(|_| self.value(item, depth + 1)),
+                    }
+                }
+                _ => Err(format!("value type {ty} at byte {}", self.pos)),
+            }
+        }
+    }
+    let mut w = Walk {
+        r,
+        pos: 0,
+        len,
+        wide: true,
+    };
+    if &w.bytes::<4>()? != b"GGUF" {
+        return Err("no GGUF magic".into());
+    }
+    let version = w.u32()?;
+    if !(1..=3).contains(&version) {
+        return Err(format!("version {version}"));
+    }
+    w.wide = version >= 2;
+    let tensors = w.count()?;
+    let kvs = w.count()?;
+    // A metadata entry takes at least 13 bytes, a tensor entry at least 21.
+    if kvs
+        .saturating_mul(13)
+        .saturating_add(tensors.saturating_mul(21))
+        > len
+    {
+        return Err(format!(
+            "{kvs} metadata entries and {tensors} tensors do not fit in {len} bytes"
+        ));
+    }
+    for _ in 0..kvs {
+        w.string()?;
+        let ty = w.u32()?;
+        w.value(ty, 0)?;
+    }
+    for _ in 0..tensors {
+        w.string()?;
+        let dims = w.u32()?;
+        if dims > 8 {
+            return Err(format!("a tensor of {dims} dimensions"));
+        }
+        w.skip(u64::from(dims), if w.wide { 8 } else { 4 })?;
+        w.skip(1, 4 + 8)?;
+    }
+    Ok(())
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let io = |source| Error::Io {
@@ -53,6 +173,11 @@ impl GgufFile {
         };
         let file = File::open(path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
+        // Every count and length in the header is checked against the file's size before the parser trusts it:
+        // a damaged header must be an error, not an allocation that aborts the process.
+        // (Its own handle: clones share the file's position.)
+        check_header(&mut BufReader::new(File::open(path).map_err(io)?), file_len)
+            .map_err(|m| Error::model(path, format!("malformed GGUF header: {m}")))?;
         let mut reader = BufReader::new(file.try_clone().map_err(io)?);
         let content =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)))
@@ -234,6 +359,20 @@ pub fn gguf_config(g: &GgufFile, opts: &LoadOptions) -> Result<ModelConfig> {
         max_context: opts.max_context.map_or(ctx, |m| m.min(ctx)),
     };
     cfg.validate().map_err(|e| Error::model(&g.path, e.0))?;
+    // The weights the metadata describes must fit in the file at a bit each at least.
+    let (h, l) = (cfg.hidden_size as u128, cfg.n_layers as u128);
+    let attn = h * ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim) as u128
+        + (cfg.n_heads * cfg.head_dim) as u128 * h;
+    let params = cfg.vocab_size as u128 * h + l * (attn + 3 * h * cfg.intermediate_size as u128);
+    if params > u128::from(g.file_len) * 8 {
+        return Err(Error::model(
+            &g.path,
+            format!(
+                "the metadata describes {params} weights, more than the file's {} bytes can hold",
+                g.file_len
+            ),
+        ));
+    }
     Ok(cfg)
 }
 

@@ -74,6 +74,21 @@ impl ModelConfig {
         if let Some((name, _)) = nonzero.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError(format!("{name} is zero")));
         }
+        // Ceilings far above any model served, so that a damaged file cannot size buffers (rotary tables, caches)
+        // beyond memory before its tensors are read.
+        let ceilings = [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 16),
+            ("intermediate_size", self.intermediate_size, 1 << 18),
+            ("n_layers", self.n_layers, 1 << 10),
+            ("n_heads", self.n_heads, 1 << 10),
+            ("n_kv_heads", self.n_kv_heads, 1 << 10),
+            ("head_dim", self.head_dim, 1 << 10),
+            ("max_context", self.max_context, 1 << 20),
+        ];
+        if let Some((name, v, max)) = ceilings.iter().find(|(_, v, max)| v > max) {
+            return Err(ConfigError(format!("{name} {v} is above {max}")));
+        }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(ConfigError(format!(
                 "{} attention heads do not divide into {} KV heads",

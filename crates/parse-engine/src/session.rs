@@ -14,6 +14,9 @@ use parse_core::mask::BlockMask;
 pub struct SessionStore {
     map: HashMap<String, KvCache>,
     capacity: usize,
+    /// The most bytes one session may hold (the capacity unless set lower): one long request cannot take the
+    /// whole store from the others.
+    per_session: usize,
 }
 
 impl SessionStore {
@@ -21,7 +24,24 @@ impl SessionStore {
         SessionStore {
             map: HashMap::new(),
             capacity: capacity_bytes,
+            per_session: capacity_bytes,
         }
+    }
+
+    /// Caps what one session may hold at `share` of the capacity (0 < share <= 1).
+    pub fn set_session_share(&mut self, share: f64) -> Result<()> {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(Error::InvalidInput(format!(
+                "the KV session share must be in (0, 1], got {share}"
+            )));
+        }
+        self.per_session = (self.capacity as f64 * share) as usize;
+        Ok(())
+    }
+
+    /// The most bytes one session may hold.
+    pub fn session_limit(&self) -> usize {
+        self.per_session
     }
 
     /// Capacity in bytes.
@@ -84,6 +104,14 @@ impl SessionStore {
     /// Whether `n` more tokens of `model` fit in the store's capacity.
     fn check_capacity(&self, model: &Model, id: &str, n: usize) -> Result<()> {
         let needed = n * model.config().kv_bytes_per_token();
+        let would_hold = self.bytes(id).unwrap_or(0) + needed;
+        if would_hold > self.per_session {
+            return Err(Error::SessionShareExceeded {
+                session: id.to_string(),
+                would_hold,
+                limit: self.per_session,
+            });
+        }
         let available = self.capacity.saturating_sub(self.used());
         if needed > available {
             return Err(Error::CapacityExceeded {

@@ -299,6 +299,18 @@ fn sessions_over_capacity_fail_before_touching_the_cache() {
     assert_eq!(e.session_len("b").unwrap(), 0);
     e.forward_causal("b", &[1, 2, 3, 4], &[3]).unwrap();
     e.truncate("a", 2).unwrap();
+    // One session may hold at most its share of the store: 0.5 of 10 tokens' bytes is 5 tokens.
+    e.set_kv_session_share(0.5).unwrap();
+    let err = e.forward_causal("b", &[1, 2], &[1]);
+    assert!(
+        matches!(err, Err(Error::SessionShareExceeded { would_hold, .. }) if would_hold == 6 * per_token),
+        "{err:?}"
+    );
+    assert_eq!(e.session_len("b").unwrap(), 4);
+    e.forward_causal("b", &[1], &[0]).unwrap();
+    assert!(e.set_kv_session_share(0.0).is_err() && e.set_kv_session_share(1.5).is_err());
+    e.set_kv_session_share(1.0).unwrap();
+    e.truncate("b", 4).unwrap();
     assert_eq!(e.sessions().used(), 6 * per_token);
     assert_eq!(e.release("a").unwrap(), 2 * per_token);
     assert!(matches!(

@@ -36,6 +36,10 @@ struct Args {
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
+    /// The most of the KV cache budget one session (request) may hold, as a share of it (0 < share <= 1); beyond it
+    /// the request gets RESOURCE_EXHAUSTED rather than starving the others.
+    #[arg(long, default_value_t = 0.5)]
+    kv_session_share: f64,
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
@@ -56,7 +60,13 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
-    let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
+    let share = args.kv_session_share;
+    let engine = tokio::task::spawn_blocking(move || {
+        let mut e = Engine::load(&cfg)?;
+        e.set_kv_session_share(share)?;
+        Ok::<_, parse_engine::Error>(e)
+    })
+    .await??;
     let engine_stop = tokio_util::sync::CancellationToken::new();
     let worker = DraftWorker::new(
         engine,
