@@ -25,6 +25,9 @@ pub struct EngineConfig {
     pub tokenizer: Option<PathBuf>,
     pub load: LoadOptions,
     pub kv_capacity_bytes: usize,
+    /// The most of `kv_capacity_bytes` one session may hold (0 < share <= 1; see
+    /// [`SessionStore::set_session_share`]).
+    pub kv_session_share: f64,
 }
 
 impl EngineConfig {
@@ -34,6 +37,7 @@ impl EngineConfig {
             tokenizer: None,
             load: LoadOptions::default(),
             kv_capacity_bytes: DEFAULT_KV_CAPACITY,
+            kv_session_share: 1.0,
         }
     }
 }
@@ -76,12 +80,9 @@ impl Engine {
                 ),
             ));
         }
-        Ok(Self::from_parts(
-            model,
-            tokenizer,
-            cfg.kv_capacity_bytes,
-            path,
-        ))
+        let mut engine = Self::from_parts(model, tokenizer, cfg.kv_capacity_bytes, path);
+        engine.set_kv_session_share(cfg.kv_session_share)?;
+        Ok(engine)
     }
 
     pub fn from_parts(

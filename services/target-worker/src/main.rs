@@ -165,13 +165,8 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = EngineConfig::new(&args.model);
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
-    let share = args.kv_session_share;
-    let engine = tokio::task::spawn_blocking(move || {
-        let mut e = Engine::load(&cfg)?;
-        e.set_kv_session_share(share)?;
-        Ok::<_, parse_engine::Error>(e)
-    })
-    .await??;
+    cfg.kv_session_share = args.kv_session_share;
+    let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
     let member = if args.tp > 1 {
         let addrs = match (&args.tp_group, &args.tp_listen) {
             (Some(group), Some(listen)) => {
