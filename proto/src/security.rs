@@ -267,8 +267,8 @@ impl Interceptor for SendToken {
 #[derive(Clone, Default)]
 pub struct RequireToken(Option<Arc<str>>);
 
-/// Equality that takes the same time wherever the first difference is (the token is a secret).
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
+/// Equality that takes the same time wherever the first difference is (for secrets: tokens, API keys).
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

@@ -129,7 +129,7 @@ impl AdminService {
     /// Every call carries `authorization: Bearer <token>`, or gets UNAUTHENTICATED.
     fn authorize<T>(&self, req: &Request<T>) -> Result<(), Status> {
         match req.metadata().get("authorization") {
-            Some(v) if same(v.as_bytes(), &self.want) => Ok(()),
+            Some(v) if parse_proto::security::same_secret(v.as_bytes(), &self.want) => Ok(()),
             Some(_) => Err(Status::unauthenticated("wrong admin token")),
             None => Err(Status::unauthenticated(
                 "the admin API needs `authorization: Bearer <token>`",
@@ -239,11 +239,6 @@ impl Admin for AdminService {
         tracing::info!(policy = ?next, "policy changed");
         Ok(Response::new(next.to_proto()))
     }
-}
-
-/// Compares two byte strings in time independent of where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Serves the admin API on `listener` until `shutdown`; every call must carry `authorization: Bearer <token>`.

@@ -42,8 +42,8 @@ use crate::Router;
 /// Output budget of a request that names none.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 
-/// Stop strings a request may give.
-const MAX_STOP: usize = 16;
+/// Stop strings a request may give (the router's limit, which is OpenAI's).
+const MAX_STOP: usize = crate::MAX_STOPS;
 
 /// The HTTP application; serve it with [`serve_openai`]. With an API key (`RouterConfig::openai_api_key`) every
 /// `/v1` route requires `Authorization: Bearer <key>`; `/health` and `/metrics` stay open (probes, Prometheus).
@@ -81,13 +81,7 @@ fn check_api_key(key: Option<&str>, headers: &HeaderMap) -> Result<(), Response>
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    let same = given.len() == key.len()
-        && given
-            .bytes()
-            .zip(key.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
-    if same {
+    if parse_proto::security::same_secret(given.as_bytes(), key.as_bytes()) {
         Ok(())
     } else {
         Err(error(
