@@ -9,9 +9,11 @@ use parse_core::segmenter::{self, SegmenterConfig};
 use parse_core::speculative::{self, SampledRow};
 use parse_core::{Error as CoreError, Result as CoreResult, VerifyPlan};
 
-use crate::engine::{Engine, EngineOps};
+use crate::engine::{Block, Engine, EngineOps};
 use crate::generate::PREFILL_CHUNK;
+use crate::model::Logits;
 use crate::sampling::{Sampler, argmax, distribution};
+use crate::steps::{Forward, Next, Steps, run_alone};
 
 /// Probability of `token` under softmax(`logits`) at temperature 1.
 pub fn token_prob(logits: &[f32], token: u32) -> f32 {
@@ -54,27 +56,49 @@ fn pieces_of(engine: &Engine, tokens: &[u32]) -> CoreResult<Vec<String>> {
     Ok(engine.tokenizer().pieces(tokens)?)
 }
 
-fn prefill<E: EngineOps + ?Sized>(
-    engine: &mut E,
-    session: &str,
-    tokens: &[u32],
+/// The fewest rows a prefill chunk takes when the scheduler offers less room: smaller chunks would waste passes.
+const MIN_PREFILL_CHUNK: usize = 16;
+
+/// Tokens fed to a session in chunks of at most [`PREFILL_CHUNK`] rows (fewer when a batching scheduler offers
+/// less room, so that a long prompt does not stall the other sessions' steps). Chunking does not change the
+/// result: every row attends to the same keys in the same order whatever the cut.
+struct Prefill {
+    tokens: Vec<u32>,
+    fed: usize,
+    /// Logits at the last token (read out of the last chunk).
     readout_last: bool,
-) -> crate::Result<Option<Vec<f32>>> {
-    let mut last = None;
-    let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
-    for (i, chunk) in chunks.iter().enumerate() {
-        let is_last = i + 1 == chunks.len();
-        let readout: &[usize] = if is_last && readout_last {
-            &[chunk.len() - 1]
-        } else {
-            &[]
-        };
-        let l = engine.forward_causal(session, chunk, readout)?;
-        if is_last && readout_last {
-            last = Some(l.row(0).to_vec());
+}
+
+impl Prefill {
+    fn new(tokens: &[u32], readout_last: bool) -> Self {
+        Prefill {
+            tokens: tokens.to_vec(),
+            fed: 0,
+            readout_last,
         }
     }
-    Ok(last)
+
+    fn finished(&self) -> bool {
+        self.fed == self.tokens.len()
+    }
+
+    /// The next chunk, after the `base` tokens the session holds; `None` once every token is fed.
+    fn next(&mut self, session: &str, base: usize, room: usize) -> Option<Block> {
+        if self.finished() {
+            return None;
+        }
+        let n = (self.tokens.len() - self.fed)
+            .min(PREFILL_CHUNK)
+            .min(room.max(MIN_PREFILL_CHUNK));
+        let chunk = &self.tokens[self.fed..self.fed + n];
+        self.fed += n;
+        let readout = if self.finished() && self.readout_last {
+            vec![n - 1]
+        } else {
+            Vec::new()
+        };
+        Some(Block::causal(session, base, chunk, readout))
+    }
 }
 
 /// The target model as a [`Verifier`], over a borrowed (`&mut Engine`, in process) or owned engine (a worker).
@@ -111,33 +135,20 @@ impl<E: EngineOps> EngineVerifier<E> {
     }
 }
 
-impl<E: EngineOps> Verifier for EngineVerifier<E> {
-    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
-        if prompt.is_empty() {
-            return Err(CoreError::invalid("empty prompt"));
-        }
-        let sampler = Sampler::new(sampling.clone())?;
-        self.engine.open_session(session)?;
-        if prompt.len() > 1
-            && let Err(e) = prefill(
-                &mut self.engine,
-                session,
-                &prompt[..prompt.len() - 1],
-                false,
-            )
-        {
-            let _ = self.engine.release(session);
-            return Err(e.into());
-        }
-        self.samplers.insert(session.to_string(), sampler);
-        Ok(())
+impl<E: EngineOps> Forward for EngineVerifier<E> {
+    fn forward_blocks(&mut self, blocks: &[Block]) -> Vec<crate::Result<Logits>> {
+        self.engine.forward_batch(blocks)
     }
+}
 
-    fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {
-        let readout = plan.readout();
-        let logits =
-            self.engine
-                .forward(session, &plan.tokens, &plan.positions, &plan.mask, &readout)?;
+impl<E: EngineOps> EngineVerifier<E> {
+    /// What a verification block's logits say: the rows' scores, the sampled check, the judge's answers.
+    fn verify_output(
+        &self,
+        session: &str,
+        plan: &VerifyPlan,
+        logits: &Logits,
+    ) -> CoreResult<VerifyOutput> {
         let l = plan.draft.len();
         let rows = (0..=l)
             .map(|t| {
@@ -194,6 +205,200 @@ impl<E: EngineOps> Verifier for EngineVerifier<E> {
             sampled,
         })
     }
+}
+
+/// [`Verifier::open`] as steps: the session opens, the prompt but its last token is prefilled in chunks.
+pub struct OpenSteps {
+    session: String,
+    empty: bool,
+    sampling: SamplingParams,
+    prefill: Prefill,
+    sampler: Option<Sampler>,
+}
+
+impl OpenSteps {
+    pub fn new(session: &str, prompt: &[u32], sampling: &SamplingParams) -> Self {
+        let cached = &prompt[..prompt.len().saturating_sub(1)];
+        OpenSteps {
+            session: session.to_string(),
+            empty: prompt.is_empty(),
+            sampling: sampling.clone(),
+            prefill: Prefill::new(cached, false),
+            sampler: None,
+        }
+    }
+}
+
+impl<E: EngineOps> Steps<EngineVerifier<E>> for OpenSteps {
+    type Output = ();
+    fn step(
+        &mut self,
+        v: &mut EngineVerifier<E>,
+        input: Option<crate::Result<Logits>>,
+        room: usize,
+    ) -> CoreResult<Next<()>> {
+        match input {
+            None => {
+                if self.empty {
+                    return Err(CoreError::invalid("empty prompt"));
+                }
+                if self.sampler.is_some() {
+                    return Err(CoreError::internal(
+                        "an open step without its block's logits",
+                    ));
+                }
+                self.sampler = Some(Sampler::new(self.sampling.clone())?);
+                v.engine.open_session(&self.session)?;
+            }
+            Some(Err(e)) => {
+                let _ = v.engine.release(&self.session);
+                return Err(e.into());
+            }
+            Some(Ok(_)) => {}
+        }
+        let base = v.engine.engine().session_len(&self.session)?;
+        if let Some(block) = self.prefill.next(&self.session, base, room) {
+            return Ok(Next::Forward(block));
+        }
+        let sampler = self
+            .sampler
+            .take()
+            .ok_or_else(|| CoreError::internal("open finished twice"))?;
+        v.samplers.insert(self.session.clone(), sampler);
+        Ok(Next::Done(()))
+    }
+}
+
+/// [`Verifier::verify`] as steps: one block, then its verdict data.
+pub struct VerifySteps {
+    session: String,
+    plan: VerifyPlan,
+}
+
+impl VerifySteps {
+    pub fn new(session: &str, plan: VerifyPlan) -> Self {
+        VerifySteps {
+            session: session.to_string(),
+            plan,
+        }
+    }
+}
+
+impl<E: EngineOps> Steps<EngineVerifier<E>> for VerifySteps {
+    type Output = VerifyOutput;
+    fn step(
+        &mut self,
+        v: &mut EngineVerifier<E>,
+        input: Option<crate::Result<Logits>>,
+        _room: usize,
+    ) -> CoreResult<Next<VerifyOutput>> {
+        match input {
+            None => Ok(Next::Forward(Block {
+                session: self.session.clone(),
+                tokens: self.plan.tokens.clone(),
+                positions: self.plan.positions.clone(),
+                mask: self.plan.mask.clone(),
+                readout: self.plan.readout(),
+            })),
+            Some(r) => Ok(Next::Done(v.verify_output(
+                &self.session,
+                &self.plan,
+                &r?,
+            )?)),
+        }
+    }
+}
+
+/// [`Verifier::extend`] as steps: one token per step until `max`, the end of sequence, a segment's end or the
+/// context's end.
+pub struct ExtendSteps {
+    session: String,
+    last: u32,
+    max: usize,
+    segment: Option<SegmenterConfig>,
+    out: ExtendOutput,
+    all_pieces: Vec<String>,
+}
+
+impl ExtendSteps {
+    pub fn new(session: &str, pending: u32, max: usize, segment: Option<&SegmenterConfig>) -> Self {
+        ExtendSteps {
+            session: session.to_string(),
+            last: pending,
+            max: max.max(1),
+            segment: segment.cloned(),
+            out: ExtendOutput::default(),
+            all_pieces: Vec::new(),
+        }
+    }
+
+    fn finish(&mut self) -> CoreResult<Next<ExtendOutput>> {
+        if self.out.tokens.is_empty() {
+            return Err(CoreError::invalid(
+                "the session has reached the model's context length",
+            ));
+        }
+        Ok(Next::Done(std::mem::take(&mut self.out)))
+    }
+}
+
+impl<E: EngineOps> Steps<EngineVerifier<E>> for ExtendSteps {
+    type Output = ExtendOutput;
+    fn step(
+        &mut self,
+        v: &mut EngineVerifier<E>,
+        input: Option<crate::Result<Logits>>,
+        _room: usize,
+    ) -> CoreResult<Next<ExtendOutput>> {
+        match input {
+            None => {
+                if self.segment.is_some() {
+                    self.all_pieces = pieces_of(v.engine.engine(), &[self.last])?;
+                }
+            }
+            Some(r) => {
+                let logits = r?;
+                let sampler = v.samplers.get_mut(&self.session).ok_or_else(|| {
+                    CoreError::invalid(format!("unknown session `{}`", self.session))
+                })?;
+                let t = sampler.sample(logits.row(0));
+                self.out.tokens.push(t);
+                self.last = t;
+                if v.engine.engine().tokenizer().is_eos(t) {
+                    return self.finish();
+                }
+                if let Some(cfg) = &self.segment {
+                    let p = pieces_of(v.engine.engine(), &[t])?;
+                    self.all_pieces.extend(p.iter().cloned());
+                    self.out.pieces.extend(p);
+                    if segmenter::first_segment_end(&self.all_pieces, cfg).is_some() {
+                        return self.finish();
+                    }
+                }
+            }
+        }
+        let limit = v.engine.engine().model().config().max_context;
+        let base = v.engine.engine().session_len(&self.session)?;
+        if self.out.tokens.len() >= self.max || base + 1 >= limit {
+            return self.finish();
+        }
+        Ok(Next::Forward(Block::causal(
+            &self.session,
+            base,
+            &[self.last],
+            vec![0],
+        )))
+    }
+}
+
+impl<E: EngineOps> Verifier for EngineVerifier<E> {
+    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
+        run_alone(self, OpenSteps::new(session, prompt, sampling))
+    }
+
+    fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {
+        run_alone(self, VerifySteps::new(session, plan.clone()))
+    }
 
     fn extend(
         &mut self,
@@ -202,43 +407,7 @@ impl<E: EngineOps> Verifier for EngineVerifier<E> {
         max: usize,
         segment: Option<&SegmenterConfig>,
     ) -> CoreResult<ExtendOutput> {
-        let mut out = ExtendOutput::default();
-        let mut all_pieces = match segment {
-            Some(_) => pieces_of(self.engine.engine(), &[pending])?,
-            None => Vec::new(),
-        };
-        let mut last = pending;
-        let limit = self.engine.engine().model().config().max_context;
-        while out.tokens.len() < max.max(1) {
-            if self.engine.engine().session_len(session)? + 1 >= limit {
-                break;
-            }
-            let logits = self.engine.forward_causal(session, &[last], &[0])?;
-            let sampler = self
-                .samplers
-                .get_mut(session)
-                .ok_or_else(|| CoreError::invalid(format!("unknown session `{session}`")))?;
-            let t = sampler.sample(logits.row(0));
-            out.tokens.push(t);
-            last = t;
-            if self.engine.engine().tokenizer().is_eos(t) {
-                break;
-            }
-            if let Some(cfg) = segment {
-                let p = pieces_of(self.engine.engine(), &[t])?;
-                all_pieces.extend(p.iter().cloned());
-                out.pieces.extend(p);
-                if segmenter::first_segment_end(&all_pieces, cfg).is_some() {
-                    break;
-                }
-            }
-        }
-        if out.tokens.is_empty() {
-            return Err(CoreError::invalid(
-                "the session has reached the model's context length",
-            ));
-        }
-        Ok(out)
+        run_alone(self, ExtendSteps::new(session, pending, max, segment))
     }
 
     fn truncate(&mut self, session: &str, len: usize) -> CoreResult<()> {
@@ -293,20 +462,43 @@ impl<E: EngineOps> EngineDrafter<E> {
     }
 }
 
-impl<E: EngineOps> Drafter for EngineDrafter<E> {
-    fn begin(
-        &mut self,
-        session: &str,
-        context: &[u32],
-        sampling: &SamplingParams,
-    ) -> CoreResult<()> {
+impl<E: EngineOps> Forward for EngineDrafter<E> {
+    fn forward_blocks(&mut self, blocks: &[Block]) -> Vec<crate::Result<Logits>> {
+        self.engine.forward_batch(blocks)
+    }
+}
+
+/// [`Drafter::begin`] as steps: the draft's cache follows `context` (the longest common prefix kept, the rest
+/// prefilled in chunks) and ends with the logits after its last token.
+pub struct BeginSteps {
+    session: String,
+    context: Vec<u32>,
+    sampling: SamplingParams,
+    prefill: Option<Prefill>,
+    keep: usize,
+}
+
+impl BeginSteps {
+    pub fn new(session: &str, context: &[u32], sampling: &SamplingParams) -> Self {
+        BeginSteps {
+            session: session.to_string(),
+            context: context.to_vec(),
+            sampling: sampling.clone(),
+            prefill: None,
+            keep: 0,
+        }
+    }
+
+    /// Everything before the first block: the state, and what of the cache is kept. `None`: nothing to compute.
+    fn start<E: EngineOps>(&mut self, d: &mut EngineDrafter<E>) -> CoreResult<Option<Prefill>> {
+        let (session, context) = (self.session.as_str(), self.context.as_slice());
         if context.is_empty() {
             return Err(CoreError::invalid("empty context"));
         }
-        if !self.states.contains_key(session) {
-            self.engine.open_session(session)?;
-            let sampler = Sampler::new(sampling.clone())?;
-            self.states.insert(
+        if !d.states.contains_key(session) {
+            d.engine.open_session(session)?;
+            let sampler = Sampler::new(self.sampling.clone())?;
+            d.states.insert(
                 session.to_string(),
                 DraftState {
                     kv: Vec::new(),
@@ -318,7 +510,7 @@ impl<E: EngineOps> Drafter for EngineDrafter<E> {
                 },
             );
         }
-        let st = self
+        let st = d
             .states
             .get_mut(session)
             .ok_or_else(|| CoreError::internal("draft state lost"))?;
@@ -335,33 +527,109 @@ impl<E: EngineOps> Drafter for EngineDrafter<E> {
         if common == context.len() && !st.next.is_empty() && !stochastic {
             // The context is a prefix of what the draft already computed: replay the rest.
             st.cursor = context.len();
-            return Ok(());
+            return Ok(None);
         }
         // Recompute from the common prefix, keeping at least the last context token to get its logits.
         let keep = common.min(context.len() - 1);
-        self.engine.truncate(session, keep)?;
+        d.engine.truncate(session, keep)?;
         st.kv.truncate(keep);
-        let logits = prefill(&mut self.engine, session, &context[keep..], true)?;
-        st.kv.extend_from_slice(&context[keep..]);
-        st.next = logits.ok_or_else(|| CoreError::internal("prefill returned no logits"))?;
-        st.cursor = context.len();
-        Ok(())
+        self.keep = keep;
+        Ok(Some(Prefill::new(&context[keep..], true)))
     }
+}
 
-    fn next(&mut self, session: &str, max: usize) -> CoreResult<DraftChunk> {
-        let limit = self.engine.engine().model().config().max_context;
-        let st = self
+impl<E: EngineOps> Steps<EngineDrafter<E>> for BeginSteps {
+    type Output = ();
+    fn step(
+        &mut self,
+        d: &mut EngineDrafter<E>,
+        input: Option<crate::Result<Logits>>,
+        room: usize,
+    ) -> CoreResult<Next<()>> {
+        let logits = match input {
+            None => match self.start(d)? {
+                None => return Ok(Next::Done(())),
+                Some(p) => {
+                    self.prefill = Some(p);
+                    None
+                }
+            },
+            Some(r) => Some(r?),
+        };
+        let prefill = self
+            .prefill
+            .as_mut()
+            .ok_or_else(|| CoreError::internal("a begin step without its prefill"))?;
+        if !prefill.finished() {
+            let base = d.engine.engine().session_len(&self.session)?;
+            if let Some(block) = prefill.next(&self.session, base, room) {
+                return Ok(Next::Forward(block));
+            }
+        }
+        let logits = logits.ok_or_else(|| CoreError::internal("prefill returned no logits"))?;
+        let st = d
+            .states
+            .get_mut(&self.session)
+            .ok_or_else(|| CoreError::internal("draft state lost"))?;
+        st.kv.extend_from_slice(&self.context[self.keep..]);
+        st.next = logits.row(0).to_vec();
+        st.cursor = self.context.len();
+        Ok(Next::Done(()))
+    }
+}
+
+/// [`Drafter::next`] as steps: tokens drafted earlier are replayed, new ones cost a one-token block each.
+pub struct DraftSteps {
+    session: String,
+    max: usize,
+    chunk: DraftChunk,
+    /// The token whose block is running.
+    pending: Option<u32>,
+}
+
+impl DraftSteps {
+    pub fn new(session: &str, max: usize) -> Self {
+        DraftSteps {
+            session: session.to_string(),
+            max,
+            chunk: DraftChunk::default(),
+            pending: None,
+        }
+    }
+}
+
+impl<E: EngineOps> Steps<EngineDrafter<E>> for DraftSteps {
+    type Output = DraftChunk;
+    fn step(
+        &mut self,
+        d: &mut EngineDrafter<E>,
+        input: Option<crate::Result<Logits>>,
+        _room: usize,
+    ) -> CoreResult<Next<DraftChunk>> {
+        let limit = d.engine.engine().model().config().max_context;
+        let session = self.session.as_str();
+        let st = d
             .states
             .get_mut(session)
             .ok_or_else(|| CoreError::invalid(format!("unknown draft session `{session}`")))?;
-        let mut chunk = DraftChunk::default();
+        if let Some(r) = input {
+            let logits = r?;
+            let t = self
+                .pending
+                .take()
+                .ok_or_else(|| CoreError::internal("a draft step without its token"))?;
+            st.next = logits.row(0).to_vec();
+            st.kv.push(t);
+            st.cursor = st.kv.len();
+        }
+        let chunk = &mut self.chunk;
         let stochastic = !st.sampler.params().is_greedy();
-        while chunk.tokens.len() < max && !st.done {
+        while chunk.tokens.len() < self.max && !st.done {
             if st.cursor < st.kv.len() {
                 let t = st.kv[st.cursor];
                 st.cursor += 1;
                 chunk.tokens.push(t);
-                st.done = self.engine.engine().tokenizer().is_eos(t);
+                st.done = d.engine.engine().tokenizer().is_eos(t);
                 continue;
             }
             if st.kv.len() + 1 >= limit {
@@ -369,33 +637,47 @@ impl<E: EngineOps> Drafter for EngineDrafter<E> {
                 break;
             }
             let t = if stochastic {
-                let (t, d) = st.sampler.sample_with_distribution(&st.next);
-                let d: Vec<(u32, f32)> = d
+                let (t, dist) = st.sampler.sample_with_distribution(&st.next);
+                let dist: Vec<(u32, f32)> = dist
                     .into_iter()
                     .map(|(t, p)| (t, p as f32))
                     .filter(|x| x.1 > 0.0)
                     .collect();
                 chunk
                     .probs
-                    .push(d.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
-                st.dists.push(d);
+                    .push(dist.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1));
+                st.dists.push(dist);
                 t
             } else {
                 st.sampler.sample(&st.next)
             };
             chunk.tokens.push(t);
-            if self.engine.engine().tokenizer().is_eos(t) {
+            if d.engine.engine().tokenizer().is_eos(t) {
                 st.done = true;
                 break;
             }
-            let logits = self.engine.forward_causal(session, &[t], &[0])?;
-            st.next = logits.row(0).to_vec();
-            st.kv.push(t);
-            st.cursor = st.kv.len();
+            self.pending = Some(t);
+            let base = d.engine.engine().session_len(session)?;
+            return Ok(Next::Forward(Block::causal(session, base, &[t], vec![0])));
         }
         chunk.done = st.done;
-        chunk.pieces = pieces_of(self.engine.engine(), &chunk.tokens)?;
-        Ok(chunk)
+        chunk.pieces = pieces_of(d.engine.engine(), &chunk.tokens)?;
+        Ok(Next::Done(std::mem::take(chunk)))
+    }
+}
+
+impl<E: EngineOps> Drafter for EngineDrafter<E> {
+    fn begin(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+    ) -> CoreResult<()> {
+        run_alone(self, BeginSteps::new(session, context, sampling))
+    }
+
+    fn next(&mut self, session: &str, max: usize) -> CoreResult<DraftChunk> {
+        run_alone(self, DraftSteps::new(session, max))
     }
 
     fn distribution(&mut self, session: &str, index: usize) -> CoreResult<Vec<(u32, f32)>> {

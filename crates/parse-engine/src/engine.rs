@@ -42,6 +42,35 @@ impl EngineConfig {
     }
 }
 
+/// One session's block of a batched forward ([`EngineOps::forward_batch`]): tokens at positions under a compact
+/// mask over `[the session's cache | the block]`, logits wanted at the `readout` rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub session: String,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub mask: BlockMask,
+    pub readout: Vec<usize>,
+}
+
+impl Block {
+    /// A causal block after the `base` tokens a session holds.
+    pub fn causal(session: &str, base: usize, tokens: &[u32], readout: Vec<usize>) -> Self {
+        Block {
+            session: session.to_string(),
+            tokens: tokens.to_vec(),
+            positions: (base..base + tokens.len()).map(|p| p as u32).collect(),
+            mask: BlockMask::causal(base, tokens.len()),
+            readout,
+        }
+    }
+
+    /// Rows of the block.
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+}
+
 /// A loaded model with its tokenizer and KV sessions.
 pub struct Engine {
     pub(crate) model: Arc<Model>,
@@ -179,6 +208,16 @@ pub trait EngineOps {
     /// Frees a session; returns the bytes it held.
     fn release(&mut self, session: &str) -> Result<usize>;
 
+    /// Runs the blocks of several sessions in one step; one result per block, in order. An engine packs them into
+    /// one pass (bitwise the same logits as one at a time); the default, which a tensor-parallel leader keeps, runs
+    /// them one after another.
+    fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
+        blocks
+            .iter()
+            .map(|b| self.forward(&b.session, &b.tokens, &b.positions, &b.mask, &b.readout))
+            .collect()
+    }
+
     /// Ranks that compute each step (1 alone).
     fn world_size(&self) -> usize {
         1
@@ -233,6 +272,9 @@ impl EngineOps for Engine {
     fn release(&mut self, session: &str) -> Result<usize> {
         Engine::release(self, session)
     }
+    fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
+        self.sessions.forward_batch(&self.model, blocks)
+    }
 }
 
 /// `&mut E` and `Box<E>` drive the engine they point to.
@@ -260,6 +302,9 @@ macro_rules! delegate_ops {
             }
             fn release(&mut self, session: &str) -> Result<usize> {
                 (**self).release(session)
+            }
+            fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
+                (**self).forward_batch(blocks)
             }
             fn world_size(&self) -> usize {
                 (**self).world_size()

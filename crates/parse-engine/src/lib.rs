@@ -18,10 +18,11 @@ pub mod parallel;
 pub mod quant;
 pub mod sampling;
 pub mod session;
+pub mod steps;
 pub use parse_text::tokenizer;
 pub mod tp;
 
-pub use engine::{Engine, EngineConfig, EngineOps};
+pub use engine::{Block, Engine, EngineConfig, EngineOps};
 pub use error::{Error, Result};
 pub use generate::{PlainOutput, PlainRequest, PlainStats, generate_plain};
 pub use load::LoadOptions;

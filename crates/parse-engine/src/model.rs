@@ -208,6 +208,15 @@ impl KvCache {
     }
 }
 
+/// One session's block in a packed forward ([`Model::forward_packed`]).
+pub struct Packed<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub mask: &'a BlockMask,
+    pub readout: &'a [usize],
+}
+
 /// Logits at the readout rows of a forward block.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Logits {
@@ -216,6 +225,17 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// Logits of `data.len() / vocab` rows laid out one after another.
+    pub fn from_rows(vocab: usize, data: Vec<f32>) -> Result<Self> {
+        if vocab == 0 || !data.len().is_multiple_of(vocab) {
+            return Err(Error::invalid(format!(
+                "{} logits are not whole rows of {vocab}",
+                data.len()
+            )));
+        }
+        Ok(Logits { vocab, data })
+    }
+
     /// Number of rows.
     pub fn len(&self) -> usize {
         self.data.len() / self.vocab
@@ -385,28 +405,69 @@ impl Model {
         mask: &BlockMask,
         readout: &[usize],
     ) -> Result<Logits> {
-        self.check_block(cache, tokens, positions, mask, readout)?;
-        let cfg = &self.cfg;
-        let n = tokens.len();
-        let base = cache.len();
-        let d = cfg.hidden_size;
-        let mut x = vec![0f32; n * d];
-        for (row, &t) in x.chunks_mut(d).zip(tokens) {
+        let mut items = [Packed {
+            cache,
+            tokens,
+            positions,
+            mask,
+            readout,
+        }];
+        let mut out = self.forward_packed(&mut items)?;
+        out.pop()
+            .ok_or_else(|| Error::invalid("a packed forward returned no logits"))
+    }
+
+    /// Runs the blocks of several caches (sessions) as one pass: every matrix multiplies the rows of all of them at
+    /// once (the weights are read once per step, not once per session), while each block's rows attend only to its
+    /// own cache under its own mask. Returns each block's readout logits, in the order of `items`.
+    ///
+    /// Because the matmul kernels are batch-invariant (see `quant`) and normalization, rotary embedding and
+    /// attention work row by row within a session, every block's logits and cache entries are bitwise those of
+    /// [`Model::forward`] on that block alone. Every block is checked first; on any error no cache changes.
+    pub fn forward_packed(&self, items: &mut [Packed<'_>]) -> Result<Vec<Logits>> {
+        for it in items.iter() {
+            self.check_block(it.cache, it.tokens, it.positions, it.mask, it.readout)?;
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let d = self.cfg.hidden_size;
+        let total: usize = items.iter().map(|it| it.tokens.len()).sum();
+        let mut x = vec![0f32; total * d];
+        let mut positions = Vec::with_capacity(total);
+        for (row, &t) in x.chunks_mut(d).zip(items.iter().flat_map(|it| it.tokens)) {
             self.w.embed.row_to_f32(t as usize, row);
         }
-        let shape = AttnShape {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            block_start: base,
-        };
-        let result = self.layers(cache, &mut x, positions, mask, &shape);
-        if let Err(e) = result {
-            cache.truncate_layers(base);
+        for it in items.iter() {
+            positions.extend_from_slice(it.positions);
+        }
+        let bases: Vec<usize> = items.iter().map(|it| it.cache.len()).collect();
+        if let Err(e) = self.layers(items, &mut x, &positions) {
+            for (it, &base) in items.iter_mut().zip(&bases) {
+                it.cache.truncate_layers(base);
+            }
             return Err(e);
         }
-        cache.len = base + n;
-        self.readout(&x, readout)
+        let mut rows = Vec::new();
+        let mut offset = 0;
+        for (it, &base) in items.iter_mut().zip(&bases) {
+            it.cache.len = base + it.tokens.len();
+            rows.extend(it.readout.iter().map(|r| offset + r));
+            offset += it.tokens.len();
+        }
+        let all = self.readout(&x, &rows)?;
+        let vocab = self.cfg.vocab_size;
+        let mut out = Vec::with_capacity(items.len());
+        let mut data = all.data.as_slice();
+        for it in items.iter() {
+            let (mine, rest) = data.split_at(it.readout.len() * vocab);
+            out.push(Logits {
+                vocab,
+                data: mine.to_vec(),
+            });
+            data = rest;
+        }
+        Ok(out)
     }
 
     /// Every check `forward` makes before touching the cache (a tensor-parallel leader runs them before it
@@ -461,19 +522,20 @@ impl Model {
         Ok(())
     }
 
-    fn layers(
-        &self,
-        cache: &mut KvCache,
-        x: &mut [f32],
-        positions: &[u32],
-        mask: &BlockMask,
-        shape: &AttnShape,
-    ) -> Result<()> {
+    fn layers(&self, items: &mut [Packed<'_>], x: &mut [f32], positions: &[u32]) -> Result<()> {
         let cfg = &self.cfg;
         let n = positions.len();
-        let base = shape.block_start;
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let shapes: Vec<AttnShape> = items
+            .iter()
+            .map(|it| AttnShape {
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+                block_start: it.cache.len(),
+            })
+            .collect();
         let mut h = vec![0f32; n * d];
         let mut q = vec![0f32; n * qd];
         let mut k = vec![0f32; n * kvd];
@@ -496,12 +558,25 @@ impl Model {
             add_bias(&mut v, l.bv.as_ref());
             self.rope.apply(&mut q, positions, cfg.n_heads);
             self.rope.apply(&mut k, positions, cfg.n_kv_heads);
-            let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
-            kc.truncate(base * kvd);
-            vc.truncate(base * kvd);
-            kc.extend_from_slice(&k);
-            vc.extend_from_slice(&v);
-            ops::attention(&q, kc, vc, mask.rows(), shape, &mut attn);
+            // Attention session by session: each block's rows see only their own cache.
+            let mut r0 = 0;
+            for (it, shape) in items.iter_mut().zip(&shapes) {
+                let (base, rows) = (shape.block_start, it.tokens.len());
+                let (kc, vc) = (&mut it.cache.k[li], &mut it.cache.v[li]);
+                kc.truncate(base * kvd);
+                vc.truncate(base * kvd);
+                kc.extend_from_slice(&k[r0 * kvd..(r0 + rows) * kvd]);
+                vc.extend_from_slice(&v[r0 * kvd..(r0 + rows) * kvd]);
+                ops::attention(
+                    &q[r0 * qd..(r0 + rows) * qd],
+                    kc,
+                    vc,
+                    it.mask.rows(),
+                    shape,
+                    &mut attn[r0 * qd..(r0 + rows) * qd],
+                );
+                r0 += rows;
+            }
             l.wo.forward(&attn, n, &mut o)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
@@ -691,6 +766,94 @@ mod tests {
             let diff = max_diff(want.row(0), packed.row(row));
             assert!(diff < 1e-4, "row {row}: {diff}");
         }
+    }
+
+    #[test]
+    fn a_packed_forward_of_several_sessions_is_bitwise_each_alone() {
+        for arch in [Arch::Qwen2, Arch::Llama] {
+            let model = Model::random(tiny(arch), 11).unwrap();
+            let mut a = KvCache::new(model.config());
+            let mut b = KvCache::new(model.config());
+            model
+                .forward_causal(&mut a, &[3, 4, 5, 6, 7], &[4])
+                .unwrap();
+            model.forward_causal(&mut b, &[9, 8], &[1]).unwrap();
+            let c = KvCache::new(model.config());
+            // Alone: a decodes one token, b verifies a 3-row block, c is prefilled.
+            let (mut a1, mut b1, mut c1) = (a.clone(), b.clone(), c.clone());
+            let la = model.forward_causal(&mut a1, &[42], &[0]).unwrap();
+            let lb = model
+                .forward_causal(&mut b1, &[1, 2, 3], &[0, 1, 2])
+                .unwrap();
+            let lc = model
+                .forward_causal(&mut c1, &[60, 61, 62, 63], &[3])
+                .unwrap();
+            let (mut a2, mut b2, mut c2) = (a.clone(), b.clone(), c.clone());
+            let (pa, pb, pc) = ([5u32], [2u32, 3, 4], [0u32, 1, 2, 3]);
+            let (ma, mb, mc) = (
+                BlockMask::causal(5, 1),
+                BlockMask::causal(2, 3),
+                BlockMask::causal(0, 4),
+            );
+            let mut items = [
+                Packed {
+                    cache: &mut a2,
+                    tokens: &[42],
+                    positions: &pa,
+                    mask: &ma,
+                    readout: &[0],
+                },
+                Packed {
+                    cache: &mut b2,
+                    tokens: &[1, 2, 3],
+                    positions: &pb,
+                    mask: &mb,
+                    readout: &[0, 1, 2],
+                },
+                Packed {
+                    cache: &mut c2,
+                    tokens: &[60, 61, 62, 63],
+                    positions: &pc,
+                    mask: &mc,
+                    readout: &[3],
+                },
+            ];
+            let out = model.forward_packed(&mut items).unwrap();
+            assert_eq!(out, vec![la, lb, lc], "{arch:?}");
+            assert_eq!((a2.k, a2.v, a2.len), (a1.k, a1.v, a1.len));
+            assert_eq!((b2.k, b2.v, b2.len), (b1.k, b1.v, b1.len));
+            assert_eq!((c2.k, c2.v, c2.len), (c1.k, c1.v, c1.len));
+        }
+    }
+
+    #[test]
+    fn a_bad_block_in_a_packed_forward_changes_no_cache() {
+        let model = Model::random(tiny(Arch::Qwen2), 2).unwrap();
+        let mut a = KvCache::new(model.config());
+        let mut b = KvCache::new(model.config());
+        model.forward_causal(&mut a, &[1, 2], &[1]).unwrap();
+        let (ma, mb) = (BlockMask::causal(2, 1), BlockMask::causal(0, 1));
+        let mut items = [
+            Packed {
+                cache: &mut a,
+                tokens: &[3],
+                positions: &[2],
+                mask: &ma,
+                readout: &[0],
+            },
+            Packed {
+                cache: &mut b,
+                tokens: &[500],
+                positions: &[0],
+                mask: &mb,
+                readout: &[0],
+            },
+        ];
+        assert!(matches!(
+            model.forward_packed(&mut items),
+            Err(Error::InvalidInput(_))
+        ));
+        assert_eq!((a.len(), b.len()), (2, 0));
     }
 
     #[test]

@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 
+use crate::engine::Block;
 use crate::error::{Error, Result};
-use crate::model::{KvCache, Logits, Model};
+use crate::model::{KvCache, Logits, Model, Packed};
 use parse_core::mask::BlockMask;
 
 /// The sessions of one model.
@@ -103,6 +104,17 @@ impl SessionStore {
 
     /// Whether `n` more tokens of `model` fit in the store's capacity.
     fn check_capacity(&self, model: &Model, id: &str, n: usize) -> Result<()> {
+        self.check_capacity_after(model, id, n, 0)
+    }
+
+    /// Whether `n` more tokens fit once `claimed` more bytes (blocks of the same batch) are held.
+    fn check_capacity_after(
+        &self,
+        model: &Model,
+        id: &str,
+        n: usize,
+        claimed: usize,
+    ) -> Result<()> {
         let needed = n * model.config().kv_bytes_per_token();
         let would_hold = self.bytes(id).unwrap_or(0) + needed;
         if would_hold > self.per_session {
@@ -112,7 +124,7 @@ impl SessionStore {
                 limit: self.per_session,
             });
         }
-        let available = self.capacity.saturating_sub(self.used());
+        let available = self.capacity.saturating_sub(self.used() + claimed);
         if needed > available {
             return Err(Error::CapacityExceeded {
                 session: id.to_string(),
@@ -141,6 +153,75 @@ impl SessionStore {
             .get_mut(id)
             .ok_or_else(|| Error::UnknownSession(id.to_string()))?;
         model.forward(cache, tokens, positions, mask, readout)
+    }
+
+    /// Runs the blocks of several sessions as one packed pass (see [`Model::forward_packed`]); one result per
+    /// block, in order. A block that fails its checks (unknown session, a session twice in the batch, no room in
+    /// the store, a bad block) gets its error and the others run without it.
+    pub fn forward_batch(&mut self, model: &Model, blocks: &[Block]) -> Vec<Result<Logits>> {
+        let mut results: Vec<Option<Result<Logits>>> = blocks.iter().map(|_| None).collect();
+        let mut claimed = 0;
+        let mut taken: Vec<(usize, KvCache)> = Vec::new();
+        for (i, b) in blocks.iter().enumerate() {
+            let checked = (|| {
+                if taken.iter().any(|(j, _)| blocks[*j].session == b.session) {
+                    return Err(Error::invalid(format!(
+                        "session `{}` has two blocks in one batch",
+                        b.session
+                    )));
+                }
+                let cache = self.get(&b.session)?;
+                self.check_capacity_after(model, &b.session, b.tokens.len(), claimed)?;
+                model.check_block(cache, &b.tokens, &b.positions, &b.mask, &b.readout)
+            })();
+            match checked {
+                Err(e) => results[i] = Some(Err(e)),
+                Ok(()) => {
+                    claimed += b.tokens.len() * model.config().kv_bytes_per_token();
+                    if let Some(cache) = self.map.remove(&b.session) {
+                        taken.push((i, cache));
+                    }
+                }
+            }
+        }
+        let packed = {
+            let mut items: Vec<Packed<'_>> = taken
+                .iter_mut()
+                .map(|(i, cache)| {
+                    let b = &blocks[*i];
+                    Packed {
+                        cache,
+                        tokens: &b.tokens,
+                        positions: &b.positions,
+                        mask: &b.mask,
+                        readout: &b.readout,
+                    }
+                })
+                .collect();
+            model.forward_packed(&mut items)
+        };
+        match packed {
+            Ok(logits) => {
+                for ((i, _), l) in taken.iter().zip(logits) {
+                    results[*i] = Some(Ok(l));
+                }
+            }
+            // The pass failed as a whole (and changed no cache): run each block alone for its own error.
+            Err(_) => {
+                for (i, cache) in taken.iter_mut() {
+                    let b = &blocks[*i];
+                    results[*i] =
+                        Some(model.forward(cache, &b.tokens, &b.positions, &b.mask, &b.readout));
+                }
+            }
+        }
+        for (i, cache) in taken {
+            self.map.insert(blocks[i].session.clone(), cache);
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::invalid("a block of the batch did not run"))))
+            .collect()
     }
 
     /// Keeps a session's first `n` tokens.
