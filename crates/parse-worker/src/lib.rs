@@ -3,10 +3,11 @@
 //! use, and the epoch of a session's current draft), the reaper that releases idle sessions, the drain, the model
 //! information it publishes, and a bound on queued work.
 //!
-//! Nothing locks the engine: every operation is a command sent to the scheduler over a bounded channel, answered
-//! over a `oneshot`. Commands run one at a time, in arrival order (batches of one; the batching scheduler packs
-//! them). A command whose caller has gone (a cancelled request: the oneshot receiver dropped) is skipped, so a
-//! cancelled request stops its work on the worker at the next command.
+//! Nothing locks the engine: every operation is sent to the scheduler over a bounded channel and answered over a
+//! `oneshot`. Operations that need forward passes run as tasks ([`Shell::steps`]), packed with the other sessions'
+//! steps into one pass per step (continuous batching, see [`scheduler`]); the rest run as commands
+//! ([`Shell::call`]). Work whose caller has gone (a cancelled request: the oneshot receiver dropped) is skipped or
+//! stopped at its next step.
 
 pub mod info;
 pub mod metrics;
@@ -20,16 +21,19 @@ use std::time::{Duration, Instant};
 use parse_core::Error as CoreError;
 use parse_engine::EngineOps;
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::steps::{Forward, Next, Steps};
+use parse_engine::{Block, Logits};
 use parse_proto::v1::GetModelInfoResponse;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 pub use info::model_info;
 pub use metrics::{WorkerMetrics, serve_metrics, spawn_metrics};
-pub use scheduler::{Scheduler, SchedulerError};
+pub use scheduler::{Packing, Scheduler, SchedulerError, StepShape, Task};
 
-/// A model backend the shell can own: it releases sessions and counts them.
-pub trait Backend: Send + 'static {
+/// A model backend the shell can own: it runs blocks (one step of many sessions at once), releases sessions and
+/// counts them.
+pub trait Backend: Forward + Send + 'static {
     /// Releases a session's state (its KV cache); unknown sessions are an error.
     fn release(&mut self, session: &str) -> Result<(), CoreError>;
     /// Sessions holding state.
@@ -142,6 +146,139 @@ pub struct State<B> {
     pub book: SessionBook,
 }
 
+impl<B: Forward> Forward for State<B> {
+    fn forward_blocks(&mut self, blocks: &[Block]) -> Vec<parse_engine::Result<Logits>> {
+        self.backend.forward_blocks(blocks)
+    }
+}
+
+/// An operation on the backend behind a gate that sees the whole state (the book: epochs, draining) and runs at
+/// its first step, in the same scheduler turn as the operation's start: `Ok(true)` runs the operation, `Ok(false)`
+/// skips it (its output is `None`), an error fails it. Admission checks go here, so that concurrent opens cannot
+/// pass a cap together.
+pub struct Gated<F, S> {
+    gate: Option<F>,
+    steps: S,
+}
+
+impl<F, S> Gated<F, S> {
+    pub fn new(gate: F, steps: S) -> Self {
+        Gated {
+            gate: Some(gate),
+            steps,
+        }
+    }
+}
+
+impl<B, F, S> Steps<State<B>> for Gated<F, S>
+where
+    F: FnOnce(&mut State<B>) -> Result<bool, CoreError> + Send,
+    S: Steps<B>,
+{
+    type Output = Option<S::Output>;
+    fn step(
+        &mut self,
+        st: &mut State<B>,
+        input: Option<parse_engine::Result<Logits>>,
+        room: usize,
+    ) -> Result<Next<Self::Output>, CoreError> {
+        if let Some(gate) = self.gate.take()
+            && !gate(st)?
+        {
+            return Ok(Next::Done(None));
+        }
+        Ok(match self.steps.step(&mut st.backend, input, room)? {
+            Next::Forward(block) => Next::Forward(block),
+            Next::Done(out) => Next::Done(Some(out)),
+        })
+    }
+}
+
+/// An operation of the shell's backend as a scheduler task: it records its metrics, hands its result to `finish`
+/// (which sees the whole state: the book) and answers the caller.
+struct ShellTask<B: Backend, S: Steps<State<B>>, F, T> {
+    op: &'static str,
+    steps: S,
+    finish: Option<F>,
+    reply: Option<tokio::sync::oneshot::Sender<Result<T, CoreError>>>,
+    waiting: Option<metrics::Queued>,
+    started: Option<Instant>,
+    open: Arc<AtomicUsize>,
+    metrics: Arc<WorkerMetrics>,
+    _backend: std::marker::PhantomData<fn(B)>,
+}
+
+impl<B, S, F, T> ShellTask<B, S, F, T>
+where
+    B: Backend,
+    S: Steps<State<B>>,
+    F: FnOnce(&mut State<B>, Result<S::Output, CoreError>) -> Result<T, CoreError>,
+{
+    fn complete(&mut self, st: &mut State<B>, out: Result<S::Output, CoreError>) -> Option<T> {
+        let finish = self.finish.take()?;
+        let out = finish(st, out);
+        if let Some(t) = self.started {
+            self.metrics.step(self.op, t.elapsed().as_secs_f64());
+        }
+        let n = st.backend.open_sessions();
+        self.open.store(n, Ordering::Relaxed);
+        let (used, capacity) = st.backend.kv_bytes();
+        self.metrics.state(n, used, capacity);
+        match (out, self.reply.take()) {
+            (out, Some(reply)) => {
+                let _ = reply.send(out);
+                None
+            }
+            (Ok(t), None) => Some(t),
+            (Err(_), None) => None,
+        }
+    }
+}
+
+impl<B, S, F, T> Task<State<B>> for ShellTask<B, S, F, T>
+where
+    B: Backend,
+    S: Steps<State<B>> + 'static,
+    F: FnOnce(&mut State<B>, Result<S::Output, CoreError>) -> Result<T, CoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    fn advance(
+        &mut self,
+        st: &mut State<B>,
+        input: Option<parse_engine::Result<Logits>>,
+        room: usize,
+    ) -> Option<Block> {
+        self.waiting = None;
+        self.started.get_or_insert_with(Instant::now);
+        match self.steps.step(st, input, room) {
+            Ok(Next::Forward(block)) => Some(block),
+            Ok(Next::Done(out)) => {
+                self.complete(st, Ok(out));
+                None
+            }
+            Err(e) => {
+                self.complete(st, Err(e));
+                None
+            }
+        }
+    }
+
+    fn abandoned(&self) -> bool {
+        self.reply.as_ref().is_none_or(|r| r.is_closed())
+    }
+
+    fn cancel(&mut self, st: &mut State<B>) {
+        self.reply = None;
+        self.complete(
+            st,
+            Err(CoreError::new(
+                parse_core::ErrorKind::Cancelled,
+                "the caller has gone",
+            )),
+        );
+    }
+}
+
 /// The shell's settings.
 #[derive(Debug, Clone)]
 pub struct ShellConfig {
@@ -151,6 +288,8 @@ pub struct ShellConfig {
     pub session_ttl: Duration,
     /// Names the worker in logs and errors ("draft worker", "target worker").
     pub name: &'static str,
+    /// Rows one packed forward pass holds at most (see [`scheduler`]).
+    pub step_rows: usize,
 }
 
 /// A worker's shell around backend `B`. Cheap to clone.
@@ -191,12 +330,22 @@ impl<B: Backend> Shell<B> {
             backend,
             book: SessionBook::default(),
         };
+        let metrics = Arc::new(WorkerMetrics::new());
+        let on_step = {
+            let metrics = metrics.clone();
+            Arc::new(move |s: StepShape| metrics.packed(s.blocks, s.rows))
+        };
+        let packing = Packing {
+            step_rows: cfg.step_rows.max(1),
+            max_tasks: cfg.queue.max(1),
+            on_step: Some(on_step),
+        };
         Shell {
-            scheduler: Scheduler::spawn(cfg.name, state, cfg.queue.max(1), cancel.clone()),
+            scheduler: Scheduler::spawn(cfg.name, state, cfg.queue.max(1), packing, cancel.clone()),
             cfg,
             info: Arc::new(info),
             open: Arc::new(AtomicUsize::new(0)),
-            metrics: Arc::new(WorkerMetrics::new()),
+            metrics,
             drain: parse_discovery::Drain::default(),
             cancel,
         }
@@ -262,6 +411,42 @@ impl<B: Backend> Shell<B> {
         f: impl FnOnce(&mut State<B>) -> Result<T, CoreError> + Send + 'static,
     ) -> Result<T, Status> {
         let r = self.scheduler.call(self.job(op, f)).await;
+        self.answer(r)
+    }
+
+    /// Runs the operation `steps` on the backend (operation `op`, the metrics' label) as a task packed with the
+    /// other sessions' steps, after `gate` (see [`Gated`]); `finish` gets its result (`None`: the gate skipped
+    /// it) with the whole state (the book) and makes the answer. With `wait`, waits for room in the queue (a
+    /// running stream's next step); without, answers RESOURCE_EXHAUSTED at once when it is full.
+    pub async fn steps<S, G, T, F>(
+        &self,
+        op: &'static str,
+        gate: G,
+        steps: S,
+        finish: F,
+        wait: bool,
+    ) -> Result<T, Status>
+    where
+        S: Steps<B> + 'static,
+        G: FnOnce(&mut State<B>) -> Result<bool, CoreError> + Send + 'static,
+        F: FnOnce(&mut State<B>, Result<Option<S::Output>, CoreError>) -> Result<T, CoreError>
+            + Send
+            + 'static,
+        T: Send + 'static,
+    {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let task = ShellTask {
+            op,
+            steps: Gated::new(gate, steps),
+            finish: Some(finish),
+            reply: Some(reply),
+            waiting: Some(self.metrics.queued()),
+            started: None,
+            open: self.open.clone(),
+            metrics: self.metrics.clone(),
+            _backend: std::marker::PhantomData,
+        };
+        let r = self.scheduler.run_task(Box::new(task), rx, wait).await;
         self.answer(r)
     }
 

@@ -1,14 +1,16 @@
 //! A worker's Prometheus metrics (one registry per worker), served as text at `GET /metrics` on the worker's
 //! metrics listener ([`serve_metrics`]). Names follow Prometheus conventions.
 //!
-//! - `parse_worker_steps_total{op}`, `parse_worker_step_duration_seconds{op}`: engine commands the scheduler ran
-//!   and their time on the engine (op: open, verify, extend, truncate, release, begin, draft, distribution, ...).
+//! - `parse_worker_steps_total{op}`, `parse_worker_step_duration_seconds{op}`: engine operations the scheduler ran
+//!   and their time from first step to answer (shared with the operations packed beside them) (op: open, verify, extend, truncate, release, begin, draft, distribution, ...).
 //! - `parse_worker_rows_total{op}`: token rows the engine computed: a verification's packed positions, a target
 //!   session's prompt (`open`), extension and draft tokens. A draft's `begin` reuses what its cache holds and is
 //!   counted in steps and time only.
 //! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
 //! - `parse_worker_refused_total`: calls answered RESOURCE_EXHAUSTED (queue full).
-//! - `parse_worker_queue_depth`: engine calls waiting for the scheduler (the one running excluded).
+//! - `parse_worker_queue_depth`: engine calls waiting for the scheduler (those running excluded).
+//! - `parse_worker_batch_blocks`, `parse_worker_batch_rows` (histograms): per packed forward pass, the sessions'
+//!   blocks it held and their rows (continuous batching: how many requests share a step).
 
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
@@ -26,6 +28,8 @@ pub struct WorkerMetrics {
     kv_capacity: IntGauge,
     refused: IntCounter,
     queue_depth: IntGauge,
+    batch_blocks: prometheus::Histogram,
+    batch_rows: prometheus::Histogram,
 }
 
 /// Counts a call in `parse_worker_queue_depth` until it starts running (or is dropped unrun).
@@ -115,8 +119,27 @@ impl WorkerMetrics {
             "parse_worker_queue_depth",
             "Engine calls waiting for the scheduler.",
         );
+        let histogram = |name: &str, help: &str, buckets: Vec<f64>| {
+            register(
+                &r,
+                prometheus::Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                    .expect("valid metric"),
+            )
+        };
+        let batch_blocks = histogram(
+            "parse_worker_batch_blocks",
+            "Sessions' blocks packed into one forward pass.",
+            vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0],
+        );
+        let batch_rows = histogram(
+            "parse_worker_batch_rows",
+            "Token rows of one packed forward pass.",
+            prometheus::exponential_buckets(1.0, 2.0, 12).expect("valid buckets"),
+        );
         WorkerMetrics {
             registry: r,
+            batch_blocks,
+            batch_rows,
             steps,
             step_seconds,
             rows,
@@ -150,6 +173,12 @@ impl WorkerMetrics {
         self.open_sessions.set(open_sessions as i64);
         self.kv_bytes.set(kv_bytes as i64);
         self.kv_capacity.set(kv_capacity as i64);
+    }
+
+    /// One packed forward pass of `blocks` sessions' blocks, `rows` rows in all.
+    pub fn packed(&self, blocks: usize, rows: usize) {
+        self.batch_blocks.observe(blocks as f64);
+        self.batch_rows.observe(rows as f64);
     }
 
     pub fn refused(&self) {
@@ -223,6 +252,7 @@ mod tests {
         m.rows("verify", 17);
         m.state(2, 4096, 1 << 20);
         m.refused();
+        m.packed(3, 40);
         let (a, b) = (m.queued(), m.queued());
         drop(a);
         let t = m.render();
@@ -235,6 +265,8 @@ mod tests {
             "parse_worker_kv_capacity_bytes 1048576",
             "parse_worker_refused_total 1",
             "parse_worker_queue_depth 1",
+            "parse_worker_batch_blocks_sum 3",
+            "parse_worker_batch_rows_sum 40",
         ] {
             assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");
         }

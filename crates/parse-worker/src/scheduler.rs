@@ -1,16 +1,50 @@
-//! A scheduler task: one thread owns a state (an engine and what goes with it) and runs the commands it receives
-//! over a bounded channel, one at a time, in arrival order, answering each over a `oneshot`. It replaces a lock: async
-//! handlers never block on the engine, and nothing else can reach it.
+//! A scheduler task: one thread owns a state (an engine and what goes with it) and runs what it receives over a
+//! bounded channel, answering each caller over a `oneshot`. It replaces a lock: async handlers never block on the
+//! engine, and nothing else can reach it.
 //!
-//! A command whose caller has gone (its reply receiver dropped: a cancelled request) is skipped. The thread ends
-//! when every handle is dropped or the cancellation token fires; later calls answer [`SchedulerError::Stopped`].
+//! Two kinds of work arrive. A *command* (a closure: release, truncate, a heartbeat) runs as soon as the thread
+//! takes it. A *task* (an operation that needs forward passes: a prefill, a verification, a run of decode steps)
+//! joins the running tasks, and the thread runs them together, step by step (continuous batching): at each step
+//! every running task says what block it needs next, the blocks of up to `step_rows` rows are packed into one
+//! forward pass ([`Forward::forward_blocks`]), and each task gets its block's logits back at its next step. A task
+//! that joins does not wait for the others to finish; a prefill is cut to the room a step has left, so a long
+//! prompt does not stall the decode steps beside it. Tasks that did not get into a step go first at the next one.
+//!
+//! Work whose caller has gone (its reply receiver dropped: a cancelled request) is skipped, or stopped at its next
+//! step. The thread ends when every handle is dropped or the cancellation token fires; later calls answer
+//! [`SchedulerError::Stopped`].
 
+use std::collections::VecDeque;
+
+use parse_engine::steps::Forward;
+use parse_engine::{Block, Logits};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-type Command<S> = Box<dyn FnOnce(&mut S) + Send>;
+type Closure<S> = Box<dyn FnOnce(&mut S) + Send>;
 
-/// Why a command did not run.
+/// An operation run step by step among others (see the module's comment).
+pub trait Task<S>: Send {
+    /// Advances the task with the result of the block it asked for last (`None` at its first step), with room for
+    /// `room` rows in this step. Returns its next block, or `None` once it has finished (and answered its caller).
+    fn advance(
+        &mut self,
+        state: &mut S,
+        input: Option<parse_engine::Result<Logits>>,
+        room: usize,
+    ) -> Option<Block>;
+    /// Whether its caller has gone.
+    fn abandoned(&self) -> bool;
+    /// Its caller has gone after it started: leave the state tidy (no reply is sent).
+    fn cancel(&mut self, state: &mut S);
+}
+
+enum Work<S> {
+    Command(Closure<S>),
+    Task(Box<dyn Task<S>>),
+}
+
+/// Why work did not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SchedulerError {
     /// The queue is full.
@@ -19,9 +53,39 @@ pub enum SchedulerError {
     Stopped,
 }
 
+/// What a step packed, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepShape {
+    /// Blocks (one per task) in the pass.
+    pub blocks: usize,
+    /// Rows of all blocks.
+    pub rows: usize,
+}
+
+/// How the scheduler packs steps.
+#[derive(Clone)]
+pub struct Packing {
+    /// Rows one packed pass holds at most (a block larger than this runs in a step of its own).
+    pub step_rows: usize,
+    /// Tasks running at once; more wait in the queue (and beyond the queue are refused).
+    pub max_tasks: usize,
+    /// Called after every packed pass.
+    pub on_step: Option<std::sync::Arc<dyn Fn(StepShape) + Send + Sync>>,
+}
+
+impl Default for Packing {
+    fn default() -> Self {
+        Packing {
+            step_rows: 128,
+            max_tasks: 256,
+            on_step: None,
+        }
+    }
+}
+
 /// A handle to a scheduler task. Cheap to clone.
 pub struct Scheduler<S> {
-    tx: mpsc::Sender<Command<S>>,
+    tx: mpsc::Sender<Work<S>>,
 }
 
 impl<S> Clone for Scheduler<S> {
@@ -32,18 +96,135 @@ impl<S> Clone for Scheduler<S> {
     }
 }
 
-impl<S: Send + 'static> Scheduler<S> {
-    /// Starts the task on a thread of its own (engine work blocks), holding at most `queue` waiting commands.
-    pub fn spawn(name: &str, mut state: S, queue: usize, cancel: CancellationToken) -> Self {
-        let (tx, mut rx) = mpsc::channel::<Command<S>>(queue);
+struct Running<S> {
+    task: Box<dyn Task<S>>,
+    started: bool,
+    /// The result of its last block, not yet handed to it.
+    input: Option<parse_engine::Result<Logits>>,
+    /// Its next block, waiting for a step with room.
+    block: Option<Block>,
+}
+
+/// The scheduler thread's loop.
+fn run<S: Forward>(
+    state: &mut S,
+    rx: &mut mpsc::Receiver<Work<S>>,
+    packing: &Packing,
+    cancel: &CancellationToken,
+) {
+    let mut running: VecDeque<Running<S>> = VecDeque::new();
+    let step_rows = packing.step_rows.max(1);
+    loop {
+        // Wait only when nothing runs; otherwise take what has arrived and step.
+        if running.is_empty() {
+            match rx.blocking_recv() {
+                Some(w) => take(state, &mut running, w),
+                None => return,
+            }
+        }
+        while running.len() < packing.max_tasks.max(1) {
+            match rx.try_recv() {
+                Ok(w) => take(state, &mut running, w),
+                Err(_) => break,
+            }
+        }
+        if cancel.is_cancelled() {
+            return;
+        }
+        // Plan a step: blocks in the order of the queue of tasks, within the row budget.
+        let mut blocks: Vec<Block> = Vec::new();
+        let mut owners: Vec<usize> = Vec::new();
+        let mut finished: Vec<usize> = Vec::new();
+        let mut planned = 0;
+        for (i, r) in running.iter_mut().enumerate() {
+            if r.task.abandoned() {
+                if r.started {
+                    r.task.cancel(state);
+                }
+                finished.push(i);
+                continue;
+            }
+            if r.block.is_none() {
+                if planned >= step_rows {
+                    continue;
+                }
+                r.started = true;
+                match r.task.advance(state, r.input.take(), step_rows - planned) {
+                    Some(b) => r.block = Some(b),
+                    None => {
+                        finished.push(i);
+                        continue;
+                    }
+                }
+            }
+            let Some(b) = r.block.as_ref() else { continue };
+            let fits = planned == 0 || planned + b.rows() <= step_rows;
+            if fits && !blocks.iter().any(|x| x.session == b.session) {
+                planned += b.rows();
+                owners.push(i);
+                blocks.extend(r.block.take());
+            }
+        }
+        if !blocks.is_empty() {
+            let results = state.forward_blocks(&blocks);
+            if let Some(f) = &packing.on_step {
+                f(StepShape {
+                    blocks: blocks.len(),
+                    rows: planned,
+                });
+            }
+            let mut results = results.into_iter();
+            for &i in &owners {
+                running[i].input = Some(results.next().unwrap_or_else(|| {
+                    Err(parse_engine::Error::InvalidInput(
+                        "a block got no result".into(),
+                    ))
+                }));
+            }
+        }
+        // Tasks that ran go to the back; those that waited lead the next step.
+        let mut waited = VecDeque::with_capacity(running.len());
+        let mut ran = Vec::with_capacity(owners.len());
+        for (i, r) in running.drain(..).enumerate() {
+            if finished.contains(&i) {
+                continue;
+            }
+            if owners.contains(&i) {
+                ran.push(r);
+            } else {
+                waited.push_back(r);
+            }
+        }
+        waited.extend(ran);
+        running = waited;
+    }
+}
+
+fn take<S>(state: &mut S, running: &mut VecDeque<Running<S>>, w: Work<S>) {
+    match w {
+        Work::Command(f) => f(state),
+        Work::Task(task) => running.push_back(Running {
+            task,
+            started: false,
+            input: None,
+            block: None,
+        }),
+    }
+}
+
+impl<S: Forward + Send + 'static> Scheduler<S> {
+    /// Starts the task on a thread of its own (engine work blocks), holding at most `queue` waiting calls.
+    pub fn spawn(
+        name: &str,
+        mut state: S,
+        queue: usize,
+        packing: Packing,
+        cancel: CancellationToken,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::channel::<Work<S>>(queue.max(1));
         let thread = format!("{name} scheduler");
         let spawned = std::thread::Builder::new().name(thread).spawn(move || {
-            while let Some(cmd) = rx.blocking_recv() {
-                if cancel.is_cancelled() {
-                    break;
-                }
-                cmd(&mut state);
-            }
+            run(&mut state, &mut rx, &packing, &cancel);
             rx.close();
         });
         if let Err(e) = spawned {
@@ -55,16 +236,26 @@ impl<S: Send + 'static> Scheduler<S> {
 
     fn command<T: Send + 'static>(
         f: impl FnOnce(&mut S) -> T + Send + 'static,
-    ) -> (Command<S>, oneshot::Receiver<T>) {
+    ) -> (Work<S>, oneshot::Receiver<T>) {
         let (reply, rx) = oneshot::channel();
-        let cmd: Command<S> = Box::new(move |s: &mut S| {
+        let cmd: Closure<S> = Box::new(move |s: &mut S| {
             // The caller is gone: skip the work.
             if reply.is_closed() {
                 return;
             }
             let _ = reply.send(f(s));
         });
-        (cmd, rx)
+        (Work::Command(cmd), rx)
+    }
+
+    async fn send(&self, w: Work<S>, wait: bool) -> Result<(), SchedulerError> {
+        if wait {
+            return self.tx.send(w).await.map_err(|_| SchedulerError::Stopped);
+        }
+        self.tx.try_send(w).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SchedulerError::Full,
+            mpsc::error::TrySendError::Closed(_) => SchedulerError::Stopped,
+        })
     }
 
     /// Runs `f` on the state, waiting for room in the queue.
@@ -73,10 +264,7 @@ impl<S: Send + 'static> Scheduler<S> {
         f: impl FnOnce(&mut S) -> T + Send + 'static,
     ) -> Result<T, SchedulerError> {
         let (cmd, rx) = Self::command(f);
-        self.tx
-            .send(cmd)
-            .await
-            .map_err(|_| SchedulerError::Stopped)?;
+        self.send(cmd, true).await?;
         rx.await.map_err(|_| SchedulerError::Stopped)
     }
 
@@ -86,10 +274,19 @@ impl<S: Send + 'static> Scheduler<S> {
         f: impl FnOnce(&mut S) -> T + Send + 'static,
     ) -> Result<T, SchedulerError> {
         let (cmd, rx) = Self::command(f);
-        self.tx.try_send(cmd).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SchedulerError::Full,
-            mpsc::error::TrySendError::Closed(_) => SchedulerError::Stopped,
-        })?;
+        self.send(cmd, false).await?;
+        rx.await.map_err(|_| SchedulerError::Stopped)
+    }
+
+    /// Runs a task among the others; it answers over `rx` (which the caller made with the task). With `wait`, waits
+    /// for room in the queue; without, fails at once with [`SchedulerError::Full`].
+    pub async fn run_task<T: Send + 'static>(
+        &self,
+        task: Box<dyn Task<S>>,
+        rx: oneshot::Receiver<T>,
+        wait: bool,
+    ) -> Result<T, SchedulerError> {
+        self.send(Work::Task(task), wait).await?;
         rx.await.map_err(|_| SchedulerError::Stopped)
     }
 }
@@ -99,58 +296,269 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// A state that records what each packed pass held and answers each block's readout rows with its first token.
+    /// Each pass takes `pass_time` (so that work can arrive while tasks run).
+    #[derive(Default)]
+    struct Ledger {
+        v: Vec<u32>,
+        passes: Vec<Vec<(String, usize)>>,
+        cancelled: Vec<String>,
+        pass_time: Duration,
+    }
+
+    impl Forward for Ledger {
+        fn forward_blocks(&mut self, blocks: &[Block]) -> Vec<parse_engine::Result<Logits>> {
+            std::thread::sleep(self.pass_time);
+            self.passes.push(
+                blocks
+                    .iter()
+                    .map(|b| (b.session.clone(), b.rows()))
+                    .collect(),
+            );
+            blocks
+                .iter()
+                .map(|b| Logits::from_rows(1, vec![b.tokens[0] as f32; b.readout.len()]))
+                .collect()
+        }
+    }
+
+    /// Asks for `steps` blocks of `rows` rows (tokens 1, 2, ...) and answers the values it got back.
+    struct Counter {
+        session: String,
+        steps: u32,
+        rows: usize,
+        asked: u32,
+        got: Vec<f32>,
+        reply: Option<oneshot::Sender<Vec<f32>>>,
+    }
+
+    impl Task<Ledger> for Counter {
+        fn advance(
+            &mut self,
+            _: &mut Ledger,
+            input: Option<parse_engine::Result<Logits>>,
+            _room: usize,
+        ) -> Option<Block> {
+            if let Some(l) = input {
+                self.got.push(l.unwrap().row(0)[0]);
+            }
+            if self.asked == self.steps {
+                let _ = self.reply.take()?.send(std::mem::take(&mut self.got));
+                return None;
+            }
+            self.asked += 1;
+            let tokens = vec![self.asked; self.rows];
+            Some(Block::causal(&self.session, 0, &tokens, vec![0]))
+        }
+        fn abandoned(&self) -> bool {
+            self.reply.as_ref().is_none_or(|r| r.is_closed())
+        }
+        fn cancel(&mut self, st: &mut Ledger) {
+            st.cancelled.push(self.session.clone());
+        }
+    }
+
+    fn counter(
+        session: &str,
+        steps: u32,
+        rows: usize,
+    ) -> (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>) {
+        let (reply, rx) = oneshot::channel();
+        let t = Counter {
+            session: session.to_string(),
+            steps,
+            rows,
+            asked: 0,
+            got: Vec::new(),
+            reply: Some(reply),
+        };
+        (Box::new(t), rx)
+    }
+
+    /// Holds the scheduler thread in a command until the returned sender is used, so that work queued meanwhile
+    /// is taken together.
+    fn hold(s: &Scheduler<Ledger>) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let s = s.clone();
+        let h = tokio::spawn(async move {
+            s.call(move |_| {
+                let _ = wait.recv();
+            })
+            .await
+            .unwrap();
+        });
+        (go, h)
+    }
+
+    fn packing(step_rows: usize) -> Packing {
+        Packing {
+            step_rows,
+            ..Packing::default()
+        }
+    }
+
     #[tokio::test]
     async fn commands_run_in_order_a_full_queue_refuses_and_cancel_stops() {
         let cancel = CancellationToken::new();
-        let s = Scheduler::spawn("test", Vec::<u32>::new(), 1, cancel.clone());
+        let s = Scheduler::spawn("test", Ledger::default(), 1, packing(8), cancel.clone());
         for i in 0..5 {
-            s.call(move |v| v.push(i)).await.unwrap();
+            s.call(move |l| l.v.push(i)).await.unwrap();
         }
-        assert_eq!(s.call(|v| v.clone()).await.unwrap(), [0, 1, 2, 3, 4]);
+        assert_eq!(s.call(|l| l.v.clone()).await.unwrap(), [0, 1, 2, 3, 4]);
         // One slow command running, one queued: the next is refused.
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        let slow = {
-            let s = s.clone();
-            tokio::spawn(async move { s.call(move |_| wait.recv().is_ok()).await })
-        };
+        let (go, slow) = hold(&s);
         tokio::time::sleep(Duration::from_millis(50)).await;
         let queued = {
             let s = s.clone();
-            tokio::spawn(async move { s.call(|v| v.len()).await })
+            tokio::spawn(async move { s.call(|l| l.v.len()).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(s.try_call(|v| v.len()).await, Err(SchedulerError::Full));
+        assert_eq!(s.try_call(|l| l.v.len()).await, Err(SchedulerError::Full));
+        let (task, rx) = counter("a", 1, 1);
+        assert_eq!(s.run_task(task, rx, false).await, Err(SchedulerError::Full));
         go.send(()).unwrap();
-        assert_eq!(slow.await.unwrap(), Ok(true));
+        slow.await.unwrap();
         assert_eq!(queued.await.unwrap(), Ok(5));
         cancel.cancel();
-        // The thread sees the token at its next command and stops.
-        let _ = s.call(|v| v.len()).await;
-        assert_eq!(s.call(|v| v.len()).await, Err(SchedulerError::Stopped));
+        // The thread sees the token at its next turn and stops.
+        let _ = s.call(|l| l.v.len()).await;
+        assert_eq!(s.call(|l| l.v.len()).await, Err(SchedulerError::Stopped));
     }
 
     #[tokio::test]
     async fn a_command_whose_caller_left_is_skipped() {
-        let s = Scheduler::spawn("test", 0u32, 4, CancellationToken::new());
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        let blocker = {
-            let s = s.clone();
-            tokio::spawn(async move { s.call(move |_| wait.recv().is_ok()).await })
-        };
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            4,
+            packing(8),
+            CancellationToken::new(),
+        );
+        let (go, blocker) = hold(&s);
         tokio::time::sleep(Duration::from_millis(50)).await;
         let abandoned = {
             let s = s.clone();
-            tokio::spawn(async move { s.call(|n| *n += 1).await })
+            tokio::spawn(async move { s.call(|l| l.v.push(1)).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         abandoned.abort();
         let _ = abandoned.await;
         go.send(()).unwrap();
-        blocker.await.unwrap().unwrap();
-        assert_eq!(
-            s.call(|n| *n).await.unwrap(),
-            0,
+        blocker.await.unwrap();
+        assert!(
+            s.call(|l| l.v.is_empty()).await.unwrap(),
             "the abandoned command ran"
         );
+    }
+
+    #[tokio::test]
+    async fn running_tasks_share_passes_and_each_gets_its_own_results() {
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            packing(64),
+            CancellationToken::new(),
+        );
+        let (go, held) = hold(&s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut answers = Vec::new();
+        for (name, steps) in [("a", 4), ("b", 4), ("c", 2)] {
+            let (task, rx) = counter(name, steps, 1);
+            let s = s.clone();
+            answers.push(tokio::spawn(
+                async move { s.run_task(task, rx, true).await },
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        go.send(()).unwrap();
+        held.await.unwrap();
+        let want = [
+            vec![1.0, 2.0, 3.0, 4.0],
+            vec![1.0, 2.0, 3.0, 4.0],
+            vec![1.0, 2.0],
+        ];
+        for (a, w) in answers.into_iter().zip(want) {
+            assert_eq!(a.await.unwrap().unwrap(), w);
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        let sizes: Vec<usize> = passes.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [3, 3, 2, 2], "{passes:?}");
+        // A task that joins while others run is packed with them from its first step.
+        s.call(|l| l.pass_time = Duration::from_millis(5))
+            .await
+            .unwrap();
+        let (long, rx_long) = counter("long", 40, 1);
+        let first = {
+            let s = s.clone();
+            tokio::spawn(async move { s.run_task(long, rx_long, true).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (late, rx_late) = counter("late", 2, 1);
+        s.run_task(late, rx_late, true).await.unwrap();
+        first.await.unwrap().unwrap();
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        assert!(
+            passes[4..].iter().any(|p| p.len() == 2),
+            "the late task never shared a pass: {passes:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pass_keeps_to_its_row_budget_and_a_left_caller_stops_its_task() {
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            packing(4),
+            CancellationToken::new(),
+        );
+        let (go, held) = hold(&s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut answers = Vec::new();
+        for (name, rows) in [("a", 3), ("b", 3), ("big", 9), ("d", 1)] {
+            let (task, rx) = counter(name, 2, rows);
+            let s = s.clone();
+            answers.push(tokio::spawn(
+                async move { s.run_task(task, rx, true).await },
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        go.send(()).unwrap();
+        held.await.unwrap();
+        for a in answers {
+            assert_eq!(a.await.unwrap().unwrap(), vec![1.0, 2.0]);
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        for p in &passes {
+            let rows: usize = p.iter().map(|x| x.1).sum();
+            assert!(p.len() == 1 || rows <= 4, "{passes:?}");
+        }
+        // Every task's two blocks ran (the one larger than the budget in passes of its own).
+        assert_eq!(passes.iter().map(Vec::len).sum::<usize>(), 8, "{passes:?}");
+        // A caller that leaves: its task stops at its next step and tidies up.
+        s.call(|l| l.pass_time = Duration::from_millis(2))
+            .await
+            .unwrap();
+        let (go, held) = hold(&s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (task, rx) = counter("gone", 1000, 1);
+        let gone = {
+            let s = s.clone();
+            tokio::spawn(async move { s.run_task(task, rx, true).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        go.send(()).unwrap();
+        held.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        gone.abort();
+        let _ = gone.await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (cancelled, n) = s
+            .call(|l| (l.cancelled.clone(), l.passes.len()))
+            .await
+            .unwrap();
+        assert_eq!(cancelled, ["gone"]);
+        assert!(n < 8 + 1000, "the abandoned task ran to its end");
     }
 }

@@ -1,20 +1,22 @@
 //! The draft worker: one draft model behind `parse.v1.Drafter`, in the shared worker shell (`parse-worker`): a
-//! scheduler task owns the engine, and every step is a command to it.
+//! scheduler task owns the engine and packs the steps of every running draft into one forward pass per step
+//! (continuous batching).
 //!
 //! `Draft` streams tokens one message per token (`max_tokens` 0 only prepares the session: prefill); each token is
-//! one command, so drafts of several sessions take turns and a stream whose caller is busy (verifying) blocks
+//! one task, so the drafts of several sessions share passes and a stream whose caller is busy (verifying) blocks
 //! nobody. A new `Draft` for a session supersedes the previous one (its producer stops before its next step), and a
 //! dropped stream stops its producer at the next send. Sessions idle for longer than the TTL are released. At most
 //! `max_streams` drafts run at once; beyond that the worker answers RESOURCE_EXHAUSTED.
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tracing::Instrument;
 
 use parse_core::{Drafter as _, Error as CoreError};
 use parse_engine::Engine;
-use parse_engine::backend::EngineDrafter;
+use parse_engine::backend::{BeginSteps, DraftSteps, EngineDrafter};
 use parse_proto::v1::drafter_server::{Drafter, DrafterServer};
 use parse_proto::v1::{
     DistributionRequest, DistributionResponse, DraftRequest, DraftResponse, DrainRequest,
@@ -41,6 +43,8 @@ pub struct DraftWorkerConfig {
     pub security: parse_proto::security::Security,
     /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED.
     pub max_sessions: usize,
+    /// Rows one packed forward pass holds at most (a prefill is cut to the room the drafts' steps leave).
+    pub step_rows: usize,
 }
 
 impl Default for DraftWorkerConfig {
@@ -51,6 +55,7 @@ impl Default for DraftWorkerConfig {
             max_tokens_per_draft: 1024,
             security: Default::default(),
             max_sessions: 256,
+            step_rows: 128,
         }
     }
 }
@@ -79,6 +84,7 @@ impl DraftWorker {
                 queue: 2 * cfg.max_streams.max(1),
                 session_ttl: cfg.session_ttl,
                 name: "draft worker",
+                step_rows: cfg.step_rows,
             },
             cancel,
         );
@@ -156,9 +162,10 @@ impl Drafter for DraftWorker {
         let max_sessions = self.cfg.max_sessions;
         let session = r.session.clone();
         // Begin (prefill may take a while): a new epoch supersedes the session's running draft.
-        let epoch = self
-            .shell
-            .call("begin", move |st| {
+        let epoch = Arc::new(AtomicU64::new(0));
+        let gate = {
+            let (epoch, session) = (epoch.clone(), session.clone());
+            move |st: &mut parse_worker::State<EngineDrafter<Engine>>| {
                 if draining && !st.book.contains(&session) {
                     return Err(CoreError::new(
                         parse_core::ErrorKind::Unavailable,
@@ -166,12 +173,16 @@ impl Drafter for DraftWorker {
                     ));
                 }
                 parse_worker::admit(&st.backend, &session, max_sessions)?;
-                let epoch = st.book.next_epoch(&session);
-                st.backend.begin(&session, &r.context, &sampling)?;
-                Ok(epoch)
-            })
+                epoch.store(st.book.next_epoch(&session), Ordering::Relaxed);
+                Ok(true)
+            }
+        };
+        let begin = BeginSteps::new(&session, &r.context, &sampling);
+        self.shell
+            .steps("begin", gate, begin, |_, out| out.map(|_| ()), false)
             .instrument(span.clone())
             .await?;
+        let epoch = epoch.load(Ordering::Relaxed);
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
         if r.max_tokens == 0 {
             // Prefill only: the stream ends at once.
@@ -186,15 +197,19 @@ impl Drafter for DraftWorker {
                 let mut sent = 0usize;
                 while sent < max && !tx.is_closed() {
                     let s = session.clone();
-                    let step = shell
-                        .call_waiting("draft", move |st| {
+                    let gate = {
+                        let s = s.clone();
+                        move |st: &mut parse_worker::State<EngineDrafter<Engine>>| {
                             // Superseded by a newer draft, or released: nothing more to send.
                             if st.book.epoch(&s) != Some(epoch) {
-                                return Ok(None);
+                                return Ok(false);
                             }
                             st.book.touch(&s);
-                            st.backend.next(&s, 1).map(Some)
-                        })
+                            Ok(true)
+                        }
+                    };
+                    let step = shell
+                        .steps("draft", gate, DraftSteps::new(&s, 1), |_, out| out, true)
                         .await;
                     match step {
                         Ok(Some(c)) => {

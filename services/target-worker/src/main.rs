@@ -42,6 +42,10 @@ struct Args {
     /// worker).
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
+    /// Rows one packed forward pass holds at most: the steps of every running request share one pass (continuous
+    /// batching), and a prompt's prefill is cut to the room they leave. 0 is refused.
+    #[arg(long, default_value_t = parse_target_worker::DEFAULT_STEP_ROWS as u64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    step_rows: u64,
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
@@ -252,6 +256,7 @@ async fn main() -> anyhow::Result<()> {
             max_queue: args.max_queue,
             session_ttl: Duration::from_secs(args.session_ttl_s),
             max_sessions: args.max_sessions.max(1),
+            step_rows: args.step_rows as usize,
             security: security.clone(),
             ..Default::default()
         },
