@@ -677,3 +677,82 @@ fn the_router_follows_membership_as_workers_come_and_go() {
         );
     });
 }
+
+/// `name_sum / name_count` of a histogram in a worker's exposition.
+fn histogram_mean(exposition: &str, name: &str) -> f64 {
+    let value = |suffix: &str| -> f64 {
+        let key = format!("{name}_{suffix} ");
+        exposition
+            .lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{key} not in the exposition"))
+    };
+    value("sum") / value("count").max(1.0)
+}
+
+#[test]
+fn a_request_gets_the_same_output_alone_and_among_seven_others() {
+    // Both workers pack the steps of concurrent requests into shared forward passes; a request's tokens and counters
+    // must not depend on what shares its passes.
+    let c = cluster(1, 1, 16);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    let others = [
+        "Explain what a hash map is.",
+        "Write a haiku about autumn.",
+        "What is 17 times 23?",
+        "List three prime numbers greater than 50.",
+        "Translate 'good morning' into French.",
+        "Write a SQL query that counts the rows of a table named users.",
+        "Why is the sky blue? Answer in one sentence.",
+    ];
+    for mode in ["target", "parse+token-spec", "token-spec"] {
+        let alone = rt.block_on(async {
+            let mut client = Client::connect(&addr).await.unwrap();
+            client.generate(req(mode, 40)).await.unwrap()
+        });
+        let together = rt.block_on(async {
+            let mut calls = Vec::new();
+            for prompt in std::iter::once(PROMPT).chain(others) {
+                let addr = addr.clone();
+                let mut r = req(mode, 40);
+                r.prompt = prompt.into();
+                calls.push(tokio::spawn(async move {
+                    let mut client = Client::connect(&addr).await.unwrap();
+                    client.generate(r).await.unwrap()
+                }));
+            }
+            let mut out = Vec::new();
+            for call in calls {
+                out.push(call.await.unwrap());
+            }
+            out
+        });
+        assert_eq!(
+            together[0].token_ids, alone.token_ids,
+            "{mode}: the request's tokens changed among others"
+        );
+        assert_eq!(
+            counters(together[0].stats.as_ref().unwrap()),
+            counters(alone.stats.as_ref().unwrap()),
+            "{mode}: the request's counters changed among others"
+        );
+        for r in &together[1..] {
+            assert!(!r.token_ids.is_empty(), "{mode}: an empty answer");
+        }
+    }
+    // The passes were shared: on average more than one session's block per pass on both workers.
+    let target = histogram_mean(
+        &c.targets[0].worker.metrics().render(),
+        "parse_worker_batch_blocks",
+    );
+    let draft = histogram_mean(
+        &c.drafts[0].worker.metrics().render(),
+        "parse_worker_batch_blocks",
+    );
+    assert!(target > 1.2, "target worker: {target} blocks per pass");
+    assert!(draft > 1.2, "draft worker: {draft} blocks per pass");
+    assert_eq!(c.drafts[0].worker.open_sessions(), 0);
+    assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
