@@ -115,14 +115,18 @@ fn run<S: Forward>(
     let mut running: VecDeque<Running<S>> = VecDeque::new();
     let step_rows = packing.step_rows.max(1);
     loop {
-        // Wait only when nothing runs; otherwise take what has arrived and step.
+        // Wait only when nothing runs; otherwise take what has arrived and step. Once the token has fired, no
+        // work runs (what was queued is dropped: its callers get Stopped).
         if running.is_empty() {
             match rx.blocking_recv() {
-                Some(w) => take(state, &mut running, w),
-                None => return,
+                Some(w) if !cancel.is_cancelled() => take(state, &mut running, w),
+                _ => return,
             }
         }
         while running.len() < packing.max_tasks.max(1) {
+            if cancel.is_cancelled() {
+                return;
+            }
             match rx.try_recv() {
                 Ok(w) => take(state, &mut running, w),
                 Err(_) => break,
@@ -420,8 +424,8 @@ mod tests {
         slow.await.unwrap();
         assert_eq!(queued.await.unwrap(), Ok(5));
         cancel.cancel();
-        // The thread sees the token at its next turn and stops.
-        let _ = s.call(|l| l.v.len()).await;
+        // The thread sees the token when it next wakes and stops without running the work that woke it.
+        assert_eq!(s.call(|l| l.v.len()).await, Err(SchedulerError::Stopped));
         assert_eq!(s.call(|l| l.v.len()).await, Err(SchedulerError::Stopped));
     }
 
