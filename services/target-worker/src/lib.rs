@@ -123,16 +123,17 @@ impl TargetWorker {
     }
 
     /// Follows a discovery registration: the worker reports ready only while it is registered.
+    /// The current state is taken at once, so a worker whose registration has not landed yet never reports ready.
     pub fn follow_registration(&self, mut registered: watch::Receiver<bool>) {
+        let r = *registered.borrow_and_update();
+        self.registered.store(r, Ordering::Relaxed);
+        self.publish();
         let w = self.clone();
         tokio::spawn(async move {
-            loop {
+            while registered.changed().await.is_ok() {
                 let r = *registered.borrow_and_update();
                 w.registered.store(r, Ordering::Relaxed);
                 w.publish();
-                if registered.changed().await.is_err() {
-                    return;
-                }
             }
         });
     }
