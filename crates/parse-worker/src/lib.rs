@@ -198,6 +198,7 @@ where
 /// (which sees the whole state: the book) and answers the caller.
 struct ShellTask<B: Backend, S: Steps<State<B>>, F, T> {
     op: &'static str,
+    session: String,
     steps: S,
     finish: Option<F>,
     reply: Option<tokio::sync::oneshot::Sender<Result<T, CoreError>>>,
@@ -261,6 +262,10 @@ where
                 None
             }
         }
+    }
+
+    fn session(&self) -> &str {
+        &self.session
     }
 
     fn abandoned(&self) -> bool {
@@ -414,13 +419,15 @@ impl<B: Backend> Shell<B> {
         self.answer(r)
     }
 
-    /// Runs the operation `steps` on the backend (operation `op`, the metrics' label) as a task packed with the
-    /// other sessions' steps, after `gate` (see [`Gated`]); `finish` gets its result (`None`: the gate skipped
+    /// Runs the operation `steps` on `session` (operation `op`, the metrics' label) as a task packed with the
+    /// other sessions' steps (it starts once no other task of its session is under way), after `gate` (see
+    /// [`Gated`]); `finish` gets its result (`None`: the gate skipped
     /// it) with the whole state (the book) and makes the answer. With `wait`, waits for room in the queue (a
     /// running stream's next step); without, answers RESOURCE_EXHAUSTED at once when it is full.
     pub async fn steps<S, G, T, F>(
         &self,
         op: &'static str,
+        session: &str,
         gate: G,
         steps: S,
         finish: F,
@@ -437,6 +444,7 @@ impl<B: Backend> Shell<B> {
         let (reply, rx) = tokio::sync::oneshot::channel();
         let task = ShellTask {
             op,
+            session: session.to_string(),
             steps: Gated::new(gate, steps),
             finish: Some(finish),
             reply: Some(reply),

@@ -33,6 +33,9 @@ pub trait Task<S>: Send {
         input: Option<parse_engine::Result<Logits>>,
         room: usize,
     ) -> Option<Block>;
+    /// The session it works on. Tasks of one session run one after another: a task does not start while another
+    /// on its session is running (a block planned against a cache that another task then changes would be stale).
+    fn session(&self) -> &str;
     /// Whether its caller has gone.
     fn abandoned(&self) -> bool;
     /// Its caller has gone after it started: leave the state tidy (no reply is sent).
@@ -140,6 +143,12 @@ fn run<S: Forward>(
         let mut owners: Vec<usize> = Vec::new();
         let mut finished: Vec<usize> = Vec::new();
         let mut planned = 0;
+        // Sessions with a task under way: another task on one of them waits.
+        let mut busy: Vec<String> = running
+            .iter()
+            .filter(|r| r.started && !r.task.abandoned())
+            .map(|r| r.task.session().to_string())
+            .collect();
         for (i, r) in running.iter_mut().enumerate() {
             if r.task.abandoned() {
                 if r.started {
@@ -148,9 +157,15 @@ fn run<S: Forward>(
                 finished.push(i);
                 continue;
             }
+            if !r.started && busy.iter().any(|b| b == r.task.session()) {
+                continue;
+            }
             if r.block.is_none() {
                 if planned >= step_rows {
                     continue;
+                }
+                if !r.started {
+                    busy.push(r.task.session().to_string());
                 }
                 r.started = true;
                 match r.task.advance(state, r.input.take(), step_rows - planned) {
@@ -308,6 +323,8 @@ mod tests {
         passes: Vec<Vec<(String, usize)>>,
         cancelled: Vec<String>,
         pass_time: Duration,
+        /// `name:step` of every block the counters asked for, in order.
+        asks: Vec<String>,
     }
 
     impl Forward for Ledger {
@@ -328,6 +345,7 @@ mod tests {
 
     /// Asks for `steps` blocks of `rows` rows (tokens 1, 2, ...) and answers the values it got back.
     struct Counter {
+        name: String,
         session: String,
         steps: u32,
         rows: usize,
@@ -337,9 +355,12 @@ mod tests {
     }
 
     impl Task<Ledger> for Counter {
+        fn session(&self) -> &str {
+            &self.session
+        }
         fn advance(
             &mut self,
-            _: &mut Ledger,
+            st: &mut Ledger,
             input: Option<parse_engine::Result<Logits>>,
             _room: usize,
         ) -> Option<Block> {
@@ -351,6 +372,7 @@ mod tests {
                 return None;
             }
             self.asked += 1;
+            st.asks.push(format!("{}:{}", self.name, self.asked));
             let tokens = vec![self.asked; self.rows];
             Some(Block::causal(&self.session, 0, &tokens, vec![0]))
         }
@@ -367,8 +389,18 @@ mod tests {
         steps: u32,
         rows: usize,
     ) -> (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>) {
+        named(session, session, steps, rows)
+    }
+
+    fn named(
+        name: &str,
+        session: &str,
+        steps: u32,
+        rows: usize,
+    ) -> (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>) {
         let (reply, rx) = oneshot::channel();
         let t = Counter {
+            name: name.to_string(),
             session: session.to_string(),
             steps,
             rows,
@@ -564,5 +596,42 @@ mod tests {
             .unwrap();
         assert_eq!(cancelled, ["gone"]);
         assert!(n < 8 + 1000, "the abandoned task ran to its end");
+    }
+
+    #[tokio::test]
+    async fn tasks_of_one_session_run_one_after_another() {
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            packing(64),
+            CancellationToken::new(),
+        );
+        let (go, held) = hold(&s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut answers = Vec::new();
+        for (name, session) in [("x", "s"), ("y", "s"), ("z", "t")] {
+            let (task, rx) = named(name, session, 3, 1);
+            let s = s.clone();
+            answers.push(tokio::spawn(
+                async move { s.run_task(task, rx, true).await },
+            ));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        go.send(()).unwrap();
+        held.await.unwrap();
+        for a in answers {
+            assert_eq!(a.await.unwrap().unwrap(), vec![1.0, 2.0, 3.0]);
+        }
+        let asks = s.call(|l| l.asks.clone()).await.unwrap();
+        let on_s: Vec<&str> = asks
+            .iter()
+            .map(String::as_str)
+            .filter(|a| !a.starts_with('z'))
+            .collect();
+        // y starts only once x has finished; z (another session) runs beside x.
+        assert_eq!(on_s, ["x:1", "x:2", "x:3", "y:1", "y:2", "y:3"], "{asks:?}");
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        assert!(passes.iter().any(|p| p.len() == 2), "{passes:?}");
     }
 }

@@ -179,7 +179,14 @@ impl Drafter for DraftWorker {
         };
         let begin = BeginSteps::new(&session, &r.context, &sampling);
         self.shell
-            .steps("begin", gate, begin, |_, out| out.map(|_| ()), false)
+            .steps(
+                "begin",
+                &session,
+                gate,
+                begin,
+                |_, out| out.map(|_| ()),
+                false,
+            )
             .instrument(span.clone())
             .await?;
         let epoch = epoch.load(Ordering::Relaxed);
@@ -209,7 +216,14 @@ impl Drafter for DraftWorker {
                         }
                     };
                     let step = shell
-                        .steps("draft", gate, DraftSteps::new(&s, 1), |_, out| out, true)
+                        .steps(
+                            "draft",
+                            &s,
+                            gate,
+                            DraftSteps::new(&s, 1),
+                            |_, out| out,
+                            true,
+                        )
                         .await;
                     match step {
                         Ok(Some(c)) => {

@@ -240,10 +240,12 @@ impl TargetWorker {
         G: FnOnce(&mut State<Backend>) -> Result<bool, CoreError> + Send + 'static,
     {
         check_session(&session)?;
+        let name = session.clone();
         let (out, healthy) = self
             .shell
             .steps(
                 op,
+                &name,
                 gate,
                 steps,
                 move |st: &mut State<Backend>, out| {
