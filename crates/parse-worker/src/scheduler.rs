@@ -426,6 +426,27 @@ mod tests {
         (go, h)
     }
 
+    /// Queues `tasks` in order while the scheduler thread is held, then lets it go, so that it takes them together;
+    /// returns the callers' answers.
+    async fn queued_together(
+        s: &Scheduler<Ledger>,
+        tasks: Vec<(Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>)>,
+    ) -> Vec<tokio::task::JoinHandle<Result<Vec<f32>, SchedulerError>>> {
+        let (go, held) = hold(s);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut answers = Vec::new();
+        for (task, rx) in tasks {
+            let s = s.clone();
+            answers.push(tokio::spawn(
+                async move { s.run_task(task, rx, true).await },
+            ));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        go.send(()).unwrap();
+        held.await.unwrap();
+        answers
+    }
+
     fn packing(step_rows: usize) -> Packing {
         Packing {
             step_rows,
@@ -496,19 +517,11 @@ mod tests {
             packing(64),
             CancellationToken::new(),
         );
-        let (go, held) = hold(&s);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut answers = Vec::new();
-        for (name, steps) in [("a", 4), ("b", 4), ("c", 2)] {
-            let (task, rx) = counter(name, steps, 1);
-            let s = s.clone();
-            answers.push(tokio::spawn(
-                async move { s.run_task(task, rx, true).await },
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        go.send(()).unwrap();
-        held.await.unwrap();
+        let tasks = [("a", 4), ("b", 4), ("c", 2)]
+            .into_iter()
+            .map(|(name, steps)| counter(name, steps, 1))
+            .collect();
+        let answers = queued_together(&s, tasks).await;
         let want = [
             vec![1.0, 2.0, 3.0, 4.0],
             vec![1.0, 2.0, 3.0, 4.0],
@@ -549,19 +562,11 @@ mod tests {
             packing(4),
             CancellationToken::new(),
         );
-        let (go, held) = hold(&s);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut answers = Vec::new();
-        for (name, rows) in [("a", 3), ("b", 3), ("big", 9), ("d", 1)] {
-            let (task, rx) = counter(name, 2, rows);
-            let s = s.clone();
-            answers.push(tokio::spawn(
-                async move { s.run_task(task, rx, true).await },
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        go.send(()).unwrap();
-        held.await.unwrap();
+        let tasks = [("a", 3), ("b", 3), ("big", 9), ("d", 1)]
+            .into_iter()
+            .map(|(name, rows)| counter(name, 2, rows))
+            .collect();
+        let answers = queued_together(&s, tasks).await;
         for a in answers {
             assert_eq!(a.await.unwrap().unwrap(), vec![1.0, 2.0]);
         }
@@ -607,19 +612,11 @@ mod tests {
             packing(64),
             CancellationToken::new(),
         );
-        let (go, held) = hold(&s);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut answers = Vec::new();
-        for (name, session) in [("x", "s"), ("y", "s"), ("z", "t")] {
-            let (task, rx) = named(name, session, 3, 1);
-            let s = s.clone();
-            answers.push(tokio::spawn(
-                async move { s.run_task(task, rx, true).await },
-            ));
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        go.send(()).unwrap();
-        held.await.unwrap();
+        let tasks = [("x", "s"), ("y", "s"), ("z", "t")]
+            .into_iter()
+            .map(|(name, session)| named(name, session, 3, 1))
+            .collect();
+        let answers = queued_together(&s, tasks).await;
         for a in answers {
             assert_eq!(a.await.unwrap().unwrap(), vec![1.0, 2.0, 3.0]);
         }
