@@ -384,20 +384,14 @@ mod tests {
         }
     }
 
-    fn counter(
-        session: &str,
-        steps: u32,
-        rows: usize,
-    ) -> (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>) {
+    /// A counter task and its caller's answer.
+    type Counted = (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>);
+
+    fn counter(session: &str, steps: u32, rows: usize) -> Counted {
         named(session, session, steps, rows)
     }
 
-    fn named(
-        name: &str,
-        session: &str,
-        steps: u32,
-        rows: usize,
-    ) -> (Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>) {
+    fn named(name: &str, session: &str, steps: u32, rows: usize) -> Counted {
         let (reply, rx) = oneshot::channel();
         let t = Counter {
             name: name.to_string(),
@@ -430,7 +424,7 @@ mod tests {
     /// returns the callers' answers.
     async fn queued_together(
         s: &Scheduler<Ledger>,
-        tasks: Vec<(Box<dyn Task<Ledger>>, oneshot::Receiver<Vec<f32>>)>,
+        tasks: Vec<Counted>,
     ) -> Vec<tokio::task::JoinHandle<Result<Vec<f32>, SchedulerError>>> {
         let (go, held) = hold(s);
         tokio::time::sleep(Duration::from_millis(50)).await;
