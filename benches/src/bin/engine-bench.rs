@@ -251,26 +251,30 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
     ];
     let target = Engine::load(&EngineConfig::new(model_dir().join(file_for("target")?)))?;
     let draft = Engine::load(&EngineConfig::new(model_dir().join(file_for("draft")?)))?;
-    let requant = requantized_q5_0(draft.model())?;
+    fn kernels(e: &Engine) -> Result<&parse_engine::Model> {
+        e.model()
+            .kernels()
+            .ok_or_else(|| anyhow::anyhow!("the agreement check runs on the kernels backend"))
+    }
+    let (target_model, draft_model) = (kernels(&target)?, kernels(&draft)?);
+    let requant = requantized_q5_0(draft_model)?;
     let argmax = parse_engine::sampling::argmax;
     let mut same = [0usize; 2];
     let mut total = 0usize;
     for p in PROMPTS {
         let ids = target.tokenizer().encode_chat(&[Message::user(p)])?;
-        let mut cache = parse_engine::KvCache::new(target.model().config());
-        let mut logits = target
-            .model()
-            .forward_causal(&mut cache, &ids, &[ids.len() - 1])?;
+        let mut cache = parse_engine::KvCache::new(target_model.config());
+        let mut logits = target_model.forward_causal(&mut cache, &ids, &[ids.len() - 1])?;
         let mut cont = Vec::with_capacity(n);
         for _ in 0..n {
             let t = argmax(logits.row(0));
             cont.push(t);
-            logits = target.model().forward_causal(&mut cache, &[t], &[0])?;
+            logits = target_model.forward_causal(&mut cache, &[t], &[0])?;
         }
         let mut seq = ids.clone();
         seq.extend_from_slice(&cont);
         let rows: Vec<usize> = (ids.len() - 1..seq.len() - 1).collect();
-        for (i, model) in [draft.model().as_ref(), &requant].into_iter().enumerate() {
+        for (i, model) in [draft_model, &requant].into_iter().enumerate() {
             let mut c = parse_engine::KvCache::new(model.config());
             let l = model.forward_causal(&mut c, &seq[..seq.len() - 1], &rows)?;
             same[i] += (0..n).filter(|&j| argmax(l.row(j)) == cont[j]).count();

@@ -6,9 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::candle::Compute;
 use crate::error::{Error, Result};
 use crate::load::{self, GgufFile, LoadOptions};
-use crate::model::{Logits, Model};
+use crate::model::{Logits, Model, ModelConfig};
+use crate::net::Net;
 use crate::session::SessionStore;
 use parse_core::mask::BlockMask;
 use parse_text::Tokenizer;
@@ -28,6 +30,8 @@ pub struct EngineConfig {
     /// The most of `kv_capacity_bytes` one session may hold (0 < share <= 1; see
     /// [`SessionStore::set_session_share`]).
     pub kv_session_share: f64,
+    /// Which model implementation computes, and on which device (`--backend`, `--device`).
+    pub compute: Compute,
 }
 
 impl EngineConfig {
@@ -38,6 +42,7 @@ impl EngineConfig {
             load: LoadOptions::default(),
             kv_capacity_bytes: DEFAULT_KV_CAPACITY,
             kv_session_share: 1.0,
+            compute: Compute::default(),
         }
     }
 }
@@ -73,7 +78,7 @@ impl Block {
 
 /// A loaded model with its tokenizer and KV sessions.
 pub struct Engine {
-    pub(crate) model: Arc<Model>,
+    pub(crate) model: Arc<Net>,
     tokenizer: Arc<Tokenizer>,
     pub(crate) sessions: SessionStore,
     path: PathBuf,
@@ -109,27 +114,42 @@ impl Engine {
                 ),
             ));
         }
-        let mut engine = Self::from_parts(model, tokenizer, cfg.kv_capacity_bytes, path);
+        let net = {
+            let _span = tracing::info_span!("place", compute = %cfg.compute).entered();
+            Net::place(model, cfg.compute)?
+        };
+        let mut engine = Self::from_net(net, tokenizer, cfg.kv_capacity_bytes, path);
         engine.set_kv_session_share(cfg.kv_session_share)?;
         Ok(engine)
     }
 
+    /// An engine on the kernel model.
     pub fn from_parts(
         model: Model,
         tokenizer: Tokenizer,
         kv_capacity_bytes: usize,
         path: &Path,
     ) -> Self {
+        Self::from_net(Net::Kernels(model), tokenizer, kv_capacity_bytes, path)
+    }
+
+    /// An engine on any model implementation.
+    pub fn from_net(net: Net, tokenizer: Tokenizer, kv_capacity_bytes: usize, path: &Path) -> Self {
         Engine {
-            model: Arc::new(model),
+            model: Arc::new(net),
             tokenizer: Arc::new(tokenizer),
             sessions: SessionStore::new(kv_capacity_bytes),
             path: path.to_path_buf(),
         }
     }
 
-    pub fn model(&self) -> &Arc<Model> {
+    /// The model, on whichever implementation runs it.
+    pub fn model(&self) -> &Arc<Net> {
         &self.model
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

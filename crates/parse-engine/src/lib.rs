@@ -7,12 +7,14 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod candle;
 pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod load;
 pub mod model;
+pub mod net;
 pub mod ops;
 pub mod parallel;
 pub mod quant;
@@ -22,11 +24,13 @@ pub mod steps;
 pub use parse_text::tokenizer;
 pub mod tp;
 
+pub use candle::{Backend, CandleModel, Compute, DeviceSpec};
 pub use engine::{Block, Engine, EngineConfig, EngineOps};
 pub use error::{Error, Result};
 pub use generate::{PlainOutput, PlainRequest, PlainStats, generate_plain};
 pub use load::LoadOptions;
 pub use model::{Arch, KvCache, Logits, Model, ModelConfig};
+pub use net::{Net, SessionCache};
 pub use parse_core::FinishReason;
 pub use parse_core::mask::{self, BlockMask, MaskRow};
 pub use parse_text::{ChatRole, ChatTemplate, Message, Tokenizer};

@@ -101,6 +101,54 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The checks every model implementation makes on a block before it touches a cache holding `base` tokens:
+    /// a non-empty block, one position per token, token ids in the vocabulary, readout rows in the block, room in
+    /// the context, and a mask that fits.
+    pub fn check_block(
+        &self,
+        base: usize,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: &BlockMask,
+        readout: &[usize],
+    ) -> Result<()> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::invalid("empty block: no tokens to process"));
+        }
+        if positions.len() != n {
+            return Err(Error::invalid(format!(
+                "{n} tokens but {} positions",
+                positions.len()
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|t| **t as usize >= self.vocab_size) {
+            return Err(Error::invalid(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.vocab_size
+            )));
+        }
+        if let Some(r) = readout.iter().find(|r| **r >= n) {
+            return Err(Error::invalid(format!(
+                "readout row {r} is outside the block of {n}"
+            )));
+        }
+        if base + n > self.max_context {
+            return Err(Error::ContextExceeded {
+                needed: base + n,
+                limit: self.max_context,
+            });
+        }
+        if let Some(p) = positions.iter().find(|p| **p as usize >= self.max_context) {
+            return Err(Error::invalid(format!(
+                "position {p} is beyond the model's context of {}",
+                self.max_context
+            )));
+        }
+        mask.validate(base, n)?;
+        Ok(())
+    }
+
     /// K and V bytes one token takes in the cache, over all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.n_layers * self.n_kv_heads * self.head_dim * std::mem::size_of::<f32>()
@@ -209,8 +257,8 @@ impl KvCache {
 }
 
 /// One session's block in a packed forward ([`Model::forward_packed`]).
-pub struct Packed<'a> {
-    pub cache: &'a mut KvCache,
+pub struct Packed<'a, C = KvCache> {
+    pub cache: &'a mut C,
     pub tokens: &'a [u32],
     pub positions: &'a [u32],
     pub mask: &'a BlockMask,
@@ -481,41 +529,7 @@ impl Model {
         readout: &[usize],
     ) -> Result<()> {
         let cfg = &self.cfg;
-        let n = tokens.len();
-        if n == 0 {
-            return Err(Error::invalid("empty block: no tokens to process"));
-        }
-        if positions.len() != n {
-            return Err(Error::invalid(format!(
-                "{n} tokens but {} positions",
-                positions.len()
-            )));
-        }
-        if let Some(t) = tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
-            return Err(Error::invalid(format!(
-                "token id {t} is outside the vocabulary of {}",
-                cfg.vocab_size
-            )));
-        }
-        if let Some(r) = readout.iter().find(|r| **r >= n) {
-            return Err(Error::invalid(format!(
-                "readout row {r} is outside the block of {n}"
-            )));
-        }
-        let base = cache.len();
-        if base + n > cfg.max_context {
-            return Err(Error::ContextExceeded {
-                needed: base + n,
-                limit: cfg.max_context,
-            });
-        }
-        if let Some(p) = positions.iter().find(|p| **p as usize >= cfg.max_context) {
-            return Err(Error::invalid(format!(
-                "position {p} is beyond the model's context of {}",
-                cfg.max_context
-            )));
-        }
-        mask.validate(base, n)?;
+        cfg.check_block(cache.len(), tokens, positions, mask, readout)?;
         if cache.k.len() != cfg.n_layers || cache.kv_dim != cfg.n_kv_heads * cfg.head_dim {
             return Err(Error::invalid("KV cache was made for another model"));
         }

@@ -125,6 +125,19 @@ impl<T: GgmlType> Mat<T> {
         Mat { rows, cols, blocks }
     }
 
+    /// The blocks as raw little-endian ggml bytes.
+    #[allow(unsafe_code)]
+    fn raw_bytes(&self) -> &[u8] {
+        // SAFETY: the ggml block types (and f32, f16) are #[repr(C)] plain-old-data with no padding between
+        // elements of a slice; the byte view spans exactly the blocks' storage and borrows it.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.blocks.as_ptr().cast::<u8>(),
+                std::mem::size_of_val(self.blocks.as_slice()),
+            )
+        }
+    }
+
     fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         let kb = self.blocks_per_row();
         T::to_float(&self.blocks[r * kb..(r + 1) * kb], out);
@@ -603,6 +616,11 @@ impl QMatrix {
     /// Bytes of weight storage.
     pub fn storage_bytes(&self) -> usize {
         dispatch!(self, m => m.blocks.len() * std::mem::size_of_val(&m.blocks[0]))
+    }
+
+    /// The storage as raw ggml bytes, row after row (what a GGUF file holds for this format).
+    pub fn raw_bytes(&self) -> &[u8] {
+        dispatch!(self, m => m.raw_bytes())
     }
 
     /// Dequantizes row `r` (used for embedding look-ups).

@@ -7,13 +7,14 @@ use std::collections::HashMap;
 
 use crate::engine::Block;
 use crate::error::{Error, Result};
-use crate::model::{KvCache, Logits, Model, Packed};
+use crate::model::{Logits, Packed};
+use crate::net::{Net, SessionCache};
 use parse_core::mask::BlockMask;
 
 /// The sessions of one model.
 #[derive(Debug)]
 pub struct SessionStore {
-    map: HashMap<String, KvCache>,
+    map: HashMap<String, SessionCache>,
     capacity: usize,
     /// The most bytes one session may hold (the capacity unless set lower): one long request cannot take the
     /// whole store from the others.
@@ -52,26 +53,25 @@ impl SessionStore {
 
     /// Bytes held by all sessions.
     pub fn used(&self) -> usize {
-        self.map.values().map(KvCache::bytes).sum()
+        self.map.values().map(SessionCache::bytes).sum()
     }
 
     pub fn count(&self) -> usize {
         self.map.len()
     }
 
-    pub fn open(&mut self, model: &Model, id: &str) -> Result<()> {
+    pub fn open(&mut self, model: &Net, id: &str) -> Result<()> {
         if id.is_empty() {
             return Err(Error::invalid("empty session id"));
         }
         if self.map.contains_key(id) {
             return Err(Error::SessionExists(id.to_string()));
         }
-        self.map
-            .insert(id.to_string(), KvCache::new(model.config()));
+        self.map.insert(id.to_string(), model.new_cache());
         Ok(())
     }
 
-    fn get(&self, id: &str) -> Result<&KvCache> {
+    fn get(&self, id: &str) -> Result<&SessionCache> {
         self.map
             .get(id)
             .ok_or_else(|| Error::UnknownSession(id.to_string()))
@@ -90,7 +90,7 @@ impl SessionStore {
     /// The checks of `forward`, without running it.
     pub fn check_forward(
         &self,
-        model: &Model,
+        model: &Net,
         id: &str,
         tokens: &[u32],
         positions: &[u32],
@@ -103,18 +103,12 @@ impl SessionStore {
     }
 
     /// Whether `n` more tokens of `model` fit in the store's capacity.
-    fn check_capacity(&self, model: &Model, id: &str, n: usize) -> Result<()> {
+    fn check_capacity(&self, model: &Net, id: &str, n: usize) -> Result<()> {
         self.check_capacity_after(model, id, n, 0)
     }
 
     /// Whether `n` more tokens fit once `claimed` more bytes (blocks of the same batch) are held.
-    fn check_capacity_after(
-        &self,
-        model: &Model,
-        id: &str,
-        n: usize,
-        claimed: usize,
-    ) -> Result<()> {
+    fn check_capacity_after(&self, model: &Net, id: &str, n: usize, claimed: usize) -> Result<()> {
         let needed = n * model.config().kv_bytes_per_token();
         let would_hold = self.bytes(id).unwrap_or(0) + needed;
         if would_hold > self.per_session {
@@ -136,10 +130,10 @@ impl SessionStore {
         Ok(())
     }
 
-    /// Runs a block on a session (see [`Model::forward`]).
+    /// Runs a block on a session (see `Model::forward`).
     pub fn forward(
         &mut self,
-        model: &Model,
+        model: &Net,
         id: &str,
         tokens: &[u32],
         positions: &[u32],
@@ -155,13 +149,13 @@ impl SessionStore {
         model.forward(cache, tokens, positions, mask, readout)
     }
 
-    /// Runs the blocks of several sessions as one packed pass (see [`Model::forward_packed`]); one result per
+    /// Runs the blocks of several sessions as one packed pass (see `Model::forward_packed`); one result per
     /// block, in order. A block that fails its checks (unknown session, a session twice in the batch, no room in
     /// the store, a bad block) gets its error and the others run without it.
-    pub fn forward_batch(&mut self, model: &Model, blocks: &[Block]) -> Vec<Result<Logits>> {
+    pub fn forward_batch(&mut self, model: &Net, blocks: &[Block]) -> Vec<Result<Logits>> {
         let mut results: Vec<Option<Result<Logits>>> = blocks.iter().map(|_| None).collect();
         let mut claimed = 0;
-        let mut taken: Vec<(usize, KvCache)> = Vec::new();
+        let mut taken: Vec<(usize, SessionCache)> = Vec::new();
         for (i, b) in blocks.iter().enumerate() {
             let checked = (|| {
                 if taken.iter().any(|(j, _)| blocks[*j].session == b.session) {
@@ -185,7 +179,7 @@ impl SessionStore {
             }
         }
         let packed = {
-            let mut items: Vec<Packed<'_>> = taken
+            let mut items: Vec<Packed<'_, SessionCache>> = taken
                 .iter_mut()
                 .map(|(i, cache)| {
                     let b = &blocks[*i];

@@ -16,6 +16,7 @@ use prost::Message;
 use crate::engine::{Engine, EngineOps};
 use crate::error::{Error, Result};
 use crate::model::Logits;
+use crate::net::Net;
 use crate::parallel::Layout;
 use crate::session::SessionStore;
 
@@ -208,8 +209,13 @@ pub fn join(mut engine: Engine, comm: Arc<dyn Comm>, layout: Layout) -> Result<M
     if comm.world_size() == 1 {
         return Ok(Member::Alone(engine));
     }
-    let shard = engine.model.shard(comm.clone(), layout)?;
-    engine.model = Arc::new(shard);
+    let whole = engine.model.kernels().ok_or_else(|| {
+        Error::invalid(
+            "tensor parallelism runs on the kernels backend; the candle backend runs whole models",
+        )
+    })?;
+    let shard = whole.shard(comm.clone(), layout)?;
+    engine.model = Arc::new(Net::Kernels(shard));
     if comm.rank() == 0 {
         Ok(Member::Leader(Leader {
             engine,
