@@ -25,6 +25,8 @@ pub use parse_text::tokenizer;
 pub mod tp;
 
 pub use candle::{Backend, CandleModel, Compute, DeviceSpec};
+#[cfg(feature = "clap")]
+pub use candle::ComputeArgs;
 pub use engine::{Block, Engine, EngineConfig, EngineOps};
 pub use error::{Error, Result};
 pub use generate::{PlainOutput, PlainRequest, PlainStats, generate_plain};

@@ -211,6 +211,9 @@ pub struct GenerateArgs {
     /// Ask a PARSE router at host:port instead.
     #[arg(long, env = "PARSE_ROUTER")]
     pub router: Option<String>,
+    /// Where the models compute (--local only).
+    #[command(flatten)]
+    pub compute: parse_engine::ComputeArgs,
     /// Seconds the cluster may take (sent as the gRPC deadline; --router only).
     #[arg(long)]
     pub timeout_s: Option<f64>,
@@ -279,9 +282,14 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
-fn load(path: PathBuf, tokenizer: &Option<PathBuf>) -> Result<Engine, CliError> {
+fn load(
+    path: PathBuf,
+    tokenizer: &Option<PathBuf>,
+    compute: &parse_engine::ComputeArgs,
+) -> Result<Engine, CliError> {
     let mut cfg = EngineConfig::new(path);
     cfg.tokenizer = tokenizer.clone();
+    cfg.compute = compute.compute()?;
     Ok(Engine::load(&cfg)?)
 }
 
@@ -299,6 +307,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
         true => Some(load(
             args.models.path_for(Mode::Target)?,
             &args.models.tokenizer,
+            &args.compute,
         )?),
         false => None,
     };
@@ -306,6 +315,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
         true => Some(load(
             args.models.path_for(Mode::Draft)?,
             &args.models.tokenizer,
+            &args.compute,
         )?),
         false => None,
     };

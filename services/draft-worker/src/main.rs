@@ -48,6 +48,8 @@ struct Args {
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
     #[command(flatten)]
+    compute: parse_engine::ComputeArgs,
+    #[command(flatten)]
     discovery: AnnounceArgs,
     #[command(flatten)]
     security: parse_proto::security::SecurityArgs,
@@ -65,6 +67,8 @@ async fn main() -> anyhow::Result<()> {
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
     cfg.kv_session_share = args.kv_session_share;
+    cfg.compute = args.compute.compute()?;
+    tracing::info!(compute = %cfg.compute, "loading the model");
     let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
     let engine_stop = tokio_util::sync::CancellationToken::new();
     let worker = DraftWorker::new(

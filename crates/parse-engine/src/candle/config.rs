@@ -129,6 +129,37 @@ impl fmt::Display for Compute {
     }
 }
 
+/// `--backend` and `--device`, as every worker and `parsectl generate --local` take them.
+#[cfg(feature = "clap")]
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ComputeArgs {
+    /// Model implementation: `kernels` (the engine's CPU kernels; the CPU default) or `candle` (candle tensors, on
+    /// the CPU or a GPU) [default: kernels on the CPU, candle on a GPU].
+    #[arg(long, env = "PARSE_BACKEND", value_parser = parse_backend)]
+    pub backend: Option<Backend>,
+    /// Where the model computes: `cpu` or `cuda:N` (N the GPU's ordinal; implies --backend candle).
+    #[arg(long, env = "PARSE_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceSpec,
+}
+
+#[cfg(feature = "clap")]
+fn parse_backend(s: &str) -> std::result::Result<Backend, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+#[cfg(feature = "clap")]
+fn parse_device(s: &str) -> std::result::Result<DeviceSpec, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+#[cfg(feature = "clap")]
+impl ComputeArgs {
+    /// The resolved choice (see [`Compute::resolve`]).
+    pub fn compute(&self) -> Result<Compute> {
+        Compute::resolve(self.backend, self.device)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

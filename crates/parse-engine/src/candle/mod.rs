@@ -16,4 +16,6 @@ pub mod model;
 
 pub use cache::TensorCache;
 pub use config::{Backend, Compute, DeviceSpec};
+#[cfg(feature = "clap")]
+pub use config::ComputeArgs;
 pub use model::CandleModel;
