@@ -24,9 +24,9 @@ pub mod steps;
 pub use parse_text::tokenizer;
 pub mod tp;
 
-pub use candle::{Backend, CandleModel, Compute, DeviceSpec};
 #[cfg(feature = "clap")]
 pub use candle::ComputeArgs;
+pub use candle::{Backend, CandleModel, Compute, DeviceSpec};
 pub use engine::{Block, Engine, EngineConfig, EngineOps};
 pub use error::{Error, Result};
 pub use generate::{PlainOutput, PlainRequest, PlainStats, generate_plain};

@@ -15,7 +15,7 @@ pub mod layer;
 pub mod model;
 
 pub use cache::TensorCache;
-pub use config::{Backend, Compute, DeviceSpec};
 #[cfg(feature = "clap")]
 pub use config::ComputeArgs;
+pub use config::{Backend, Compute, DeviceSpec};
 pub use model::CandleModel;
