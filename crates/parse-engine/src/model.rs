@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::ops::{self, AttnShape, Rope, RopeStyle};
 use crate::parallel::{Layout, Linear, Split};
 use crate::quant::{Input, QMatrix};
+use candle_core::quantized::GgmlDType;
 use parse_core::mask::BlockMask;
 
 /// Model family.
@@ -641,6 +642,58 @@ impl Model {
         let positions: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
         let mask = BlockMask::causal(base, tokens.len());
         self.forward(cache, tokens, &positions, &mask, readout)
+    }
+
+    /// A model with random weights made directly in block formats (see [`crate::quant::random_matrix`]): `layers`
+    /// for every layer matrix, `embed` for the embedding table, `head` for a separate output head (`None`: tied to
+    /// the embedding). Fast enough for the real shapes of multi-billion-parameter checkpoints.
+    pub fn random_in(
+        cfg: ModelConfig,
+        layers: GgmlDType,
+        embed: GgmlDType,
+        head: Option<GgmlDType>,
+        seed: u64,
+    ) -> Result<Self> {
+        use crate::quant::random_matrix;
+        use rand::{Rng, SeedableRng};
+        cfg.validate()?;
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut bias =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-0.1..0.1)).collect() };
+        let qwen = cfg.arch == Arch::Qwen2;
+        let mut out = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let s = seed.wrapping_add(1000 * (i as u64 + 1));
+            out.push(Layer {
+                attn_norm: vec![1.0; d],
+                wq: random_matrix(layers, qd, d, s)?,
+                wk: random_matrix(layers, kvd, d, s + 1)?,
+                wv: random_matrix(layers, kvd, d, s + 2)?,
+                bq: qwen.then(|| bias(qd)),
+                bk: qwen.then(|| bias(kvd)),
+                bv: qwen.then(|| bias(kvd)),
+                wo: random_matrix(layers, d, qd, s + 3)?.into(),
+                ffn_norm: vec![1.0; d],
+                w_gate: random_matrix(layers, f, d, s + 4)?,
+                w_up: random_matrix(layers, f, d, s + 5)?,
+                w_down: random_matrix(layers, d, f, s + 6)?.into(),
+            });
+        }
+        let lm_head = match head {
+            Some(h) => Some(random_matrix(h, cfg.vocab_size, d, seed + 7)?),
+            None => None,
+        };
+        Model::new(
+            cfg.clone(),
+            Weights {
+                embed: random_matrix(embed, cfg.vocab_size, d, seed + 8)?,
+                layers: out,
+                norm: vec![1.0; d],
+                lm_head,
+            },
+        )
     }
 
     /// A model with random weights (f32), for tests and benchmarks of model logic.

@@ -499,6 +499,68 @@ pub fn storage_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> Option<usize
         .checked_mul(dtype.type_size())
 }
 
+/// A matrix of random weights made directly in a block format (no f32 copy, no quantization pass), with entries of
+/// about `1/sqrt(cols)` in size: models at the real shapes of large checkpoints, for benchmarks and device checks.
+/// Quant fields are uniform random bytes; each block's scales are set so that the values come out centred and of
+/// that size. Formats: F32, F16, Q8_0, Q5_0, Q4_K, Q6_K.
+pub fn random_matrix(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Result<QMatrix> {
+    use rand::{Rng, RngCore, SeedableRng};
+    let target = 1.0 / (cols as f32).sqrt();
+    if matches!(dtype, GgmlDType::F32 | GgmlDType::F16) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.7 * target..1.7 * target))
+            .collect();
+        return QMatrix::from_f32(dtype, rows, cols, &data).map_err(|e| Error::invalid(e.0));
+    }
+    let bytes = storage_bytes(dtype, rows, cols)
+        .ok_or_else(|| Error::invalid(format!("{rows}x{cols} does not fit {dtype:?}")))?;
+    let block = dtype.type_size();
+    let put = |b: &mut [u8], at: usize, v: f32| {
+        b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    };
+    let mut raw = vec![0u8; bytes];
+    // Rows in parallel, each from its own seed: the same matrix whatever the thread count.
+    let per_row = bytes / rows;
+    raw.par_chunks_mut(per_row)
+        .enumerate()
+        .for_each(|(r, row)| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(
+                seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
+            rng.fill_bytes(row);
+            for b in row.chunks_mut(block) {
+                match dtype {
+                    // value = d * q, q uniform in -128..127 (sd ~74).
+                    GgmlDType::Q8_0 => put(b, 0, target / 74.0),
+                    // value = d * (q - 16), q uniform in 0..31 (sd ~9.2).
+                    GgmlDType::Q5_0 => put(b, 0, target / 9.2),
+                    // value = d * sc * q - dmin * m, sc and m 6-bit, q 4-bit: dmin = 7.5 d centres it; sd ~170 d.
+                    GgmlDType::Q4K => {
+                        put(b, 0, target / 170.0);
+                        put(b, 2, 7.5 * target / 170.0);
+                    }
+                    // value = d * scale * (q - 32), scales kept to -31..31 (sd ~18), q 6-bit (sd ~18).
+                    GgmlDType::Q6K => {
+                        for s in &mut b[192..208] {
+                            *s = ((*s as i8) >> 2) as u8;
+                        }
+                        put(b, 208, target / 330.0);
+                    }
+                    _ => {}
+                }
+            }
+        });
+    match dtype {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 | GgmlDType::Q4K | GgmlDType::Q6K => {
+            QMatrix::from_bytes(dtype, rows, cols, &raw).map_err(|e| Error::invalid(e.0))
+        }
+        other => Err(Error::invalid(format!(
+            "random {other:?} matrices are not made"
+        ))),
+    }
+}
+
 impl QMatrix {
     /// Builds a matrix from raw ggml bytes (as stored in a GGUF file).
     pub fn from_bytes(
@@ -766,6 +828,37 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn random_matrices_are_centred_and_sized_like_their_fan_in() {
+        for dtype in [
+            GgmlDType::F32,
+            GgmlDType::F16,
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let (rows, cols) = (64, 512);
+            let m = random_matrix(dtype, rows, cols, 5).unwrap();
+            assert_eq!((m.dtype(), m.rows(), m.cols()), (dtype, rows, cols));
+            let v = m.to_f32();
+            let n = v.len() as f32;
+            let mean = v.iter().sum::<f32>() / n;
+            let sd = (v.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n).sqrt();
+            let target = 1.0 / (cols as f32).sqrt();
+            assert!(v.iter().all(|x| x.is_finite()), "{dtype:?}");
+            assert!(mean.abs() < 0.2 * target, "{dtype:?}: mean {mean}");
+            assert!(
+                sd > 0.6 * target && sd < 1.6 * target,
+                "{dtype:?}: sd {sd} for {target}"
+            );
+            // The same seed gives the same matrix.
+            assert_eq!(random_matrix(dtype, rows, cols, 5).unwrap().to_f32(), v);
+        }
+        assert!(random_matrix(GgmlDType::Q4K, 4, 100, 1).is_err());
+        assert!(random_matrix(GgmlDType::Q2K, 4, 256, 1).is_err());
     }
 
     #[test]

@@ -1,0 +1,337 @@
+//! The engine on a GPU (the candle backend on `--device cuda:N`): checks against the CPU kernel model and step
+//! timings, on random models at the real shapes of the shipped pair (Qwen2.5 0.5B and 1.5B) and of Qwen2.5-7B.
+//!
+//! Checks (each shape): the device's logits over a 32-token prompt within 4% of the largest logit of the CPU kernel
+//! model's, at least 90% of the rows with the same argmax; truncate and re-append gives the logits the first
+//! append gave. Timings (each shape, a session holding `--context` tokens): one decode step, verification blocks
+//! of `--blocks` rows with logits at every row (what a PARSE verification reads), a `--prefill`-token prefill; each
+//! block's cost is reported as a multiple of a decode step and per token as a fraction of one.
+//!
+//! Built with `--features cuda` (deploy/gpu/build-cuda.sh) and run on the GPU host by deploy/gpu/run-on-gpu.sh.
+//! On a build without CUDA, `--device cpu` runs the same program on candle's CPU backend (CI runs it that way on
+//! a cut-down shape, so the program itself is tested everywhere).
+//!
+//!   gpu-bench --device cuda:0 --json /tmp/gpu.json
+//!   gpu-bench --device cpu --shapes 0.5b --layers 2 --context 64 --blocks 8 --prefill 64 --reps 2
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use candle_core::quantized::GgmlDType;
+use clap::Parser;
+use parse_engine::candle::TensorCache;
+use parse_engine::mask::BlockMask;
+use parse_engine::ops::RopeStyle;
+use parse_engine::{Arch, CandleModel, DeviceSpec, KvCache, Logits, Model, ModelConfig};
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(
+    about = "The candle backend on a GPU: checks against the CPU kernel model, and step timings"
+)]
+struct Args {
+    /// cuda:N, or cpu (candle's CPU backend: a check of this program, not a GPU figure).
+    #[arg(long, default_value = "cuda:0")]
+    device: String,
+    /// Model shapes: 0.5b, 1.5b (the shipped pair's), 7b (Qwen2.5-7B's).
+    #[arg(long, value_delimiter = ',', default_value = "0.5b,1.5b,7b")]
+    shapes: Vec<String>,
+    /// Keep only this many layers of each shape (quick runs; the timings are then not the model's).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Tokens the session holds when steps and blocks are timed.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
+    /// Verification block sizes (rows; logits at every row).
+    #[arg(long, value_delimiter = ',', default_value = "8,32,64,128")]
+    blocks: Vec<usize>,
+    /// Prompt length of the timed prefill.
+    #[arg(long, default_value_t = 512)]
+    prefill: usize,
+    /// Timed repetitions of each step (after 2 warm-ups); the median is reported.
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Skip the comparison with the CPU kernel model (timings only).
+    #[arg(long)]
+    no_check: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// A shape: the configuration and the weight formats of the checkpoints it stands for.
+struct Shape {
+    name: &'static str,
+    cfg: ModelConfig,
+    layers: GgmlDType,
+    embed: GgmlDType,
+    head: Option<GgmlDType>,
+}
+
+fn qwen2(
+    vocab: usize,
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv: usize,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen2,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: kv,
+        head_dim: hidden / heads,
+        rms_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        rope_style: RopeStyle::Neox,
+        max_context: 32768,
+    }
+}
+
+fn shape(name: &str) -> Result<Shape> {
+    Ok(match name {
+        // 896 is not a multiple of Q4_K's 256: the 0.5B file's matrices are Q5_0 / Q8_0, its head tied.
+        "0.5b" => Shape {
+            name: "0.5b",
+            cfg: qwen2(151936, 896, 4864, 24, 14, 2),
+            layers: GgmlDType::Q5_0,
+            embed: GgmlDType::Q8_0,
+            head: None,
+        },
+        "1.5b" => Shape {
+            name: "1.5b",
+            cfg: qwen2(151936, 1536, 8960, 28, 12, 2),
+            layers: GgmlDType::Q4K,
+            embed: GgmlDType::Q4K,
+            head: Some(GgmlDType::Q6K),
+        },
+        "7b" => Shape {
+            name: "7b",
+            cfg: qwen2(152064, 3584, 18944, 28, 28, 4),
+            layers: GgmlDType::Q4K,
+            embed: GgmlDType::Q4K,
+            head: Some(GgmlDType::Q6K),
+        },
+        other => bail!("unknown shape `{other}` (0.5b, 1.5b, 7b)"),
+    })
+}
+
+fn rel_diff(a: &Logits, b: &Logits) -> f32 {
+    let (mut diff, mut scale) = (0f32, 1e-6f32);
+    for i in 0..a.len().min(b.len()) {
+        for (x, y) in a.row(i).iter().zip(b.row(i)) {
+            diff = diff.max((x - y).abs());
+            scale = scale.max(x.abs());
+        }
+    }
+    diff / scale
+}
+
+fn argmax_agreement(a: &Logits, b: &Logits) -> f64 {
+    let n = a.len().min(b.len());
+    let same = (0..n)
+        .filter(|&i| {
+            parse_engine::sampling::argmax(a.row(i)) == parse_engine::sampling::argmax(b.row(i))
+        })
+        .count();
+    same as f64 / n.max(1) as f64
+}
+
+/// A causal block of `tokens` after what `cache` holds.
+fn run(
+    m: &CandleModel,
+    cache: &mut TensorCache,
+    tokens: &[u32],
+    readout: &[usize],
+) -> Result<Logits> {
+    let base = cache.len();
+    let pos: Vec<u32> = (base..base + tokens.len()).map(|p| p as u32).collect();
+    Ok(m.forward(
+        cache,
+        tokens,
+        &pos,
+        &BlockMask::causal(base, tokens.len()),
+        readout,
+    )?)
+}
+
+fn tokens(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 7919 + seed * 104_729 + 13) % vocab) as u32)
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median milliseconds of `f` over `reps` runs after two warm-ups. Every run reads logits back to the host, which
+/// waits for the device.
+fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut ms = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(median(ms))
+}
+
+fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serde_json::Value> {
+    let mut cfg = s.cfg.clone();
+    if let Some(l) = args.layers {
+        cfg.n_layers = l.max(1);
+    }
+    let t = Instant::now();
+    let kernels = Model::random_in(cfg.clone(), s.layers, s.embed, s.head, 42)
+        .with_context(|| format!("random {} model", s.name))?;
+    let made_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let model = CandleModel::from_model(&kernels, dev)?;
+    let upload_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "{}: {} layers, weights {:.0} MiB, made in {made_s:.1} s, uploaded in {upload_s:.1} s",
+        s.name,
+        cfg.n_layers,
+        kernels.weight_bytes() as f64 / (1 << 20) as f64
+    );
+    let vocab = cfg.vocab_size;
+    let mut check = serde_json::Value::Null;
+    let mut ok = true;
+    if !args.no_check {
+        let prompt = tokens(32, vocab, 1);
+        let all: Vec<usize> = (0..prompt.len()).collect();
+        let want = kernels.forward_causal(&mut KvCache::new(&cfg), &prompt, &all)?;
+        let mut cache = model.new_cache();
+        let got = run(&model, &mut cache, &prompt, &all)?;
+        let diff = rel_diff(&want, &got);
+        let agree = argmax_agreement(&want, &got);
+        // Truncate and re-append: the same 8 tokens after the prompt, twice.
+        let more = tokens(8, vocab, 2);
+        let rows: Vec<usize> = (0..more.len()).collect();
+        let first = run(&model, &mut cache, &more, &rows)?;
+        cache.truncate(prompt.len());
+        let again = run(&model, &mut cache, &more, &rows)?;
+        let trunc = rel_diff(&first, &again);
+        let finite = (0..got.len()).all(|i| got.row(i).iter().all(|x| x.is_finite()));
+        ok = diff < 0.04 && agree >= 0.9 && trunc < 1e-3 && finite;
+        check = json!({
+            "logits_rel_diff": diff,
+            "argmax_agreement": agree,
+            "truncate_rel_diff": trunc,
+            "finite": finite,
+            "ok": ok,
+        });
+        eprintln!(
+            "{}: vs CPU kernels: logits {diff:.4} of the largest apart, argmax agreement {:.0}%, \
+             truncate+re-append {trunc:.2e}: {}",
+            s.name,
+            agree * 100.0,
+            if ok { "ok" } else { "FAILED" }
+        );
+    }
+    drop(kernels);
+    // Timings on a session holding `context` tokens.
+    let mut cache = model.new_cache();
+    let ctx = tokens(args.context, vocab, 3);
+    for chunk in ctx.chunks(512) {
+        run(&model, &mut cache, chunk, &[chunk.len() - 1])?;
+    }
+    let base = cache.len();
+    let step = time(args.reps, || {
+        run(&model, &mut cache, &[7], &[0])?;
+        cache.truncate(base);
+        Ok(())
+    })?;
+    let mut rows = vec![json!({"rows": 1, "ms": step, "x_step": 1.0, "per_token": 1.0})];
+    for &r in &args.blocks {
+        let block = tokens(r, vocab, 4);
+        let all: Vec<usize> = (0..r).collect();
+        let ms = time(args.reps, || {
+            run(&model, &mut cache, &block, &all)?;
+            cache.truncate(base);
+            Ok(())
+        })?;
+        rows.push(
+            json!({"rows": r, "ms": ms, "x_step": ms / step, "per_token": ms / step / r as f64}),
+        );
+    }
+    let prompt = tokens(args.prefill, vocab, 5);
+    let prefill = time(args.reps.min(3), || {
+        let mut c = model.new_cache();
+        run(&model, &mut c, &prompt, &[prompt.len() - 1])?;
+        Ok(())
+    })?;
+    Ok(json!({
+        "shape": s.name,
+        "layers": cfg.n_layers,
+        "formats": format!("{:?} layers, {:?} embedding, head {:?}", s.layers, s.embed, s.head),
+        "context": base,
+        "check": check,
+        "ok": ok,
+        "steps": rows,
+        "prefill": {"tokens": args.prefill, "ms": prefill, "tok_per_s": args.prefill as f64 / prefill * 1e3},
+    }))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let spec: DeviceSpec = args.device.parse()?;
+    let dev = spec.open()?;
+    if args.reps == 0 || args.prefill == 0 || args.context == 0 {
+        bail!("--reps, --prefill and --context must be at least 1");
+    }
+    let shapes = args
+        .shapes
+        .iter()
+        .map(|s| shape(s))
+        .collect::<Result<Vec<_>>>()?;
+    let mut results = Vec::new();
+    for s in &shapes {
+        results.push(bench_shape(&args, &dev, s)?);
+    }
+    println!(
+        "device {spec}, session holding {} tokens, median of {} runs",
+        args.context, args.reps
+    );
+    println!("| shape | rows | ms | x decode step | per token (x step) |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in &results {
+        for row in r["steps"].as_array().into_iter().flatten() {
+            println!(
+                "| {} | {} | {:.2} | {:.2} | {:.3} |",
+                r["shape"].as_str().unwrap_or("?"),
+                row["rows"],
+                row["ms"].as_f64().unwrap_or(f64::NAN),
+                row["x_step"].as_f64().unwrap_or(f64::NAN),
+                row["per_token"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+        println!(
+            "| {} | prefill {} | {:.1} | | {:.0} tok/s |",
+            r["shape"].as_str().unwrap_or("?"),
+            r["prefill"]["tokens"],
+            r["prefill"]["ms"].as_f64().unwrap_or(f64::NAN),
+            r["prefill"]["tok_per_s"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    let all_ok = results.iter().all(|r| r["ok"].as_bool() == Some(true));
+    let out = json!({"device": spec.to_string(), "results": results, "ok": all_ok});
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if !all_ok {
+        bail!("a check against the CPU kernel model failed (see above)");
+    }
+    Ok(())
+}
