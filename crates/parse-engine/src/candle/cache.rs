@@ -1,5 +1,6 @@
-//! The KV cache of the candle model: per layer, one preallocated K and one V tensor of `capacity x kv_heads x
-//! head_dim` on the model's device. A block's keys and values are written in place after the tokens held; the
+//! The KV cache of the candle model: per layer, one preallocated K and one V tensor of `kv_heads x capacity x
+//! head_dim` on the model's device (head-major: the held tokens of a head are one strided matrix, which q·Kᵀ and
+//! p·V read in place, with no copy per step). A block's keys and values are written in place after the tokens held; the
 //! length moves only when the whole forward succeeded, so a failed forward leaves the cache as it was. Truncation
 //! is a length change (later blocks overwrite what was dropped).
 //!
@@ -19,7 +20,7 @@ const FIRST_CAPACITY: usize = 256;
 /// writes into its tensors in place.
 #[derive(Debug)]
 pub struct TensorCache {
-    /// Per layer: (K, V), each `capacity x kv_heads x head_dim`; empty until the first block.
+    /// Per layer: (K, V), each `kv_heads x capacity x head_dim`; empty until the first block.
     layers: Vec<Option<(Tensor, Tensor)>>,
     capacity: usize,
     len: usize,
@@ -83,14 +84,14 @@ impl TensorCache {
             cap *= 2;
         }
         let cap = cap.min(self.max_context.max(total));
-        let shape = (cap, self.n_kv_heads, self.head_dim);
+        let shape = (self.n_kv_heads, cap, self.head_dim);
         let mut grown = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let k = Tensor::zeros(shape, DType::F32, device)?;
             let v = Tensor::zeros(shape, DType::F32, device)?;
             if let (Some((ok, ov)), true) = (layer, self.len > 0) {
-                k.slice_set(&ok.narrow(0, 0, self.len)?, 0, 0)?;
-                v.slice_set(&ov.narrow(0, 0, self.len)?, 0, 0)?;
+                k.slice_set(&ok.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                v.slice_set(&ov.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
             }
             grown.push(Some((k, v)));
         }
@@ -99,21 +100,23 @@ impl TensorCache {
         Ok(())
     }
 
-    /// Writes a block's keys and values (`rows x kv_heads x head_dim`, contiguous) of layer `li` after the `len`
-    /// held, and returns the layer's keys and values of the held tokens and the block (`(len + rows) x kv_heads x
-    /// head_dim` views). The length itself moves only with [`TensorCache::commit`].
+    /// Writes a block's keys and values (`rows x kv_heads x head_dim`) of layer `li` after the `len` held, and
+    /// returns the layer's keys and values of the held tokens and the block (`kv_heads x (len + rows) x head_dim`
+    /// views into the cache). The length itself moves only with [`TensorCache::commit`].
     pub(crate) fn write(&self, li: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let rows = k.dim(0)?;
+        let k = k.transpose(0, 1)?.contiguous()?;
+        let v = v.transpose(0, 1)?.contiguous()?;
         if self.len + rows > self.capacity {
             return Err(Error::invalid("KV cache written past its reserved room"));
         }
         let (kc, vc) = self.layers[li]
             .as_ref()
             .ok_or_else(|| Error::invalid("KV cache written before room was reserved"))?;
-        kc.slice_set(k, 0, self.len)?;
-        vc.slice_set(v, 0, self.len)?;
+        kc.slice_set(&k, 1, self.len)?;
+        vc.slice_set(&v, 1, self.len)?;
         let total = self.len + rows;
-        Ok((kc.narrow(0, 0, total)?, vc.narrow(0, 0, total)?))
+        Ok((kc.narrow(1, 0, total)?, vc.narrow(1, 0, total)?))
     }
 
     /// Takes in the `rows` tokens a successful forward wrote.

@@ -122,10 +122,10 @@ impl Layer {
         let group = nh / nkv;
         let mut outs = Vec::with_capacity(sessions.len());
         for s in sessions {
-            let kb = k.narrow(0, s.start, s.rows)?.contiguous()?;
-            let vb = v.narrow(0, s.start, s.rows)?.contiguous()?;
+            let kb = k.narrow(0, s.start, s.rows)?;
+            let vb = v.narrow(0, s.start, s.rows)?;
             let (keys, values) = s.cache.write(li, &kb, &vb)?;
-            let total = keys.dim(0)?;
+            let total = keys.dim(1)?;
             // Heads grouped by the KV head they share: (kv_heads, group * rows, head_dim) against the KV head's
             // keys, so shared KV heads are never copied per query head.
             let qs = q
@@ -133,8 +133,6 @@ impl Layer {
                 .transpose(0, 1)?
                 .contiguous()?
                 .reshape((nkv, group * s.rows, hd))?;
-            let keys = keys.transpose(0, 1)?.contiguous()?;
-            let values = values.transpose(0, 1)?.contiguous()?;
             let scores = (qs.matmul(&keys.t()?)? * scale)?
                 .reshape((nkv, group, s.rows, total))?
                 .broadcast_add(&s.mask)?;
