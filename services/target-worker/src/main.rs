@@ -113,6 +113,13 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.tp_backend
         );
     }
+    if args.tp > 1 && !args.compute.compute()?.is_kernels() {
+        anyhow::bail!(
+            "--tp {} runs on the kernels backend (the candle backend runs a whole model on one device): drop \
+             --backend candle / --device cuda:N, or use --tp 1",
+            args.tp
+        );
+    }
     if args.tp_backend == "nccl" && !cfg!(feature = "nccl") {
         anyhow::bail!(
             "--tp-backend nccl needs a build with the `nccl` feature (cargo build --features nccl)"
