@@ -149,10 +149,20 @@ fn a_worker_asked_for_a_device_it_cannot_open_exits_with_a_message() {
     }
     // A tensor-parallel group runs on the kernel model: asking it for the candle backend is refused before loading.
     let out = Command::new(workspace_binary("parse-target-worker"))
-        .args(["--model", &m, "--tp", "2", "--tp-addrs", "127.0.0.1:1,127.0.0.1:2"])
+        .args([
+            "--model",
+            &m,
+            "--tp",
+            "2",
+            "--tp-addrs",
+            "127.0.0.1:1,127.0.0.1:2",
+        ])
         .args(["--backend", "candle"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("kernels backend"), "{stderr}");
+    assert!(
+        !out.status.success() && stderr.contains("kernels backend"),
+        "{stderr}"
+    );
 }

@@ -756,3 +756,91 @@ fn a_request_gets_the_same_output_alone_and_among_seven_others() {
     assert_eq!(c.drafts[0].worker.open_sessions(), 0);
     assert_eq!(c.targets[0].worker.open_sessions(), 0);
 }
+
+#[test]
+fn a_tensor_parallel_group_packs_concurrent_requests_into_shared_passes() {
+    // The leader checks each step's blocks, sends them to its follower in one message and both ranks run one packed
+    // pass (the engine's tensor_parallel tests hold that pass against TP = 1): requests sent together get the tokens
+    // they get alone, and the scheduler's steps held several blocks.
+    use parse_engine::tp::Layout;
+    use std::sync::Arc;
+    let mut comms = parse_comm::loopback_group(2, Duration::from_secs(5))
+        .unwrap()
+        .into_iter()
+        .map(Arc::new);
+    let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+    let follower = std::thread::spawn(move || {
+        parse_engine::tp::join(tiny_engine(TARGET_SEED), c1, Layout::Exact)
+            .unwrap()
+            .follower()
+            .unwrap()
+            .follow()
+    });
+    let leader = parse_engine::tp::join(tiny_engine(TARGET_SEED), c0, Layout::Exact)
+        .unwrap()
+        .leader()
+        .unwrap();
+    let tp = target_server(leader, TargetWorkerConfig::default());
+    let draft = draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default());
+    let router = router_server(RouterConfig {
+        drafts: vec![draft.endpoint()],
+        targets: vec![tp.endpoint()],
+        max_in_flight: 16,
+        ..Default::default()
+    });
+    let prompts = [
+        PROMPT,
+        "Explain what a hash map is.",
+        "Write a haiku about autumn.",
+        "What is 17 times 23?",
+        "List three prime numbers greater than 50.",
+        "Translate 'good morning' into French.",
+    ];
+    let rt = runtime();
+    let addr = router.endpoint();
+    for mode in ["target", "parse+token-spec"] {
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                rt.block_on(async {
+                    let mut client = Client::connect(&addr).await.unwrap();
+                    let mut r = req(mode, 40);
+                    r.prompt = (*p).into();
+                    client.generate(r).await.unwrap().token_ids
+                })
+            })
+            .collect();
+        let together = rt.block_on(async {
+            let calls: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let addr = addr.clone();
+                    let mut r = req(mode, 40);
+                    r.prompt = (*p).into();
+                    tokio::spawn(async move {
+                        let mut client = Client::connect(&addr).await.unwrap();
+                        client.generate(r).await.unwrap().token_ids
+                    })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for call in calls {
+                out.push(call.await.unwrap());
+            }
+            out
+        });
+        assert_eq!(
+            together, alone,
+            "{mode}: tokens changed among others in the group"
+        );
+    }
+    let blocks = histogram_mean(&tp.worker.metrics().render(), "parse_worker_batch_blocks");
+    assert!(
+        blocks > 1.2,
+        "the group's passes held {blocks} blocks on average"
+    );
+    drop(router);
+    drop(tp);
+    // The leader's shutdown tells the follower to stop.
+    let _ = follower.join();
+}

@@ -149,16 +149,17 @@ impl SessionStore {
         model.forward(cache, tokens, positions, mask, readout)
     }
 
-    /// Runs the blocks of several sessions as one packed pass (see `Model::forward_packed`); one result per
-    /// block, in order. A block that fails its checks (unknown session, a session twice in the batch, no room in
-    /// the store, a bad block) gets its error and the others run without it.
-    pub fn forward_batch(&mut self, model: &Net, blocks: &[Block]) -> Vec<Result<Logits>> {
-        let mut results: Vec<Option<Result<Logits>>> = blocks.iter().map(|_| None).collect();
+    /// The checks of `forward_batch`, without running it: one result per block. A block fails when its session is
+    /// unknown or already has a block earlier in the batch, when the store has no room for it once the earlier
+    /// blocks that pass are counted, or when the block itself is bad. The blocks that pass are exactly those
+    /// `forward_batch` runs.
+    pub fn check_batch(&self, model: &Net, blocks: &[Block]) -> Vec<Result<()>> {
         let mut claimed = 0;
-        let mut taken: Vec<(usize, SessionCache)> = Vec::new();
-        for (i, b) in blocks.iter().enumerate() {
-            let checked = (|| {
-                if taken.iter().any(|(j, _)| blocks[*j].session == b.session) {
+        let mut passed: Vec<&str> = Vec::new();
+        blocks
+            .iter()
+            .map(|b| {
+                if passed.contains(&b.session.as_str()) {
                     return Err(Error::invalid(format!(
                         "session `{}` has two blocks in one batch",
                         b.session
@@ -166,13 +167,25 @@ impl SessionStore {
                 }
                 let cache = self.get(&b.session)?;
                 self.check_capacity_after(model, &b.session, b.tokens.len(), claimed)?;
-                model.check_block(cache, &b.tokens, &b.positions, &b.mask, &b.readout)
-            })();
+                model.check_block(cache, &b.tokens, &b.positions, &b.mask, &b.readout)?;
+                claimed += b.tokens.len() * model.config().kv_bytes_per_token();
+                passed.push(&b.session);
+                Ok(())
+            })
+            .collect()
+    }
+
+    /// Runs the blocks of several sessions as one packed pass (see `Model::forward_packed`); one result per
+    /// block, in order. A block that fails its checks ([`SessionStore::check_batch`]) gets its error and the
+    /// others run without it.
+    pub fn forward_batch(&mut self, model: &Net, blocks: &[Block]) -> Vec<Result<Logits>> {
+        let mut results: Vec<Option<Result<Logits>>> = blocks.iter().map(|_| None).collect();
+        let mut taken: Vec<(usize, SessionCache)> = Vec::new();
+        for (i, checked) in self.check_batch(model, blocks).into_iter().enumerate() {
             match checked {
                 Err(e) => results[i] = Some(Err(e)),
                 Ok(()) => {
-                    claimed += b.tokens.len() * model.config().kv_bytes_per_token();
-                    if let Some(cache) = self.map.remove(&b.session) {
+                    if let Some(cache) = self.map.remove(&blocks[i].session) {
                         taken.push((i, cache));
                     }
                 }

@@ -16,7 +16,9 @@ use parse_engine::model::{Arch, Layer, ModelConfig, Weights};
 use parse_engine::ops::RopeStyle;
 use parse_engine::quant::QMatrix;
 use parse_engine::tp::{self, Layout, Leader, Member, Split};
-use parse_engine::{BlockMask, Engine, EngineConfig, EngineOps, Error, MaskRow, Model, Tokenizer};
+use parse_engine::{
+    Block, BlockMask, Engine, EngineConfig, EngineOps, Error, MaskRow, Model, Tokenizer,
+};
 
 fn tokenizer() -> Tokenizer {
     let p = common::shared_dir().join("models/qwen2.5-tokenizer.json");
@@ -229,6 +231,40 @@ fn tp_equals_tp1(m: Model, world: usize, layout: Layout) {
     );
     for e in [&mut single as &mut dyn EngineOps, &mut g.leader] {
         e.release("s").unwrap();
+    }
+    // Several sessions in one packed pass (continuous batching): every rank packs the same blocks; a bad block (an
+    // unknown session) gets its own error and the others run, on every rank alike.
+    for e in [&mut single as &mut dyn EngineOps, &mut g.leader] {
+        e.open_session("b1").unwrap();
+        e.open_session("b2").unwrap();
+        e.forward_causal("b1", &prompt, &[c - 1]).unwrap();
+    }
+    let blocks = vec![
+        Block::causal("b1", c, &[5, 6, 7], vec![0, 1, 2]),
+        Block::causal("nobody", 0, &[1], vec![0]),
+        Block::causal("b2", 0, &prompt[..4], vec![3]),
+    ];
+    let a = single.forward_batch(&blocks);
+    let b = g.leader.forward_batch(&blocks);
+    assert!(matches!(b[1], Err(Error::UnknownSession(_))), "{:?}", b[1]);
+    for i in [0, 2] {
+        let (x, y) = (a[i].as_ref().unwrap(), b[i].as_ref().unwrap());
+        for r in 0..x.len() {
+            let d = max_diff(x.row(r), y.row(r));
+            assert!(
+                close(x.row(r), y.row(r)),
+                "{layout:?} world {world}, batch block {i} row {r}: {d}"
+            );
+        }
+    }
+    // The followers ran the same blocks: the next step of both sessions still agrees.
+    for s in ["b1", "b2"] {
+        let a = single.forward_causal(s, &[42], &[0]).unwrap();
+        let b = g.leader.forward_causal(s, &[42], &[0]).unwrap();
+        assert!(
+            close(a.row(0), b.row(0)),
+            "{layout:?} world {world}: {s} after the batch"
+        );
     }
     // Greedy decoding.
     let want = greedy(&mut single, "g", &prompt, 24);

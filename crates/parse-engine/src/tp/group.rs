@@ -13,7 +13,7 @@ use parse_comm::{Comm, CommError, CommErrorKind};
 use parse_core::mask::{BlockMask, MaskRow};
 use prost::Message;
 
-use crate::engine::{Engine, EngineOps};
+use crate::engine::{Block, Engine, EngineOps};
 use crate::error::{Error, Result};
 use crate::model::Logits;
 use crate::net::Net;
@@ -30,6 +30,9 @@ pub(crate) enum Op {
         positions: Vec<u32>,
         mask: Vec<MaskRow>,
     },
+    /// The blocks of several sessions in one packed pass (continuous batching); every one passed the leader's
+    /// checks.
+    Batch(Vec<Block>),
     Truncate(String, usize),
     Release(String),
     /// A heartbeat: followers answer with a barrier.
@@ -42,7 +45,7 @@ pub(crate) enum Op {
 mod wire {
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct Op {
-        #[prost(oneof = "Kind", tags = "1, 2, 3, 4, 5, 6")]
+        #[prost(oneof = "Kind", tags = "1, 2, 3, 4, 5, 6, 7")]
         pub kind: Option<Kind>,
     }
 
@@ -60,6 +63,15 @@ mod wire {
         Ping(Empty),
         #[prost(message, tag = "6")]
         Stop(Empty),
+        #[prost(message, tag = "7")]
+        Batch(Batch),
+    }
+
+    /// Blocks of several sessions for one packed pass.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Batch {
+        #[prost(message, repeated, tag = "1")]
+        pub blocks: Vec<Forward>,
     }
 
     #[derive(Clone, PartialEq, prost::Message)]
@@ -102,6 +114,49 @@ fn malformed() -> Error {
     ))
 }
 
+fn forward_to_wire(
+    session: &str,
+    tokens: &[u32],
+    positions: &[u32],
+    mask: &[MaskRow],
+) -> wire::Forward {
+    wire::Forward {
+        session: session.to_string(),
+        tokens: tokens.to_vec(),
+        positions: positions.to_vec(),
+        mask: mask
+            .iter()
+            .map(|r| wire::Row {
+                cached: r.cached as u64,
+                spans: r
+                    .spans
+                    .iter()
+                    .flat_map(|s| [s.start as u64, s.end as u64])
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+fn mask_from_wire(rows: Vec<wire::Row>) -> Result<Vec<MaskRow>> {
+    let size = |v: u64| usize::try_from(v).map_err(|_| malformed());
+    rows.into_iter()
+        .map(|r| {
+            if r.spans.len() % 2 != 0 {
+                return Err(malformed());
+            }
+            Ok(MaskRow {
+                cached: size(r.cached)?,
+                spans: r
+                    .spans
+                    .chunks(2)
+                    .map(|p| Ok(size(p[0])?..size(p[1])?))
+                    .collect::<Result<_>>()?,
+            })
+        })
+        .collect()
+}
+
 impl Op {
     pub(crate) fn encode(&self) -> Vec<u8> {
         use wire::Kind;
@@ -112,20 +167,12 @@ impl Op {
                 tokens,
                 positions,
                 mask,
-            } => Kind::Forward(wire::Forward {
-                session: session.clone(),
-                tokens: tokens.clone(),
-                positions: positions.clone(),
-                mask: mask
+            } => Kind::Forward(forward_to_wire(session, tokens, positions, mask)),
+            // The readout rows stay with the leader: only it reads logits.
+            Op::Batch(blocks) => Kind::Batch(wire::Batch {
+                blocks: blocks
                     .iter()
-                    .map(|r| wire::Row {
-                        cached: r.cached as u64,
-                        spans: r
-                            .spans
-                            .iter()
-                            .flat_map(|s| [s.start as u64, s.end as u64])
-                            .collect(),
-                    })
+                    .map(|b| forward_to_wire(&b.session, &b.tokens, &b.positions, b.mask.rows()))
                     .collect(),
             }),
             Op::Truncate(s, n) => Kind::Truncate(wire::Truncate {
@@ -149,24 +196,22 @@ impl Op {
                 session: f.session,
                 tokens: f.tokens,
                 positions: f.positions,
-                mask: f
-                    .mask
+                mask: mask_from_wire(f.mask)?,
+            },
+            Kind::Batch(b) => Op::Batch(
+                b.blocks
                     .into_iter()
-                    .map(|r| {
-                        if r.spans.len() % 2 != 0 {
-                            return Err(malformed());
-                        }
-                        Ok(MaskRow {
-                            cached: size(r.cached)?,
-                            spans: r
-                                .spans
-                                .chunks(2)
-                                .map(|p| Ok(size(p[0])?..size(p[1])?))
-                                .collect::<Result<_>>()?,
+                    .map(|f| {
+                        Ok(Block {
+                            session: f.session,
+                            tokens: f.tokens,
+                            positions: f.positions,
+                            mask: BlockMask::from_rows(mask_from_wire(f.mask)?),
+                            readout: Vec::new(),
                         })
                     })
                     .collect::<Result<_>>()?,
-            },
+            ),
             Kind::Truncate(t) => Op::Truncate(t.session, size(t.len)?),
             Kind::Release(s) => Op::Release(s),
             Kind::Ping(_) => Op::Ping,
@@ -334,6 +379,56 @@ impl EngineOps for Leader {
         self.note_forward(r)
     }
 
+    /// The blocks of several sessions in one packed pass on every rank: the leader checks the batch first, sends
+    /// the blocks that pass (in order) to the followers, and runs the same blocks itself, so every rank packs the
+    /// same rows and meets the same collectives. A block that fails its checks gets its error alone.
+    fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
+        // Every block gets the group's failure (a broken group fails every later call alike).
+        let failed = |e: &Error| -> Vec<Result<Logits>> {
+            blocks
+                .iter()
+                .map(|_| {
+                    Err(match e {
+                        Error::Comm(c) => Error::Comm(c.clone()),
+                        other => Error::invalid(other.to_string()),
+                    })
+                })
+                .collect()
+        };
+        if let Err(e) = self.check() {
+            return failed(&e);
+        }
+        let checks = self.engine.sessions.check_batch(&self.engine.model, blocks);
+        let runnable: Vec<Block> = blocks
+            .iter()
+            .zip(&checks)
+            .filter(|(_, c)| c.is_ok())
+            .map(|(b, _)| b.clone())
+            .collect();
+        let mut ran = Vec::new().into_iter();
+        if !runnable.is_empty() {
+            if let Err(e) = self.send(&Op::Batch(runnable.clone())) {
+                return failed(&e);
+            }
+            let results = self
+                .engine
+                .sessions
+                .forward_batch(&self.engine.model, &runnable);
+            let noted: Vec<Result<Logits>> =
+                results.into_iter().map(|r| self.note_forward(r)).collect();
+            ran = noted.into_iter();
+        }
+        checks
+            .into_iter()
+            .map(|c| match c {
+                Err(e) => Err(e),
+                Ok(()) => ran
+                    .next()
+                    .unwrap_or_else(|| Err(Error::invalid("a block of the batch did not run"))),
+            })
+            .collect()
+    }
+
     fn truncate(&mut self, session: &str, n: usize) -> Result<()> {
         self.check()?;
         self.engine.truncate(session, n)?;
@@ -406,6 +501,11 @@ impl Follower {
                         &[],
                     )
                     .map(|_| ()),
+                Op::Batch(blocks) => e
+                    .sessions
+                    .forward_batch(&e.model, &blocks)
+                    .into_iter()
+                    .try_for_each(|r| r.map(|_| ())),
                 Op::Truncate(s, n) => e.sessions.truncate(&s, n),
                 Op::Release(s) => e.sessions.release(&s).map(|_| ()),
                 Op::Ping => comm.barrier().map_err(Error::Comm),
@@ -450,6 +550,22 @@ mod tests {
                     },
                 ],
             },
+            Op::Batch(vec![
+                Block {
+                    session: "a".into(),
+                    tokens: vec![4],
+                    positions: vec![9],
+                    mask: BlockMask::causal(9, 1),
+                    readout: Vec::new(),
+                },
+                Block {
+                    session: "b".into(),
+                    tokens: vec![1, 2],
+                    positions: vec![0, 1],
+                    mask: BlockMask::causal(0, 2),
+                    readout: Vec::new(),
+                },
+            ]),
             Op::Truncate("s".into(), 7),
             Op::Release("s".into()),
             Op::Ping,
