@@ -518,8 +518,13 @@ async fn health(addr: &str) -> i32 {
     .status
 }
 
-#[test]
-fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_group() {
+/// A TP-2 group of the tiny target over loopback TCP (exact layout): the leader, the follower's thread (its
+/// `follow` result) and the follower's communicator (to kill it).
+fn tp_pair() -> (
+    parse_engine::tp::Leader,
+    std::thread::JoinHandle<parse_engine::Result<()>>,
+    std::sync::Arc<parse_comm::TcpComm>,
+) {
     use parse_engine::tp::Layout;
     use std::sync::Arc;
     let mut comms = parse_comm::loopback_group(2, Duration::from_secs(5))
@@ -539,6 +544,12 @@ fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_grou
         .unwrap()
         .leader()
         .unwrap();
+    (leader, follower, follower_comm)
+}
+
+#[test]
+fn a_tensor_parallel_group_serves_and_a_dead_follower_sends_work_to_another_group() {
+    let (leader, follower, follower_comm) = tp_pair();
     let tp = target_server(
         leader,
         TargetWorkerConfig {
@@ -762,24 +773,7 @@ fn a_tensor_parallel_group_packs_concurrent_requests_into_shared_passes() {
     // The leader checks each step's blocks, sends them to its follower in one message and both ranks run one packed
     // pass (the engine's tensor_parallel tests hold that pass against TP = 1): requests sent together get the tokens
     // they get alone, and the scheduler's steps held several blocks.
-    use parse_engine::tp::Layout;
-    use std::sync::Arc;
-    let mut comms = parse_comm::loopback_group(2, Duration::from_secs(5))
-        .unwrap()
-        .into_iter()
-        .map(Arc::new);
-    let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
-    let follower = std::thread::spawn(move || {
-        parse_engine::tp::join(tiny_engine(TARGET_SEED), c1, Layout::Exact)
-            .unwrap()
-            .follower()
-            .unwrap()
-            .follow()
-    });
-    let leader = parse_engine::tp::join(tiny_engine(TARGET_SEED), c0, Layout::Exact)
-        .unwrap()
-        .leader()
-        .unwrap();
+    let (leader, follower, _) = tp_pair();
     let tp = target_server(leader, TargetWorkerConfig::default());
     let draft = draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default());
     let router = router_server(RouterConfig {

@@ -47,6 +47,20 @@ impl SessionCache {
         }
     }
 
+    fn as_kernels(&mut self) -> Option<&mut KvCache> {
+        match self {
+            SessionCache::Kernels(c) => Some(c),
+            SessionCache::Candle(_) => None,
+        }
+    }
+
+    fn as_candle(&mut self) -> Option<&mut TensorCache> {
+        match self {
+            SessionCache::Candle(c) => Some(c),
+            SessionCache::Kernels(_) => None,
+        }
+    }
+
     /// Keeps the first `n` tokens (no-op when `n >= len`).
     pub fn truncate(&mut self, n: usize) {
         match self {
@@ -58,6 +72,25 @@ impl SessionCache {
 
 fn other_backend() -> Error {
     Error::invalid("KV cache was made for another backend")
+}
+
+/// The packed blocks with their caches as the kind `pick` takes, or the other-backend error.
+fn caches_as<'s, C>(
+    items: &'s mut [Packed<'_, SessionCache>],
+    pick: fn(&mut SessionCache) -> Option<&mut C>,
+) -> Result<Vec<Packed<'s, C>>> {
+    items
+        .iter_mut()
+        .map(|it| {
+            Ok(Packed {
+                cache: pick(&mut *it.cache).ok_or_else(other_backend)?,
+                tokens: it.tokens,
+                positions: it.positions,
+                mask: it.mask,
+                readout: it.readout,
+            })
+        })
+        .collect()
 }
 
 impl From<Model> for Net {
@@ -180,37 +213,9 @@ impl Net {
     /// The blocks of several sessions in one pass (see [`Model::forward_packed`]).
     pub fn forward_packed(&self, items: &mut [Packed<'_, SessionCache>]) -> Result<Vec<Logits>> {
         match self {
-            Net::Kernels(m) => {
-                let mut mine = Vec::with_capacity(items.len());
-                for it in items.iter_mut() {
-                    let SessionCache::Kernels(cache) = &mut *it.cache else {
-                        return Err(other_backend());
-                    };
-                    mine.push(Packed {
-                        cache,
-                        tokens: it.tokens,
-                        positions: it.positions,
-                        mask: it.mask,
-                        readout: it.readout,
-                    });
-                }
-                m.forward_packed(&mut mine)
-            }
+            Net::Kernels(m) => m.forward_packed(&mut caches_as(items, SessionCache::as_kernels)?),
             Net::Candle { model, .. } => {
-                let mut mine = Vec::with_capacity(items.len());
-                for it in items.iter_mut() {
-                    let SessionCache::Candle(cache) = &mut *it.cache else {
-                        return Err(other_backend());
-                    };
-                    mine.push(Packed {
-                        cache,
-                        tokens: it.tokens,
-                        positions: it.positions,
-                        mask: it.mask,
-                        readout: it.readout,
-                    });
-                }
-                model.forward_packed(&mut mine)
+                model.forward_packed(&mut caches_as(items, SessionCache::as_candle)?)
             }
         }
     }

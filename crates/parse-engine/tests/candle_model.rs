@@ -44,13 +44,11 @@ fn tiny(arch: Arch) -> ModelConfig {
     }
 }
 
-/// A random model with every matrix in `dtype` (the embedding too, so the row gather reads that format).
-fn model(arch: Arch, dtype: GgmlDType, seed: u64) -> Model {
-    let m = Model::random(tiny(arch), seed).unwrap();
+/// The model with `f` applied to every matrix (embedding, head, every layer's).
+fn map_matrices(m: &Model, f: impl Fn(&QMatrix) -> QMatrix) -> Model {
     let mut w = m.weights().clone();
-    let q =
-        |m: &mut QMatrix| *m = QMatrix::from_f32(dtype, m.rows(), m.cols(), &m.to_f32()).unwrap();
-    q(&mut w.embed);
+    w.embed = f(&w.embed);
+    w.lm_head = w.lm_head.as_ref().map(&f);
     for l in w.layers.iter_mut() {
         for m in [
             &mut l.wq,
@@ -61,10 +59,17 @@ fn model(arch: Arch, dtype: GgmlDType, seed: u64) -> Model {
             &mut l.w_up,
             l.w_down.weight_mut(),
         ] {
-            q(m);
+            *m = f(m);
         }
     }
     Model::new(m.config().clone(), w).unwrap()
+}
+
+/// A random model with every matrix in `dtype` (the embedding too, so the row gather reads that format).
+fn model(arch: Arch, dtype: GgmlDType, seed: u64) -> Model {
+    map_matrices(&Model::random(tiny(arch), seed).unwrap(), |m| {
+        QMatrix::from_f32(dtype, m.rows(), m.cols(), &m.to_f32()).unwrap()
+    })
 }
 
 fn tolerance(dtype: GgmlDType) -> f32 {
@@ -77,23 +82,7 @@ fn tolerance(dtype: GgmlDType) -> f32 {
 
 /// The same model with every matrix dequantized to f32: the exact result both implementations approximate.
 fn dequantized(m: &Model) -> Model {
-    let mut w = m.weights().clone();
-    w.embed = w.embed.dequantized();
-    w.lm_head = w.lm_head.map(|h| h.dequantized());
-    for l in w.layers.iter_mut() {
-        for m in [
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            l.wo.weight_mut(),
-            &mut l.w_gate,
-            &mut l.w_up,
-            l.w_down.weight_mut(),
-        ] {
-            *m = m.dequantized();
-        }
-    }
-    Model::new(m.config().clone(), w).unwrap()
+    map_matrices(m, QMatrix::dequantized)
 }
 
 /// Largest |a - b| over the largest |a|.
