@@ -188,10 +188,13 @@ impl CandleModel {
         let vocab = self.cfg.vocab_size;
         let mut out = Vec::with_capacity(items.len());
         let mut data = all.as_slice();
-        for it in items.iter_mut() {
+        for it in items.iter() {
             let (mine, rest) = data.split_at(it.readout.len() * vocab);
             out.push(Logits::from_rows(vocab, mine.to_vec())?);
             data = rest;
+        }
+        // Only now, with every step done, do the caches take in their blocks.
+        for it in items.iter_mut() {
             it.cache.commit(it.tokens.len());
         }
         Ok(out)
