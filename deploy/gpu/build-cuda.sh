@@ -15,6 +15,19 @@
 #   deploy/gpu/build-cuda.sh --check      # steps 1-3 only
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+# Tools beyond the Rust build's: the stub's C compiler, readelf/strip (binutils), xz.
+need=()
+command -v cc >/dev/null || need+=(build-essential)
+command -v readelf >/dev/null || need+=(binutils)
+command -v xz >/dev/null || need+=(xz-utils)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null
+    else
+        echo "build-cuda: missing Debian packages: sudo apt-get install -y ${need[*]}" >&2
+        exit 1
+    fi
+fi
 cache="$root/.cache/cuda13.0"
 pins=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96
       nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-curand==10.4.0.35 nvidia-cublas==13.0.2.14
