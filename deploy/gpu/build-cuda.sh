@@ -22,7 +22,8 @@ command -v readelf >/dev/null || need+=(binutils)
 command -v xz >/dev/null || need+=(xz-utils)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null
     else
         echo "build-cuda: missing Debian packages: sudo apt-get install -y ${need[*]}" >&2
         exit 1
