@@ -5,8 +5,10 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use parse_proto::v1::GenerateRequest;
+use parse_proto::v1::drafter_client::DrafterClient;
 use parse_proto::v1::generation_client::GenerationClient;
+use parse_proto::v1::verifier_client::VerifierClient;
+use parse_proto::v1::{GenerateRequest, GetModelInfoRequest};
 use parse_tests::{Proc, draft_checkpoint, free_port, workspace_binary};
 
 fn spawn(name: &str, args: &[String]) -> Proc {
@@ -75,6 +77,28 @@ fn a_cluster_of_candle_workers_serves_every_mode() {
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
         };
+        // Both workers say what computes their model.
+        // (The reply carries the tokenizer: over gRPC's default 4 MiB.)
+        let mut t = VerifierClient::connect(format!("http://127.0.0.1:{tp}"))
+            .await
+            .unwrap()
+            .max_decoding_message_size(64 << 20);
+        let info = t
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.compute, "candle on cpu");
+        let mut d = DrafterClient::connect(format!("http://127.0.0.1:{dp}"))
+            .await
+            .unwrap()
+            .max_decoding_message_size(64 << 20);
+        let info = d
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.compute, "candle on cpu");
         let prompt = "Write a Python function that adds two numbers.";
         for mode in ["target", "draft", "token-spec", "parse", "parse+token-spec"] {
             let r = client

@@ -1,5 +1,5 @@
 //! What a worker publishes about its model (`GetModelInfo`): name, vocabulary, context, the portable tokenizer the
-//! router tokenizes with, the chat layout, and the tensor-parallel size.
+//! router tokenizes with, the chat layout, the tensor-parallel size, and which model implementation computes where.
 
 use parse_core::Error as CoreError;
 use parse_engine::{ChatTemplate, Engine};
@@ -26,5 +26,6 @@ pub fn model_info(engine: &Engine, tp_size: usize) -> Result<GetModelInfoRespons
         default_system,
         eos_ids: tok.eos_ids().to_vec(),
         tp_size: tp_size as u32,
+        compute: engine.model().compute().to_string(),
     })
 }
