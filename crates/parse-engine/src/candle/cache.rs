@@ -5,8 +5,9 @@
 //! is a length change (later blocks overwrite what was dropped).
 //!
 //! Capacity grows by doubling (from 256 tokens, never past the model's context), so a session's device memory is at
-//! most twice what it holds. Byte accounting ([`TensorCache::bytes`]) counts the tokens held, as the kernel model's
-//! cache does, so admission is the same under both backends.
+//! most twice the most it has held (truncation keeps the room; release frees it). Byte accounting
+//! ([`TensorCache::bytes`]) counts the tokens held, as the kernel model's cache does, so admission is the same under
+//! both backends.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -52,7 +53,7 @@ impl TensorCache {
         self.len == 0
     }
 
-    /// Bytes of K and V the tokens held take (the allocation may be up to twice that; see the module's text).
+    /// Bytes of K and V the tokens held take (the allocation may be larger: see the module's text).
     pub fn bytes(&self) -> usize {
         self.len * self.bytes_per_token
     }
