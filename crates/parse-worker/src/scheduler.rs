@@ -441,6 +441,17 @@ mod tests {
         answers
     }
 
+    /// A scheduler over an empty ledger: a queue of `queue` calls, passes of `step_rows` rows, never cancelled.
+    fn ledger_scheduler(queue: usize, step_rows: usize) -> Scheduler<Ledger> {
+        Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            queue,
+            packing(step_rows),
+            CancellationToken::new(),
+        )
+    }
+
     fn packing(step_rows: usize) -> Packing {
         Packing {
             step_rows,
@@ -478,13 +489,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_command_whose_caller_left_is_skipped() {
-        let s = Scheduler::spawn(
-            "test",
-            Ledger::default(),
-            4,
-            packing(8),
-            CancellationToken::new(),
-        );
+        let s = ledger_scheduler(4, 8);
         let (go, blocker) = hold(&s);
         tokio::time::sleep(Duration::from_millis(50)).await;
         let abandoned = {
@@ -504,13 +509,7 @@ mod tests {
 
     #[tokio::test]
     async fn running_tasks_share_passes_and_each_gets_its_own_results() {
-        let s = Scheduler::spawn(
-            "test",
-            Ledger::default(),
-            16,
-            packing(64),
-            CancellationToken::new(),
-        );
+        let s = ledger_scheduler(16, 64);
         let tasks = [("a", 4), ("b", 4), ("c", 2)]
             .into_iter()
             .map(|(name, steps)| counter(name, steps, 1))
@@ -549,13 +548,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pass_keeps_to_its_row_budget_and_a_left_caller_stops_its_task() {
-        let s = Scheduler::spawn(
-            "test",
-            Ledger::default(),
-            16,
-            packing(4),
-            CancellationToken::new(),
-        );
+        let s = ledger_scheduler(16, 4);
         let tasks = [("a", 3), ("b", 3), ("big", 9), ("d", 1)]
             .into_iter()
             .map(|(name, rows)| counter(name, 2, rows))
@@ -599,13 +592,7 @@ mod tests {
 
     #[tokio::test]
     async fn tasks_of_one_session_run_one_after_another() {
-        let s = Scheduler::spawn(
-            "test",
-            Ledger::default(),
-            16,
-            packing(64),
-            CancellationToken::new(),
-        );
+        let s = ledger_scheduler(16, 64);
         let tasks = [("x", "s"), ("y", "s"), ("z", "t")]
             .into_iter()
             .map(|(name, session)| named(name, session, 3, 1))
