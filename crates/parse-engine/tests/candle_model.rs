@@ -21,27 +21,11 @@ use parse_engine::mask::{BlockMask, MaskRow};
 use parse_engine::quant::QMatrix;
 use parse_engine::{
     Arch, Backend, CandleModel, Compute, DeviceSpec, Engine, EngineConfig, Error, KvCache, Logits,
-    Model, ModelConfig, ops::RopeStyle,
+    Model, ModelConfig,
 };
 
 fn tiny(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab_size: 300,
-        hidden_size: 256,
-        intermediate_size: 512,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 64,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_style: match arch {
-            Arch::Qwen2 => RopeStyle::Neox,
-            Arch::Llama => RopeStyle::Interleaved,
-        },
-        max_context: 512,
-    }
+    common::tiny_k(arch, 512)
 }
 
 /// The model with `f` applied to every matrix (embedding, head, every layer's).

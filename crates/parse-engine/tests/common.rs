@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use parse_engine::{Engine, EngineConfig};
+use parse_engine::ops::RopeStyle;
+use parse_engine::{Arch, Engine, EngineConfig, ModelConfig};
 
 pub const TARGET_FILE: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 pub const DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
@@ -60,3 +61,25 @@ pub const PROMPTS: [&str; 5] = [
     "List three prime numbers greater than 100.",
     "Translate 'good morning, my friend' into French and Spanish.",
 ];
+
+/// A tiny configuration whose matrices divide into 256-wide K-quant blocks (every weight format fits), with the
+/// rotary pairing each architecture's GGUF files use.
+pub fn tiny_k(arch: Arch, max_context: usize) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 512,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_style: match arch {
+            Arch::Qwen2 => RopeStyle::Neox,
+            Arch::Llama => RopeStyle::Interleaved,
+        },
+        max_context,
+    }
+}

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+mod common;
+
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -10,23 +12,7 @@ use parse_engine::load::{self, GgufFile, LoadOptions};
 use parse_engine::{Arch, Error, KvCache, Model, ModelConfig, ops::RopeStyle};
 
 fn tiny(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab_size: 300,
-        hidden_size: 256,
-        intermediate_size: 512,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 64,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_style: match arch {
-            Arch::Qwen2 => RopeStyle::Neox,
-            Arch::Llama => RopeStyle::Interleaved,
-        },
-        max_context: 128,
-    }
+    common::tiny_k(arch, 128)
 }
 
 fn tensor(data: Vec<f32>, shape: &[usize]) -> Tensor {
