@@ -511,18 +511,6 @@ macro_rules! panel {
     }};
 }
 
-/// The variant a K-quant panel of `rows` activation rows runs. Measured with engine-bench on an AVX-512 VNNI
-/// machine: the VNNI K-quant tiles win for one row (decode) but lose to the AVX2 ones for multi-row tiles (1.67 s vs
-/// 1.45 s for a 64-token target block). Both compute the same bits, so multi-row tiles take AVX2 (and the VNNI
-/// K-quant panels are built for one row only).
-fn k_quant_variant(k: Kernels, rows: usize) -> Kernels {
-    if k >= Kernels::Vnni && rows > 1 {
-        Kernels::Avx2
-    } else {
-        k
-    }
-}
-
 pub fn q4k_panel(
     k: Kernels,
     w: &[BlockQ4K],
@@ -531,7 +519,6 @@ pub fn q4k_panel(
     out: &mut [f32],
     stride: usize,
 ) {
-    let k = k_quant_variant(k, xs.len());
     panel!(
         k,
         w,
@@ -553,7 +540,6 @@ pub fn q6k_panel(
     out: &mut [f32],
     stride: usize,
 ) {
-    let k = k_quant_variant(k, xs.len());
     panel!(
         k,
         w,

@@ -75,6 +75,173 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
     std::array::from_fn(|r| acc[r] - acc_m[r])
 }
 
+/// Lane `r` of the result is the sum of the 8 lanes of `v[r]` (wrapping, so exact wherever the true sums fit in
+/// i32, as every sum here does): the rows of a tile are reduced together instead of one horizontal sum each.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn sum_rows8(v: [__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(v[0], v[1]);
+    let h23 = _mm256_hadd_epi32(v[2], v[3]);
+    let h45 = _mm256_hadd_epi32(v[4], v[5]);
+    let h67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Each 128-bit half of g0 holds partial sums of rows 0..4, of g1 rows 4..8.
+    let g0 = _mm256_hadd_epi32(h01, h23);
+    let g1 = _mm256_hadd_epi32(h45, h67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(g0, g1),
+        _mm256_permute2x128_si256::<0x31>(g0, g1),
+    )
+}
+
+/// The 16 lanes of `v` folded into 8 (exact integer adds).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold512(v: __m512i) -> __m256i {
+    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+}
+
+/// The activations' scales of block `b` of each row, lane `r` for row `r` (0 past the tile's rows).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn row_scales<const R: usize>(xs: &[&[RawQ8K]; R], b: usize) -> __m256 {
+    let d: [f32; 8] = std::array::from_fn(|r| if r < R { xs[r][b].d } else { 0.0 });
+    // SAFETY: d holds 8 f32.
+    unsafe { _mm256_loadu_ps(d.as_ptr()) }
+}
+
+/// `R` (2..=8) activation rows against one Q4_K weight row: the products as in [`q4k_tile`], but the rows' integer
+/// sums `S` and min terms `M` are reduced together ([`sum_rows8`]) and the two float chains run with one row per
+/// lane. Every lane computes `fma(d_x * d_w, S, acc)` and `fma(d_x * dmin_w, M, acc_m)` as the definition does, so
+/// the bits are those of [`q4k_dot_scalar`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q4k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm512_set1_epi8(0xF);
+    let zero = _mm512_setzero_si512();
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm256_setzero_ps();
+    for (b, wb) in w.iter().enumerate() {
+        let (sc, m) = scales_mins(&wb.scales);
+        // Each sub-block's min twice, so `madd` with the 16 bsums gives min_j * (bsum_2j + bsum_2j+1) per lane.
+        let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(
+            _mm_set_epi64x(0, i64::from_le_bytes(m)),
+            _mm_set_epi64x(0, i64::from_le_bytes(m)),
+        ));
+        let base = _mm512_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc)));
+        let sv: [__m512i; 4] = std::array::from_fn(|i| {
+            let (lo, hi) = (SCALE_PAIRS[i].0, SCALE_PAIRS[i].1);
+            _mm512_permutexvar_epi32(
+                _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1),
+                base,
+            )
+        });
+        let mut sumi = [zero; R];
+        for h in 0..2 {
+            // SAFETY: qs has 128 bytes; the load spans 64h..64h+64.
+            let z = unsafe { _mm512_loadu_si512(wb.qs.as_ptr().add(64 * h).cast()) };
+            let lo = _mm512_and_si512(z, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                // SAFETY: qs has 256 bytes; the loads span 128h..128h+128.
+                let (x0, x1) = unsafe {
+                    (
+                        _mm512_loadu_si512(q8.add(128 * h).cast()),
+                        _mm512_loadu_si512(q8.add(128 * h + 64).cast()),
+                    )
+                };
+                let xa = _mm512_shuffle_i64x2::<0x44>(x0, x1);
+                let xb = _mm512_shuffle_i64x2::<0xEE>(x0, x1);
+                sumi[r] =
+                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, lo, xa), sv[2 * h]);
+                sumi[r] =
+                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, hi, xb), sv[2 * h + 1]);
+            }
+        }
+        let s = sum_rows8(std::array::from_fn(|r| {
+            if r < R {
+                fold512(sumi[r])
+            } else {
+                _mm256_setzero_si256()
+            }
+        }));
+        let mt = sum_rows8(std::array::from_fn(|r| {
+            if r < R {
+                // SAFETY: bsums has 16 i16 (32 bytes).
+                let bs = unsafe { _mm256_loadu_si256(xs[r][b].bsums.as_ptr().cast()) };
+                _mm256_madd_epi16(bs, mins)
+            } else {
+                _mm256_setzero_si256()
+            }
+        }));
+        let dx = row_scales(&xs, b);
+        let wd = _mm256_set1_ps(f16::from_bits(wb.d).to_f32());
+        let wdmin = _mm256_set1_ps(f16::from_bits(wb.dmin).to_f32());
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s), acc);
+        acc_m = _mm256_fmadd_ps(_mm256_mul_ps(dx, wdmin), _mm256_cvtepi32_ps(mt), acc_m);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: out holds 8 f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m)) };
+    std::array::from_fn(|r| out[r])
+}
+
+/// The unsigned 6-bit values of half `n` of a Q6_K super-block as two vectors of 64 (values 128n..+64 and
+/// 128n+64..+128), and the sub-block scale of every 4-value lane of each (low 16 bits of the lane).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[inline]
+fn q6k_unpack(
+    wb: &RawQ6K,
+    n: usize,
+    sc_bytes: __m128i,
+    (m4, m2, lo16): (__m512i, __m512i, __m512i),
+    (shift01, shift23): (__m512i, __m512i),
+) -> ([__m512i; 2], [__m512i; 2]) {
+        // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+        let (ql, qh) = unsafe {
+            (
+                _mm512_loadu_si512(wb.ql.as_ptr().add(64 * n).cast()),
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast())),
+            )
+        };
+        let high = |shift: __m512i| {
+            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
+        };
+        let q = [
+            _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01)),
+            _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                high(shift23),
+            ),
+        ];
+        // Lane i of part p covers 4 values of group 8n + 4p + i/4: its scale, in the low 16 bits.
+        let scale: [__m512i; 2] = std::array::from_fn(|p| {
+            let g = (8 * n + 4 * p) as i8;
+            let idx = _mm_set_epi8(
+                g + 3,
+                g + 3,
+                g + 3,
+                g + 3,
+                g + 2,
+                g + 2,
+                g + 2,
+                g + 2,
+                g + 1,
+                g + 1,
+                g + 1,
+                g + 1,
+                g,
+                g,
+                g,
+                g,
+            );
+            _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc_bytes, idx)), lo16)
+        });
+        (q, scale)
+}
+
 /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
@@ -95,46 +262,7 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
         let sc16 = _mm256_cvtepi8_epi16(sc_bytes);
         let mut sumi = [zero; R];
         for n in 0..2 {
-            // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
-            let (ql, qh) = unsafe {
-                (
-                    _mm512_loadu_si512(wb.ql.as_ptr().add(64 * n).cast()),
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast())),
-                )
-            };
-            let high = |shift: __m512i| {
-                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
-            };
-            let q = [
-                _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01)),
-                _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                    high(shift23),
-                ),
-            ];
-            // Lane i of part p covers 4 values of group 8n + 4p + i/4: its scale, in the low 16 bits.
-            let scale: [__m512i; 2] = std::array::from_fn(|p| {
-                let g = (8 * n + 4 * p) as i8;
-                let idx = _mm_set_epi8(
-                    g + 3,
-                    g + 3,
-                    g + 3,
-                    g + 3,
-                    g + 2,
-                    g + 2,
-                    g + 2,
-                    g + 2,
-                    g + 1,
-                    g + 1,
-                    g + 1,
-                    g + 1,
-                    g,
-                    g,
-                    g,
-                    g,
-                );
-                _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc_bytes, idx)), lo16)
-            });
+            let (q, scale) = q6k_unpack(wb, n, sc_bytes, (m4, m2, lo16), (shift01, shift23));
             for r in 0..R {
                 let q8 = xs[r][b].qs.as_ptr();
                 for p in 0..2 {
@@ -156,6 +284,58 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
         }
     }
     acc
+}
+
+/// `R` (2..=8) activation rows against one Q6_K weight row: the products as in [`q6k_tile`], the rows' integer sums
+/// reduced together ([`sum_rows8`]) and the float chain run with one row per lane, bit for bit
+/// [`q6k_dot_scalar`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q6k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm512_set1_epi8(0xF);
+    let m2 = _mm512_set1_epi8(3);
+    let zero = _mm512_setzero_si512();
+    let lo16 = _mm512_set1_epi32(0xFFFF);
+    let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    let mut acc = _mm256_setzero_ps();
+    for (b, wb) in w.iter().enumerate() {
+        // SAFETY: scales has 16 bytes.
+        let sc_bytes = unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) };
+        let sc16 = _mm256_cvtepi8_epi16(sc_bytes);
+        let mut sumi = [zero; R];
+        for n in 0..2 {
+            let (q, scale) = q6k_unpack(wb, n, sc_bytes, (m4, m2, lo16), (shift01, shift23));
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                for p in 0..2 {
+                    // SAFETY: qs has 256 bytes; the load spans 128n + 64p .. +64.
+                    let a = unsafe { _mm512_loadu_si512(q8.add(128 * n + 64 * p).cast()) };
+                    sumi[r] =
+                        _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q[p], a), scale[p]);
+                }
+            }
+        }
+        let s = sum_rows8(std::array::from_fn(|r| {
+            if r < R {
+                // SAFETY: bsums has 16 i16 (32 bytes).
+                let bs = unsafe { _mm256_loadu_si256(xs[r][b].bsums.as_ptr().cast()) };
+                let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                _mm256_sub_epi32(fold512(sumi[r]), offset)
+            } else {
+                _mm256_setzero_si256()
+            }
+        }));
+        let dx = row_scales(&xs, b);
+        let wd = _mm256_set1_ps(f16::from_bits(wb.d).to_f32());
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s), acc);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: out holds 8 f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+    std::array::from_fn(|r| out[r])
 }
 
 /// Folds the 16 lanes (even blocks in 0..8, odd blocks in 8..16) as in `lane_tree16`.
@@ -370,24 +550,77 @@ pub(super) fn quantize_q8k_avx512(xs: &[f32], ys: &mut [BlockQ8K]) {
     }
 }
 
-// One row only: multi-row K-quant tiles run the AVX2 kernels (see `k_quant_variant`).
 panel_fn!(
-    q4k_panel,
+    q4k_panel_one,
     q4k_tile,
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
     BlockQ4K,
     &[BlockQ8K],
     [1]
 );
-// One row only: multi-row K-quant tiles run the AVX2 kernels (see `k_quant_variant`).
 panel_fn!(
-    q6k_panel,
+    q4k_panel_rows,
+    q4k_tile_rows,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ4K,
+    &[BlockQ8K],
+    [2, 3, 4, 5, 6, 7, 8]
+);
+panel_fn!(
+    q6k_panel_one,
     q6k_tile,
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
     BlockQ6K,
     &[BlockQ8K],
     [1]
 );
+panel_fn!(
+    q6k_panel_rows,
+    q6k_tile_rows,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ6K,
+    &[BlockQ8K],
+    [2, 3, 4, 5, 6, 7, 8]
+);
+
+/// Q4_K panel: one activation row runs [`q4k_tile`] (horizontal sums per super-block), several run
+/// [`q4k_tile_rows`] (the rows' sums reduced together).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+pub(super) unsafe fn q4k_panel(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller's CPU has this function's features, which both panels need.
+    unsafe {
+        if xs.len() == 1 {
+            q4k_panel_one(w, kb, xs, out, stride)
+        } else {
+            q4k_panel_rows(w, kb, xs, out, stride)
+        }
+    }
+}
+
+/// Q6_K panel: as [`q4k_panel`], with [`q6k_tile`] and [`q6k_tile_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
+pub(super) unsafe fn q6k_panel(
+    w: &[BlockQ6K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: as in q4k_panel.
+    unsafe {
+        if xs.len() == 1 {
+            q6k_panel_one(w, kb, xs, out, stride)
+        } else {
+            q6k_panel_rows(w, kb, xs, out, stride)
+        }
+    }
+}
 panel_fn!(
     q8_0_panel,
     q8_0_tile,
