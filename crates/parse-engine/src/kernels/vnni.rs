@@ -109,17 +109,22 @@ fn row_scales<const R: usize>(xs: &[&[RawQ8K]; R], b: usize) -> __m256 {
     unsafe { _mm256_loadu_ps(d.as_ptr()) }
 }
 
-/// `R` (2..=8) activation rows against one Q4_K weight row: the products as in [`q4k_tile`], but the rows' integer
-/// sums `S` and min terms `M` are reduced together ([`sum_rows8`]) and the two float chains run with one row per
-/// lane. Every lane computes `fma(d_x * d_w, S, acc)` and `fma(d_x * dmin_w, M, acc_m)` as the definition does, so
-/// the bits are those of [`q4k_dot_scalar`].
+/// `R` (2..=8) activation rows against one Q4_K weight row. The weights are unpacked once per super-block into
+/// the activations' own order (chunk `j`'s low nibbles in the lower 256 bits, its high nibbles in the upper, which
+/// is values `64j..64j + 64`), so each row's activations are read as stored, with no shuffle; `maddubs` gives exact
+/// pair sums (at most 2 x 15 x 128 in magnitude, so no saturation) and `dpwssd` multiplies them by their
+/// sub-block's scale and accumulates. The rows' integer sums `S` and min terms `M` are reduced together
+/// ([`sum_rows8`]) and the two float chains run with one row per lane: every lane computes
+/// `fma(d_x * d_w, S, acc)` and `fma(d_x * dmin_w, M, acc_m)` as the definition does, so the bits are those of
+/// [`q4k_dot_scalar`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
     let w = raw_q4k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
     let m4 = _mm512_set1_epi8(0xF);
-    let zero = _mm512_setzero_si512();
+    // 16-bit shifts: 0 in the lower 256 bits (low nibbles), 4 in the upper (high nibbles).
+    let nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
@@ -129,52 +134,41 @@ unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -
             _mm_set_epi64x(0, i64::from_le_bytes(m)),
             _mm_set_epi64x(0, i64::from_le_bytes(m)),
         ));
-        let base = _mm512_cvtepu8_epi32(_mm_set_epi64x(0, i64::from_le_bytes(sc)));
-        let sv: [__m512i; 4] = std::array::from_fn(|i| {
-            let (lo, hi) = (SCALE_PAIRS[i].0, SCALE_PAIRS[i].1);
-            _mm512_permutexvar_epi32(
-                _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1),
-                base,
+        let q: [__m512i; 4] = std::array::from_fn(|j| {
+            // SAFETY: qs has 128 bytes; chunk j spans 32j..32j+32.
+            let bytes = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
+            _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(bytes), nibble_shift),
+                m4,
             )
         });
-        let mut sumi = [zero; R];
-        for h in 0..2 {
-            // SAFETY: qs has 128 bytes; the load spans 64h..64h+64.
-            let z = unsafe { _mm512_loadu_si512(wb.qs.as_ptr().add(64 * h).cast()) };
-            let lo = _mm512_and_si512(z, m4);
-            let hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                // SAFETY: qs has 256 bytes; the loads span 128h..128h+128.
-                let (x0, x1) = unsafe {
-                    (
-                        _mm512_loadu_si512(q8.add(128 * h).cast()),
-                        _mm512_loadu_si512(q8.add(128 * h + 64).cast()),
-                    )
-                };
-                let xa = _mm512_shuffle_i64x2::<0x44>(x0, x1);
-                let xb = _mm512_shuffle_i64x2::<0xEE>(x0, x1);
-                sumi[r] =
-                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, lo, xa), sv[2 * h]);
-                sumi[r] =
-                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, hi, xb), sv[2 * h + 1]);
-            }
-        }
+        let scale: [__m512i; 4] = std::array::from_fn(|j| {
+            _mm512_inserti64x4(
+                _mm512_set1_epi16(sc[2 * j] as i16),
+                _mm256_set1_epi16(sc[2 * j + 1] as i16),
+                1,
+            )
+        });
         let s = sum_rows8(std::array::from_fn(|r| {
-            if r < R {
-                fold512(sumi[r])
-            } else {
-                _mm256_setzero_si256()
+            if r >= R {
+                return _mm256_setzero_si256();
             }
+            let q8 = xs[r][b].qs.as_ptr();
+            let mut sumi = _mm512_setzero_si512();
+            for j in 0..4 {
+                // SAFETY: qs has 256 bytes; the load spans 64j..64j+64.
+                let a = unsafe { _mm512_loadu_si512(q8.add(64 * j).cast()) };
+                sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q[j], a), scale[j]);
+            }
+            fold512(sumi)
         }));
         let mt = sum_rows8(std::array::from_fn(|r| {
-            if r < R {
-                // SAFETY: bsums has 16 i16 (32 bytes).
-                let bs = unsafe { _mm256_loadu_si256(xs[r][b].bsums.as_ptr().cast()) };
-                _mm256_madd_epi16(bs, mins)
-            } else {
-                _mm256_setzero_si256()
+            if r >= R {
+                return _mm256_setzero_si256();
             }
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xs[r][b].bsums.as_ptr().cast()) };
+            _mm256_madd_epi16(bs, mins)
         }));
         let dx = row_scales(&xs, b);
         let wd = _mm256_set1_ps(f16::from_bits(wb.d).to_f32());
