@@ -7,6 +7,63 @@ use std::arch::x86_64::*;
 
 use super::*;
 
+/// Lane `r` of the result is the sum of the 8 lanes of `v[r]` (wrapping, so exact wherever the true sums fit in
+/// i32, as every sum here does): the rows of a tile are reduced together instead of one horizontal sum each.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn sum_rows8(v: [__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(v[0], v[1]);
+    let h23 = _mm256_hadd_epi32(v[2], v[3]);
+    let h45 = _mm256_hadd_epi32(v[4], v[5]);
+    let h67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Each 128-bit half of g0 holds partial sums of rows 0..4, of g1 rows 4..8.
+    let g0 = _mm256_hadd_epi32(h01, h23);
+    let g1 = _mm256_hadd_epi32(h45, h67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(g0, g1),
+        _mm256_permute2x128_si256::<0x31>(g0, g1),
+    )
+}
+
+/// The activations' scales of block `b` of each row, lane `r` for row `r` (0 past the tile's rows).
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn row_scales<const R: usize>(xs: &[&[RawQ8K]; R], b: usize) -> __m256 {
+    let d: [f32; 8] = std::array::from_fn(|r| if r < R { xs[r][b].d } else { 0.0 });
+    // SAFETY: d holds 8 f32.
+    unsafe { _mm256_loadu_ps(d.as_ptr()) }
+}
+
+/// A Q4_K super-block's sub-block mins as 16 x i16, each twice, so `madd` with the activations' 16 bsums gives
+/// `min_j * (bsum_2j + bsum_2j+1)` in lane `j`; the lanes sum to the min term `M`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn q4k_mins_paired(m: &[u8; 8]) -> __m256i {
+    let m = _mm_set_epi64x(0, i64::from_le_bytes(*m));
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m))
+}
+
+/// The tiles' float step for `R` > 1 rows at once: `acc + (d_x * d_w) * s`, one row per lane.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(super) fn fma_rows(acc: __m256, dx: __m256, dw: f32, s: __m256i) -> __m256 {
+    _mm256_fmadd_ps(
+        _mm256_mul_ps(dx, _mm256_set1_ps(dw)),
+        _mm256_cvtepi32_ps(s),
+        acc,
+    )
+}
+
+/// The first `R` lanes of `v`.
+#[target_feature(enable = "avx")]
+#[inline]
+pub(super) fn first_lanes<const R: usize>(v: __m256) -> [f32; R] {
+    let mut out = [0f32; 8];
+    // SAFETY: out holds 8 f32.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    std::array::from_fn(|r| out[r])
+}
+
 /// `R` activation rows against one Q4_K weight row: `maddubs` pairs bytes, `madd` multiplies the pairs by the
 /// sub-block scale; the 8 lanes are summed into the super-block's exact integer `S` of [`q4k_dot_scalar`], and the
 /// min term `M` likewise.

@@ -6,7 +6,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{hsum_i32, q4k_min_term};
+use super::avx2::{
+    first_lanes, fma_rows, hsum_i32, q4k_min_term, q4k_mins_paired, row_scales, sum_rows8,
+};
 use super::*;
 
 /// Sub-block pairs whose scales the 16 lanes of the Q4_K products carry (lanes 0..8, lanes 8..16).
@@ -75,38 +77,11 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
     std::array::from_fn(|r| acc[r] - acc_m[r])
 }
 
-/// Lane `r` of the result is the sum of the 8 lanes of `v[r]` (wrapping, so exact wherever the true sums fit in
-/// i32, as every sum here does): the rows of a tile are reduced together instead of one horizontal sum each.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn sum_rows8(v: [__m256i; 8]) -> __m256i {
-    let h01 = _mm256_hadd_epi32(v[0], v[1]);
-    let h23 = _mm256_hadd_epi32(v[2], v[3]);
-    let h45 = _mm256_hadd_epi32(v[4], v[5]);
-    let h67 = _mm256_hadd_epi32(v[6], v[7]);
-    // Each 128-bit half of g0 holds partial sums of rows 0..4, of g1 rows 4..8.
-    let g0 = _mm256_hadd_epi32(h01, h23);
-    let g1 = _mm256_hadd_epi32(h45, h67);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(g0, g1),
-        _mm256_permute2x128_si256::<0x31>(g0, g1),
-    )
-}
-
 /// The 16 lanes of `v` folded into 8 (exact integer adds).
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn fold512(v: __m512i) -> __m256i {
     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
-}
-
-/// The activations' scales of block `b` of each row, lane `r` for row `r` (0 past the tile's rows).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn row_scales<const R: usize>(xs: &[&[RawQ8K]; R], b: usize) -> __m256 {
-    let d: [f32; 8] = std::array::from_fn(|r| if r < R { xs[r][b].d } else { 0.0 });
-    // SAFETY: d holds 8 f32.
-    unsafe { _mm256_loadu_ps(d.as_ptr()) }
 }
 
 /// `R` (2..=8) activation rows against one Q4_K weight row. The weights are unpacked once per super-block into
@@ -129,11 +104,7 @@ unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -
     let mut acc_m = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
         let (sc, m) = scales_mins(&wb.scales);
-        // Each sub-block's min twice, so `madd` with the 16 bsums gives min_j * (bsum_2j + bsum_2j+1) per lane.
-        let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(
-            _mm_set_epi64x(0, i64::from_le_bytes(m)),
-            _mm_set_epi64x(0, i64::from_le_bytes(m)),
-        ));
+        let mins = q4k_mins_paired(&m);
         let q: [__m512i; 4] = std::array::from_fn(|j| {
             // SAFETY: qs has 128 bytes; chunk j spans 32j..32j+32.
             let bytes = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
@@ -171,15 +142,10 @@ unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -
             _mm256_madd_epi16(bs, mins)
         }));
         let dx = row_scales(&xs, b);
-        let wd = _mm256_set1_ps(f16::from_bits(wb.d).to_f32());
-        let wdmin = _mm256_set1_ps(f16::from_bits(wb.dmin).to_f32());
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s), acc);
-        acc_m = _mm256_fmadd_ps(_mm256_mul_ps(dx, wdmin), _mm256_cvtepi32_ps(mt), acc_m);
+        acc = fma_rows(acc, dx, f16::from_bits(wb.d).to_f32(), s);
+        acc_m = fma_rows(acc_m, dx, f16::from_bits(wb.dmin).to_f32(), mt);
     }
-    let mut out = [0f32; 8];
-    // SAFETY: out holds 8 f32.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_m)) };
-    std::array::from_fn(|r| out[r])
+    first_lanes(_mm256_sub_ps(acc, acc_m))
 }
 
 /// The unsigned 6-bit values of half `n` of a Q6_K super-block as two vectors of 64 (values 128n..+64 and
@@ -193,47 +159,46 @@ fn q6k_unpack(
     (m4, m2, lo16): (__m512i, __m512i, __m512i),
     (shift01, shift23): (__m512i, __m512i),
 ) -> ([__m512i; 2], [__m512i; 2]) {
-        // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
-        let (ql, qh) = unsafe {
-            (
-                _mm512_loadu_si512(wb.ql.as_ptr().add(64 * n).cast()),
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast())),
-            )
-        };
-        let high = |shift: __m512i| {
-            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
-        };
-        let q = [
-            _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01)),
-            _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                high(shift23),
-            ),
-        ];
-        // Lane i of part p covers 4 values of group 8n + 4p + i/4: its scale, in the low 16 bits.
-        let scale: [__m512i; 2] = std::array::from_fn(|p| {
-            let g = (8 * n + 4 * p) as i8;
-            let idx = _mm_set_epi8(
-                g + 3,
-                g + 3,
-                g + 3,
-                g + 3,
-                g + 2,
-                g + 2,
-                g + 2,
-                g + 2,
-                g + 1,
-                g + 1,
-                g + 1,
-                g + 1,
-                g,
-                g,
-                g,
-                g,
-            );
-            _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc_bytes, idx)), lo16)
-        });
-        (q, scale)
+    // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+    let (ql, qh) = unsafe {
+        (
+            _mm512_loadu_si512(wb.ql.as_ptr().add(64 * n).cast()),
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast())),
+        )
+    };
+    let high =
+        |shift: __m512i| _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4);
+    let q = [
+        _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01)),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+            high(shift23),
+        ),
+    ];
+    // Lane i of part p covers 4 values of group 8n + 4p + i/4: its scale, in the low 16 bits.
+    let scale: [__m512i; 2] = std::array::from_fn(|p| {
+        let g = (8 * n + 4 * p) as i8;
+        let idx = _mm_set_epi8(
+            g + 3,
+            g + 3,
+            g + 3,
+            g + 3,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 2,
+            g + 1,
+            g + 1,
+            g + 1,
+            g + 1,
+            g,
+            g,
+            g,
+            g,
+        );
+        _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(sc_bytes, idx)), lo16)
+    });
+    (q, scale)
 }
 
 /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
@@ -322,14 +287,9 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
                 _mm256_setzero_si256()
             }
         }));
-        let dx = row_scales(&xs, b);
-        let wd = _mm256_set1_ps(f16::from_bits(wb.d).to_f32());
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s), acc);
+        acc = fma_rows(acc, row_scales(&xs, b), f16::from_bits(wb.d).to_f32(), s);
     }
-    let mut out = [0f32; 8];
-    // SAFETY: out holds 8 f32.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
-    std::array::from_fn(|r| out[r])
+    first_lanes(acc)
 }
 
 /// Folds the 16 lanes (even blocks in 0..8, odd blocks in 8..16) as in `lane_tree16`.
