@@ -201,12 +201,16 @@ fn q6k_unpack(
     (q, scale)
 }
 
-/// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+/// Each row's 16 lanes of scaled products with one Q6_K super-block (block `b` of the rows; the offset of 32 is
+/// not yet taken off): lane sums are exact integers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
 #[inline]
-unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
-    let w = raw_q6k(w);
-    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+fn q6k_sums<const R: usize>(
+    wb: &RawQ6K,
+    xs: &[&[RawQ8K]; R],
+    b: usize,
+    sc_bytes: __m128i,
+) -> [__m512i; R] {
     let m4 = _mm512_set1_epi8(0xF);
     let m2 = _mm512_set1_epi8(3);
     let zero = _mm512_setzero_si512();
@@ -214,24 +218,34 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
     // Per-half shifts of the high-bit bytes: (0, 2) for values 0..64 of a 128-value segment, (4, 6) for 64..128.
     let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    let mut sumi = [zero; R];
+    for n in 0..2 {
+        let (q, scale) = q6k_unpack(wb, n, sc_bytes, (m4, m2, lo16), (shift01, shift23));
+        for r in 0..R {
+            let q8 = xs[r][b].qs.as_ptr();
+            for p in 0..2 {
+                // SAFETY: qs has 256 bytes; the load spans 128n + 64p .. +64.
+                let a = unsafe { _mm512_loadu_si512(q8.add(128 * n + 64 * p).cast()) };
+                sumi[r] =
+                    _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q[p], a), scale[p]);
+            }
+        }
+    }
+    sumi
+}
+
+/// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q6k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
     let mut acc = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc_bytes = unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) };
         let sc16 = _mm256_cvtepi8_epi16(sc_bytes);
-        let mut sumi = [zero; R];
-        for n in 0..2 {
-            let (q, scale) = q6k_unpack(wb, n, sc_bytes, (m4, m2, lo16), (shift01, shift23));
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                for p in 0..2 {
-                    // SAFETY: qs has 256 bytes; the load spans 128n + 64p .. +64.
-                    let a = unsafe { _mm512_loadu_si512(q8.add(128 * n + 64 * p).cast()) };
-                    sumi[r] =
-                        _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q[p], a), scale[p]);
-                }
-            }
-        }
+        let sumi = q6k_sums(wb, &xs, b, sc_bytes);
         let wd = f16::from_bits(wb.d).to_f32();
         for r in 0..R {
             let xb = &xs[r][b];
@@ -253,30 +267,12 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
 unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
     let w = raw_q6k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
-    let m4 = _mm512_set1_epi8(0xF);
-    let m2 = _mm512_set1_epi8(3);
-    let zero = _mm512_setzero_si512();
-    let lo16 = _mm512_set1_epi32(0xFFFF);
-    let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     let mut acc = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc_bytes = unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) };
         let sc16 = _mm256_cvtepi8_epi16(sc_bytes);
-        let mut sumi = [zero; R];
-        for n in 0..2 {
-            let (q, scale) = q6k_unpack(wb, n, sc_bytes, (m4, m2, lo16), (shift01, shift23));
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                for p in 0..2 {
-                    // SAFETY: qs has 256 bytes; the load spans 128n + 64p .. +64.
-                    let a = unsafe { _mm512_loadu_si512(q8.add(128 * n + 64 * p).cast()) };
-                    sumi[r] =
-                        _mm512_dpwssd_epi32(sumi[r], _mm512_dpbusd_epi32(zero, q[p], a), scale[p]);
-                }
-            }
-        }
+        let sumi = q6k_sums(wb, &xs, b, sc_bytes);
         let s = sum_rows8(std::array::from_fn(|r| {
             if r < R {
                 // SAFETY: bsums has 16 i16 (32 bytes).
