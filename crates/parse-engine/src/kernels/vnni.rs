@@ -500,77 +500,49 @@ pub(super) fn quantize_q8k_avx512(xs: &[f32], ys: &mut [BlockQ8K]) {
     }
 }
 
-panel_fn!(
-    q4k_panel_one,
-    q4k_tile,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
-    BlockQ4K,
-    &[BlockQ8K],
-    [1]
-);
-panel_fn!(
-    q4k_panel_rows,
-    q4k_tile_rows,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
-    BlockQ4K,
-    &[BlockQ8K],
-    [2, 3, 4, 5, 6, 7, 8]
-);
-panel_fn!(
-    q6k_panel_one,
-    q6k_tile,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
-    BlockQ6K,
-    &[BlockQ8K],
-    [1]
-);
-panel_fn!(
-    q6k_panel_rows,
-    q6k_tile_rows,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
-    BlockQ6K,
-    &[BlockQ8K],
-    [2, 3, 4, 5, 6, 7, 8]
-);
-
-/// Q4_K panel: one activation row runs [`q4k_tile`] (horizontal sums per super-block), several run
-/// [`q4k_tile_rows`] (the rows' sums reduced together).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
-pub(super) unsafe fn q4k_panel(
-    w: &[BlockQ4K],
-    kb: usize,
-    xs: &[&[BlockQ8K]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller's CPU has this function's features, which both panels need.
+/// Q4_K tile: one activation row runs [`q4k_tile`] (horizontal sums per super-block), several run
+/// [`q4k_tile_rows`] (the rows' sums reduced together); `R` is a constant, so the branch is resolved at compile time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q4k_tile_any<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    // SAFETY: the caller's CPU has this function's features, which both tiles need.
     unsafe {
-        if xs.len() == 1 {
-            q4k_panel_one(w, kb, xs, out, stride)
+        if R == 1 {
+            q4k_tile(w, xs)
         } else {
-            q4k_panel_rows(w, kb, xs, out, stride)
+            q4k_tile_rows(w, xs)
         }
     }
 }
 
-/// Q6_K panel: as [`q4k_panel`], with [`q6k_tile`] and [`q6k_tile_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
-pub(super) unsafe fn q6k_panel(
-    w: &[BlockQ6K],
-    kb: usize,
-    xs: &[&[BlockQ8K]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: as in q4k_panel.
+/// Q6_K tile: as [`q4k_tile_any`], with [`q6k_tile`] and [`q6k_tile_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_any<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    // SAFETY: as in q4k_tile_any.
     unsafe {
-        if xs.len() == 1 {
-            q6k_panel_one(w, kb, xs, out, stride)
+        if R == 1 {
+            q6k_tile(w, xs)
         } else {
-            q6k_panel_rows(w, kb, xs, out, stride)
+            q6k_tile_rows(w, xs)
         }
     }
 }
+
+panel_fn!(
+    q4k_panel,
+    q4k_tile_any,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ4K,
+    &[BlockQ8K]
+);
+panel_fn!(
+    q6k_panel,
+    q6k_tile_any,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma",
+    BlockQ6K,
+    &[BlockQ8K]
+);
 panel_fn!(
     q8_0_panel,
     q8_0_tile,
