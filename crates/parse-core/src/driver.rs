@@ -16,6 +16,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::pace::{Advice, Pace, Pacing};
 use crate::plan::VerifyPlan;
 use crate::policy::{AcceptPolicy, VerifyOutput, decide};
 use crate::segmenter::{self, SegmenterConfig};
@@ -128,10 +129,14 @@ pub struct DraftWindow {
     pub max_tokens: usize,
     /// Draft tokens per round of token-level speculation.
     pub token_spec_tokens: usize,
-    /// Pause greedy `token-spec` speculation while, in this request, it writes tokens more slowly than the target
-    /// alone (see [`Pace`]). It changes how the target's tokens are found, never which: greedy token-level
-    /// speculation is lossless. `parse+token-spec`'s extensions are not paused (see `extend_segment`). Off by
-    /// default in the library, so that its figures are reproducible run to run; the router turns it on.
+    /// Let the target write alone while speculation writes tokens more slowly than the target would at the current
+    /// load ([`Pace`]): greedy `token-spec` rounds and whole PARSE rounds. In `token-spec` it changes how the
+    /// target's tokens are found, never which (greedy token-level speculation is lossless). In the PARSE modes the
+    /// tokens written in a pause are the target's own greedy tokens where a PARSE round might have kept draft
+    /// segments the verdict judged good: the output then depends on measured times, so it can differ run to run and
+    /// with the load, never falling below what the target writes. The token-level rounds inside a PARSE round's
+    /// extension are not paused (see `extend_segment`). Off by default in the library, so that its figures are
+    /// reproducible; the router turns it on.
     #[serde(default)]
     pub adaptive: bool,
 }
@@ -144,81 +149,6 @@ impl Default for DraftWindow {
             max_tokens: 128,
             token_spec_tokens: 6,
             adaptive: false,
-        }
-    }
-}
-
-/// Whether greedy token-level speculation (`token-spec`) pays in one request, judged on its own measured times:
-/// milliseconds per output token of recent speculative rounds (drafting and verifying) against the target writing
-/// alone. After
-/// [`Pace::PROBE`] rounds that lose, the target writes the next tokens alone (16, doubling while speculation keeps
-/// losing, up to 256), which also measures it; then speculation is tried again. Before the target's own speed is
-/// known, the cheapest verification seen stands in for it (a one-token step costs no more), and the first pause
-/// is short. Greedy only: a pause in a sampled request would change which random draws it uses.
-#[derive(Debug, Clone, Default)]
-pub struct Pace {
-    spec_ms: Option<f64>,
-    alone_ms: Option<f64>,
-    cheapest_verify_ms: Option<f64>,
-    rounds: usize,
-    next_pause: usize,
-    /// Tokens the target still writes alone in the current pause.
-    paused: usize,
-}
-
-impl Pace {
-    /// Speculative rounds judged before a decision.
-    pub const PROBE: usize = 3;
-    pub(crate) const FIRST_PAUSE: usize = 4;
-    const MIN_PAUSE: usize = 16;
-    const MAX_PAUSE: usize = 256;
-    /// Weight of the newest figure in the moving averages.
-    const NEW: f64 = 0.4;
-
-    fn average(old: Option<f64>, x: f64) -> Option<f64> {
-        Some(old.map_or(x, |o| o + Self::NEW * (x - o)))
-    }
-
-    /// A speculative round that wrote `tokens` in `ms`, with its verification passes' times.
-    pub fn speculated(&mut self, ms: f64, tokens: usize, verify_ms: &[f64]) {
-        for &v in verify_ms {
-            self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
-        }
-        if tokens > 0 {
-            self.spec_ms = Self::average(self.spec_ms, ms / tokens as f64);
-            self.rounds += 1;
-        }
-        if self.rounds < Self::PROBE {
-            return;
-        }
-        let (Some(spec), Some(alone)) = (self.spec_ms, self.alone_ms.or(self.cheapest_verify_ms))
-        else {
-            return;
-        };
-        if spec > alone {
-            self.paused = if self.alone_ms.is_none() {
-                Self::FIRST_PAUSE
-            } else {
-                self.next_pause.max(Self::MIN_PAUSE)
-            };
-            self.next_pause = (self.paused * 2).clamp(Self::MIN_PAUSE, Self::MAX_PAUSE);
-            self.rounds = 0;
-            self.spec_ms = None;
-        } else {
-            self.next_pause = Self::MIN_PAUSE;
-        }
-    }
-
-    /// Tokens the target should write alone now (0: speculate).
-    pub fn pause(&self) -> usize {
-        self.paused
-    }
-
-    /// The target wrote `tokens` alone in `ms`.
-    pub fn wrote_alone(&mut self, ms: f64, tokens: usize) {
-        self.paused = self.paused.saturating_sub(tokens.max(1));
-        if tokens > 0 {
-            self.alone_ms = Self::average(self.alone_ms, ms / tokens as f64);
         }
     }
 }
@@ -406,8 +336,8 @@ pub struct Stats {
     pub total_ms: f64,
     /// Output tokens per second of generation after prefill (prefill is the same work in every mode).
     pub tokens_per_s: f64,
-    /// Tokens the target wrote alone because token-level speculation was not paying in this request, and the
-    /// pauses that wrote them ([`DraftWindow::adaptive`]).
+    /// Tokens the target wrote alone because speculation was not paying at the load of the moment, and the pauses
+    /// that wrote them ([`DraftWindow::adaptive`]).
     pub paused_tokens: usize,
     pub pauses: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
@@ -531,7 +461,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // The first token on its own, so that its text goes out after one step (time to first token); then
             // up to 16 per call.
             let n = if self.out.is_empty() { 1 } else { 16 };
+            let (t, before) = (Instant::now(), self.out.len());
             self.extend(self.remaining().min(n), None)?;
+            self.pace.target_wrote(ms(t), self.out.len() - before);
         }
         Ok(())
     }
@@ -761,26 +693,20 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         Ok(())
     }
 
-    /// One round of greedy token-level speculation or, with `adaptive` and while it does not pay in this request
-    /// ([`Pace`]), the target writing alone for the pause's length. Both give the target's greedy tokens. Returns
-    /// the tokens drafted.
+    /// One round of greedy token-level speculation or, with `adaptive` and while it does not pay ([`Pace`]), the
+    /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (t, before) = (Instant::now(), self.out.len());
-        if adaptive && self.pace.pause() > 0 {
-            let max = self.pace.pause().min(self.remaining());
-            self.extend(max, None)?;
-            let n = self.out.len() - before;
-            self.pace.wrote_alone(ms(t), n);
-            self.stats.paused_tokens += n;
+        if adaptive && let Advice::Alone(n) = self.pace.advise() {
+            self.extend(n.min(self.remaining()), None)?;
+            self.pace.wrote_alone(ms(t), self.out.len() - before);
             return Ok(0);
         }
         let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
         if draft.is_empty() {
             let t = Instant::now();
             self.extend(1, None)?;
-            if adaptive {
-                self.pace.wrote_alone(ms(t), self.out.len() - before);
-            }
+            self.pace.target_wrote(ms(t), self.out.len() - before);
             return Ok(0);
         }
         let verify_ms = self.stats.verify_ms;
@@ -789,9 +715,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let this_verify = self.stats.verify_ms - verify_ms;
             self.pace
                 .speculated(ms(t), self.out.len() - before, &[this_verify]);
-            if self.pace.pause() > 0 {
-                self.stats.pauses += 1;
-            }
         }
         Ok(draft.len())
     }
@@ -800,6 +723,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.open_target()?;
         self.open_draft(&SamplingParams::default())?;
         self.window = self.req.window.initial_segments;
+        let adaptive = self.req.window.adaptive;
         let mut round = 0usize;
         while self.finished.is_none() {
             // One span per round (draft, verification, extension): the workers' spans of its calls are its
@@ -807,6 +731,16 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let span = round_span(round);
             let _round = span.enter();
             round += 1;
+            let (t, before, verify_ms) = (Instant::now(), self.out.len(), self.stats.verify_ms);
+            if adaptive && let Advice::Alone(n) = self.pace.advise() {
+                // The target writes alone, to the end of the current segment at most, so that the next PARSE round
+                // drafts from a segment's start.
+                let cfg = self.req.segmenter.clone();
+                self.extend(n.min(self.remaining()), Some(&cfg))?;
+                self.pace.wrote_alone(ms(t), self.out.len() - before);
+                span.record("drafted", 0);
+                continue;
+            }
             let (draft, bs, _) = self.draft(Some(self.window), 0)?;
             span.record("drafted", draft.len());
             span.record("segments", bs.len());
@@ -841,6 +775,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 if self.finished.is_none() {
                     self.extend_segment()?;
                 }
+            }
+            if adaptive {
+                let this_verify = self.stats.verify_ms - verify_ms;
+                self.pace
+                    .speculated(ms(t), self.out.len() - before, &[this_verify]);
             }
         }
         Ok(())
@@ -884,6 +823,24 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
     req: &GenerationRequest,
     sink: &mut dyn FnMut(&[u32], Source) -> bool,
 ) -> Result<Outcome> {
+    generate_paced(
+        drafter,
+        verifier,
+        req,
+        sink,
+        Pacing::alone(req.mode.as_str()),
+    )
+}
+
+/// [`generate`], judging whether speculation pays ([`DraftWindow::adaptive`]) with the figures of `pacing` (shared
+/// by the requests of one pool of workers), and reporting its own to them.
+pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
+    drafter: &mut D,
+    verifier: &mut V,
+    req: &GenerationRequest,
+    sink: &mut dyn FnMut(&[u32], Source) -> bool,
+    pacing: Pacing,
+) -> Result<Outcome> {
     req.validate()?;
     let start = Instant::now();
     let mut run = Run {
@@ -903,7 +860,7 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         window: req.window.initial_segments,
         // A stream of its own, apart from the workers' samplers that share the request's seed.
         rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
-        pace: Pace::default(),
+        pace: Pace::new(pacing),
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),
@@ -927,6 +884,8 @@ pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
     released_v?;
     released_d?;
     let mut stats = run.stats;
+    stats.paused_tokens = run.pace.paused_tokens;
+    stats.pauses = run.pace.pauses;
     stats.output_tokens = run.out.len();
     stats.target_passes = stats.verify_passes + stats.extend_passes;
     if stats.output_tokens > 0 {
@@ -1016,53 +975,5 @@ impl Verifier for NoVerifier {
     }
     fn release(&mut self, _: &str) -> Result<()> {
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Pace;
-
-    #[test]
-    fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone() {
-        let mut p = Pace::default();
-        // Speculation at 50 ms/token with verifications of 100 ms: it beats what a target step can cost.
-        for _ in 0..5 {
-            p.speculated(200.0, 4, &[100.0]);
-            assert_eq!(p.pause(), 0);
-        }
-        // Rounds of 300 ms for 2 tokens (150 ms/token) lose to the cheapest verification (100 ms): a short first
-        // pause, which measures the target alone.
-        let mut p = Pace::default();
-        for i in 0..Pace::PROBE {
-            assert_eq!(p.pause(), 0, "round {i}: judged only after the probe");
-            p.speculated(300.0, 2, &[100.0]);
-        }
-        assert_eq!(p.pause(), Pace::FIRST_PAUSE);
-        p.wrote_alone(4.0 * 90.0, 4);
-        assert_eq!(p.pause(), 0);
-        // Still losing against the target's measured 90 ms/token: pauses of 16, then 32, ... up to 256.
-        let mut seen = Vec::new();
-        for _ in 0..7 {
-            for _ in 0..Pace::PROBE {
-                p.speculated(300.0, 2, &[100.0]);
-            }
-            let n = p.pause();
-            seen.push(n);
-            p.wrote_alone(n as f64 * 90.0, n);
-        }
-        assert_eq!(seen, [16, 32, 64, 128, 256, 256, 256]);
-        // Once speculation wins again (40 ms/token), it goes on, and a later loss starts from the shortest pause.
-        for _ in 0..Pace::PROBE {
-            p.speculated(160.0, 4, &[100.0]);
-        }
-        assert_eq!(p.pause(), 0);
-        for _ in 0..8 {
-            p.speculated(300.0, 2, &[100.0]);
-            if p.pause() > 0 {
-                break;
-            }
-        }
-        assert_eq!(p.pause(), 16);
     }
 }

@@ -6,6 +6,7 @@ pub mod driver;
 pub mod error;
 pub mod mask;
 pub mod ngram;
+pub mod pace;
 pub mod plan;
 pub mod policy;
 pub mod segmenter;
@@ -13,7 +14,7 @@ pub mod speculative;
 
 pub use driver::{
     DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
-    SamplingParams, Source, Stats, Verifier, generate, generate_with,
+    SamplingParams, Source, Stats, Verifier, generate, generate_paced, generate_with,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use mask::{BlockMask, MaskRow};

@@ -229,3 +229,48 @@ fn limits_on_the_real_pair() {
         &[Verdict::Likelihood, Verdict::Relative, Verdict::Entropy],
     );
 }
+
+#[test]
+fn a_paced_parse_request_lets_the_target_write_while_speculation_loses() {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let (mut target, mut draft) = (tiny_engine(1), tiny_engine(2));
+    // tau = 0 keeps every draft: unpaced, the output is the draft model's.
+    let mut r = request(
+        &target,
+        common::PROMPTS[0],
+        Mode::ParseTokenSpec,
+        0.0,
+        Verdict::Relative,
+        12,
+    );
+    r.window.adaptive = true;
+    let want_target = plain_greedy(&mut target, &r.prompt, 12);
+    assert_ne!(want_target, plain_greedy(&mut draft, &r.prompt, 12));
+    // The pool's figures at this load say speculation costs far more per token than the target alone, and its
+    // next probe is 15 tokens away: the request writes its 12 tokens alone, the target's own.
+    let kind = "parse+token-spec/model";
+    let costs = Arc::new(Costs::default());
+    costs.record_spec(kind, 0, 1e6, 1, false);
+    costs.record_alone(Some(kind), 0, 1.0, 1);
+    let pacing = Pacing {
+        costs: costs.clone(),
+        kind: kind.into(),
+        load: Arc::new(|| 1),
+    };
+    let out = {
+        let mut v = EngineVerifier::new(&mut target);
+        let mut d = EngineDrafter::new(&mut draft);
+        parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap()
+    };
+    assert_eq!(out.tokens, want_target);
+    assert_eq!(out.stats.paused_tokens, 12);
+    assert_eq!(out.stats.draft_tokens_proposed, 0);
+    assert!(out.stats.pauses >= 1);
+    assert_eq!(target.sessions().count() + draft.sessions().count(), 0);
+    // What it measured went back to the pool.
+    assert!(costs.alone_ms(0).unwrap() > 1.0);
+    // The same request with nothing known speculates (and, at tau = 0, keeps the draft's first tokens).
+    let fresh = run(&mut target, &mut draft, &r);
+    assert!(fresh.stats.draft_tokens_proposed > 0, "{:?}", fresh.stats);
+}

@@ -17,9 +17,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parse_core::pace::{Costs, Pacing};
 use parse_core::{
     AcceptPolicy, DrafterKind, Error as CoreError, ErrorKind, GenerationRequest, Mode, NgramConfig,
-    NgramDrafter, Source, Verdict,
+    NgramDrafter, Source, Verdict, generate_paced,
 };
 use parse_discovery::{Discovery, EtcdDiscovery, Role, StaticDiscovery};
 use parse_proto::v1::generation_server::{Generation, GenerationServer};
@@ -62,7 +63,8 @@ pub struct RouterConfig {
     pub served_model_name: Option<String>,
     /// Drafter of requests that name none.
     pub default_drafter: DrafterKind,
-    /// Pause greedy `token-spec` where it does not pay, for requests that do not say (`DraftWindow::adaptive`).
+    /// Let the target write alone where speculation does not pay at the current load, for requests that do not say
+    /// (`DraftWindow::adaptive`; judged on the figures in `Router::costs`).
     pub adaptive: bool,
     /// Mutual TLS on the router's own APIs and its worker calls, and the cluster token it sends to workers.
     pub security: parse_proto::security::Security,
@@ -127,6 +129,9 @@ pub struct Router {
     in_flight: Arc<Semaphore>,
     /// Prometheus metrics (`GET /metrics` on the OpenAI HTTP port).
     pub metrics: Arc<metrics::Metrics>,
+    /// What speculation and the target alone cost per output token at each load, measured by every request of
+    /// these pools ([`parse_core::pace`]).
+    pub costs: Arc<Costs>,
     /// The router's root token: cancelled at shutdown, it cancels every request (each holds a child).
     cancel: CancellationToken,
 }
@@ -316,6 +321,7 @@ impl Router {
             admin: admin::initial_state(cfg.default_mode, cfg.default_policy),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             metrics: Arc::new(metrics::Metrics::new()),
+            costs: Arc::new(Costs::default()),
             cfg: Arc::new(cfg),
             drafts,
             targets,
@@ -523,6 +529,20 @@ impl Router {
         Ok((req, r.stop.clone(), drafter))
     }
 
+    /// Where a request's pace reads and reports: the pools' shared figures, under its mode and drafter, at the load
+    /// of the moment (requests running per healthy target worker).
+    fn pacing(&self, req: &GenerationRequest, drafter: DrafterKind) -> Pacing {
+        let (metrics, targets) = (self.metrics.clone(), self.targets.clone());
+        Pacing {
+            costs: self.costs.clone(),
+            kind: format!("{}/{}", req.mode.as_str(), drafter.as_str()),
+            load: Arc::new(move || {
+                let workers = targets.workers().iter().filter(|w| w.healthy()).count();
+                metrics.in_flight().div_ceil(workers.max(1))
+            }),
+        }
+    }
+
     /// Runs one request, sending deltas and the final message to `tx`. Returns when the loop has finished and
     /// released its sessions.
     async fn run(
@@ -585,6 +605,7 @@ impl Router {
         let drafts = self.drafts.clone();
         let targets = self.targets.clone();
         let draft_ahead = self.cfg.draft_ahead;
+        let pacing = self.pacing(&req, drafter_kind);
         let metrics = self.metrics.clone();
         let running = metrics.running();
         let started = Instant::now();
@@ -647,14 +668,17 @@ impl Router {
             };
             // Both stand ready; the loop uses the ones the request's mode needs.
             let result = match lookup.as_mut() {
-                Ok(Some(n)) => parse_core::generate(n, &mut verifier, &req, &mut sink),
-                Ok(None) => parse_core::generate(&mut drafter, &mut verifier, &req, &mut sink),
+                Ok(Some(n)) => generate_paced(n, &mut verifier, &req, &mut sink, pacing.clone()),
+                Ok(None) => {
+                    generate_paced(&mut drafter, &mut verifier, &req, &mut sink, pacing.clone())
+                }
                 Err(e) => Err(e.clone()),
             };
             let result = match (result, failure) {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             };
+            metrics.pace_costs(&pacing.costs.snapshot());
             let mut used: Vec<(&str, String)> = Vec::new();
             used.extend(drafter.used.iter().map(|id| ("draft", id.clone())));
             used.extend(verifier.used.iter().map(|id| ("target", id.clone())));

@@ -80,8 +80,9 @@ struct Args {
     /// it no draft worker is needed).
     #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model")]
     default_drafter: parse_core::DrafterKind,
-    /// Keep greedy token-spec going even where, in a request, it writes more slowly than the target alone (by
-    /// default it pauses there; the output is the same either way).
+    /// Keep speculating even where it writes more slowly than the target alone at the current load (by default the
+    /// target then writes alone for a while: greedy token-spec gives the same tokens either way; in the PARSE modes
+    /// those stretches are the target's own tokens, so outputs follow the load). Requests may say otherwise.
     #[arg(long)]
     no_adaptive: bool,
     /// The most bytes of prompt text (prompt, system and messages together) a request may carry.

@@ -24,10 +24,12 @@
 
 use std::collections::BTreeMap;
 
+use parse_core::pace::{CostFigure, level_label};
+
 use parse_proto::v1::{Counters, GetStatsResponse, WorkerCounters};
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 /// Draft positions with a series of their own; deeper ones share the label `32+`.
@@ -76,6 +78,7 @@ pub struct Metrics {
     ttft: HistogramVec,
     tpot: HistogramVec,
     in_flight: IntGauge,
+    pace_costs: GaugeVec,
     output_tokens: IntCounterVec,
     draft_proposed: IntCounterVec,
     draft_accepted: IntCounterVec,
@@ -175,6 +178,18 @@ impl Metrics {
         let in_flight = IntGauge::new("parse_requests_in_flight", "Requests running now.")
             .expect("valid metric");
         r.register(Box::new(in_flight.clone()))
+            .expect("unique metric");
+        let pace_costs = GaugeVec::new(
+            Opts::new(
+                "parse_pace_ms_per_token",
+                "What the router judges speculation by: milliseconds per output token of the target writing alone \
+                 (path=\"alone\") and of each kind of speculation (mode/drafter), per load (requests at once per \
+                 target worker), moving averages.",
+            ),
+            &["path", "load"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(pace_costs.clone()))
             .expect("unique metric");
         let by_mode = |name: &str, help: &str| counter(&r, name, help, &["mode"]);
         let output_tokens = by_mode("parse_output_tokens_total", "Output tokens.");
@@ -279,6 +294,7 @@ impl Metrics {
             ttft,
             tpot,
             in_flight,
+            pace_costs,
             output_tokens,
             draft_proposed,
             draft_accepted,
@@ -381,6 +397,20 @@ impl Metrics {
     pub fn running(&self) -> InFlight {
         self.in_flight.inc();
         InFlight(self.in_flight.clone())
+    }
+
+    /// Requests running now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.get().max(0) as usize
+    }
+
+    /// Shows the pace figures (`parse_pace_ms_per_token`).
+    pub fn pace_costs(&self, figures: &[CostFigure]) {
+        for f in figures {
+            self.pace_costs
+                .with_label_values(&[f.path.as_str(), &level_label(f.level)])
+                .set(f.ms_per_token);
+        }
     }
 
     /// A request refused before generating (`reason`: busy, invalid, unavailable).
@@ -610,6 +640,27 @@ mod tests {
             0.05
         );
         assert!(t.contains("# TYPE parse_request_duration_seconds histogram"));
+    }
+
+    #[test]
+    fn pace_figures_show_by_path_and_load() {
+        let m = Metrics::new();
+        let costs = parse_core::pace::Costs::default();
+        costs.record_alone(None, 3, 160.0, 2);
+        costs.record_spec("parse+token-spec/model", 3, 300.0, 2, false);
+        m.pace_costs(&costs.snapshot());
+        let t = m.render();
+        assert_eq!(
+            value(&t, "parse_pace_ms_per_token{load=\"5-8\",path=\"alone\"}"),
+            80.0
+        );
+        assert_eq!(
+            value(
+                &t,
+                "parse_pace_ms_per_token{load=\"5-8\",path=\"parse+token-spec/model\"}"
+            ),
+            150.0
+        );
     }
 
     #[test]

@@ -1,0 +1,466 @@
+//! Whether speculation pays, judged on measured times: by each request, with what the requests sharing its workers
+//! have measured at the same load.
+//!
+//! A speculative round costs its drafting and its verification and writes the tokens it keeps; the target writing
+//! alone costs one step per token. Which is cheaper depends on the request (how much of its drafts the target keeps)
+//! and on the load (a step shared by 8 requests costs more than a step alone, and a verification block more again,
+//! so speculation that pays at one request can lose at eight). [`Costs`] keeps, per load level, the target's
+//! milliseconds per token when it writes alone and each kind of speculation's milliseconds per output token, as
+//! moving averages over the requests that report to it: the router keeps one for its worker pools, an in-process
+//! request one of its own. [`Pace`] is one request's use of it: before each round it asks whether to speculate or
+//! to let the target write alone for a while, and reports what the round cost.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The load level a figure belongs to: requests at once per target worker, in powers of two (level 0: 1 request,
+/// 1: 2, 2: 3-4, 3: 5-8, ...).
+pub fn load_level(requests: usize) -> u32 {
+    usize::BITS - requests.max(1).saturating_sub(1).leading_zeros()
+}
+
+/// The requests a load level stands for, as text (`1`, `2`, `3-4`, `5-8`, ...).
+pub fn level_label(level: u32) -> String {
+    match level {
+        0 => "1".into(),
+        1 => "2".into(),
+        l => format!("{}-{}", (1usize << (l - 1)) + 1, 1usize << l),
+    }
+}
+
+/// Weight of the newest figure in the moving averages.
+const NEW: f64 = 0.4;
+
+fn average(old: Option<f64>, x: f64) -> Option<f64> {
+    Some(old.map_or(x, |o| o + NEW * (x - o)))
+}
+
+/// One kind of speculation at one load level.
+#[derive(Debug, Clone)]
+struct SpecFigure {
+    ms_per_token: Option<f64>,
+    /// Tokens written alone by requests of this kind since its last speculative round here.
+    since: usize,
+    /// Tokens written alone between two probe rounds while speculation loses: doubled after each probe that still
+    /// loses, back to the least after one that wins.
+    gap: usize,
+}
+
+impl Default for SpecFigure {
+    fn default() -> Self {
+        SpecFigure {
+            ms_per_token: None,
+            since: 0,
+            gap: Costs::MIN_GAP,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Level {
+    alone_ms_per_token: Option<f64>,
+    spec: HashMap<String, SpecFigure>,
+}
+
+/// One figure of [`Costs::snapshot`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostFigure {
+    pub level: u32,
+    /// `alone` (the target writing alone) or a kind of speculation.
+    pub path: String,
+    pub ms_per_token: f64,
+}
+
+/// Milliseconds per output token, per load level: the target writing alone and each kind of speculation (a mode and
+/// its drafter, say `parse+token-spec/model`). Shared by the requests of one pool of workers.
+#[derive(Debug, Default)]
+pub struct Costs {
+    levels: Mutex<HashMap<u32, Level>>,
+}
+
+impl Costs {
+    /// Tokens written alone before the first probe of a losing speculation, and at most between two.
+    pub const MIN_GAP: usize = 16;
+    pub const MAX_GAP: usize = 512;
+
+    fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
+        let mut levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
+        f(levels.entry(level).or_default())
+    }
+
+    pub fn alone_ms(&self, level: u32) -> Option<f64> {
+        self.with(level, |l| l.alone_ms_per_token)
+    }
+
+    pub fn spec_ms(&self, kind: &str, level: u32) -> Option<f64> {
+        self.with(level, |l| l.spec.get(kind).and_then(|s| s.ms_per_token))
+    }
+
+    /// The target wrote `tokens` alone in `ms`: for a paused request of `kind`, or (`None`) in `target` mode.
+    pub fn record_alone(&self, kind: Option<&str>, level: u32, ms: f64, tokens: usize) {
+        if tokens == 0 {
+            return;
+        }
+        self.with(level, |l| {
+            l.alone_ms_per_token = average(l.alone_ms_per_token, ms / tokens as f64);
+            if let Some(k) = kind {
+                l.spec.entry(k.to_string()).or_default().since += tokens;
+            }
+        })
+    }
+
+    /// A round of `kind` wrote `tokens` in `ms`; `probe`: it was a probe of a speculation that was losing.
+    pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: bool) {
+        self.with(level, |l| {
+            let alone = l.alone_ms_per_token;
+            let s = l.spec.entry(kind.to_string()).or_default();
+            s.since = 0;
+            if tokens > 0 {
+                s.ms_per_token = average(s.ms_per_token, ms / tokens as f64);
+            }
+            let losing = matches!((s.ms_per_token, alone), (Some(x), Some(a)) if x > a);
+            if !losing {
+                s.gap = Self::MIN_GAP;
+            } else if probe {
+                s.gap = (s.gap * 2).min(Self::MAX_GAP);
+            }
+        })
+    }
+
+    /// Tokens still to be written alone before the next probe of `kind` (0: a probe is due).
+    fn until_probe(&self, kind: &str, level: u32) -> usize {
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            s.gap.saturating_sub(s.since)
+        })
+    }
+
+    /// Takes the due probe of `kind`, so that one request makes it, not every request at once.
+    fn take_probe(&self, kind: &str, level: u32) -> bool {
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            let due = s.since >= s.gap;
+            if due {
+                s.since = 0;
+            }
+            due
+        })
+    }
+
+    /// Every figure measured so far, by level then path.
+    pub fn snapshot(&self) -> Vec<CostFigure> {
+        let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for (&level, l) in levels.iter() {
+            if let Some(ms) = l.alone_ms_per_token {
+                out.push(CostFigure {
+                    level,
+                    path: "alone".into(),
+                    ms_per_token: ms,
+                });
+            }
+            for (k, s) in &l.spec {
+                if let Some(ms) = s.ms_per_token {
+                    out.push(CostFigure {
+                        level,
+                        path: k.clone(),
+                        ms_per_token: ms,
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| (a.level, &a.path).cmp(&(b.level, &b.path)));
+        out
+    }
+}
+
+/// Where a request's pace reports: the shared figures, the request's kind of speculation, and how to read the
+/// current load (requests at once per target worker).
+#[derive(Clone)]
+pub struct Pacing {
+    pub costs: Arc<Costs>,
+    pub kind: String,
+    pub load: Arc<dyn Fn() -> usize + Send + Sync>,
+}
+
+impl Pacing {
+    /// Figures of one request's own, at a load of one.
+    pub fn alone(kind: &str) -> Self {
+        Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: kind.to_string(),
+            load: Arc::new(|| 1),
+        }
+    }
+}
+
+impl std::fmt::Debug for Pacing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pacing")
+            .field("kind", &self.kind)
+            .field("load", &(self.load)())
+            .finish()
+    }
+}
+
+/// What a request does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Advice {
+    Speculate,
+    /// Let the target write up to this many tokens alone.
+    Alone(usize),
+}
+
+/// One request's pace. Speculation goes on while it writes tokens at least as fast as the target alone, judged on
+/// an estimate of its milliseconds per token: the request's own recent rounds, leaning on the shared figure of its
+/// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, those
+/// rounds are made before it is judged). While it loses, the target writes alone, and every so many tokens
+/// written alone at that load (16, doubling while probes keep losing, up to 512; counted over all requests of the
+/// kind) one request makes a probe round, which measures it again. Before the target's own speed at a load is
+/// known, the cheapest verification the request has seen stands in for it (a one-token step costs no more) and the
+/// first pause is short, which measures it. Greedy only: a pause in a sampled request would change which random
+/// draws it uses.
+#[derive(Debug)]
+pub struct Pace {
+    pacing: Pacing,
+    /// This request's ms per token since its last pause, and its rounds there.
+    own: Option<f64>,
+    rounds: usize,
+    /// The shared figure when those rounds began (before they were reported to it).
+    prior: Option<f64>,
+    /// The last advice was to write alone.
+    alone_last: bool,
+    cheapest_verify_ms: Option<f64>,
+    /// Tokens still to write alone in the current pause.
+    paused: usize,
+    /// The level of the last advice, which the next report belongs to.
+    level: u32,
+    probing: bool,
+    /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
+    pub pauses: usize,
+    pub paused_tokens: usize,
+}
+
+impl Pace {
+    /// Rounds of its own after which a request is judged on them alone.
+    pub const PROBE: usize = 3;
+    /// The first pause where the target's speed at this load is not known yet.
+    pub const FIRST_PAUSE: usize = 4;
+    /// The longest pause before the figures are read again (the load may have moved).
+    const MAX_PAUSE: usize = 64;
+
+    pub fn new(pacing: Pacing) -> Self {
+        Pace {
+            pacing,
+            own: None,
+            rounds: 0,
+            prior: None,
+            alone_last: false,
+            cheapest_verify_ms: None,
+            paused: 0,
+            level: 0,
+            probing: false,
+            pauses: 0,
+            paused_tokens: 0,
+        }
+    }
+
+    fn estimate(&self) -> Option<f64> {
+        match (self.own, self.prior) {
+            (Some(o), _) if self.rounds >= Self::PROBE => Some(o),
+            (Some(o), Some(s)) => {
+                let w = self.rounds as f64 / Self::PROBE as f64;
+                Some(w * o + (1.0 - w) * s)
+            }
+            (None, Some(s)) => Some(s),
+            (_, None) => None,
+        }
+    }
+
+    /// Speculate or write alone, now.
+    pub fn advise(&mut self) -> Advice {
+        if self.paused > 0 {
+            return Advice::Alone(self.paused);
+        }
+        let (costs, kind) = (&self.pacing.costs, self.pacing.kind.as_str());
+        self.level = load_level((self.pacing.load)());
+        self.probing = false;
+        if self.rounds == 0 {
+            self.prior = costs.spec_ms(kind, self.level);
+        }
+        let known_alone = costs.alone_ms(self.level);
+        let speculate = match (self.estimate(), known_alone.or(self.cheapest_verify_ms)) {
+            (Some(spec), Some(alone)) => spec <= alone,
+            _ => true,
+        };
+        if speculate || (self.rounds == 0 && costs.take_probe(kind, self.level)) {
+            self.probing = !speculate;
+            self.alone_last = false;
+            return Advice::Speculate;
+        }
+        self.paused = if known_alone.is_none() {
+            Self::FIRST_PAUSE
+        } else {
+            costs
+                .until_probe(kind, self.level)
+                .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
+        };
+        if !self.alone_last {
+            self.pauses += 1;
+        }
+        self.alone_last = true;
+        self.own = None;
+        self.rounds = 0;
+        Advice::Alone(self.paused)
+    }
+
+    /// A speculative round wrote `tokens` in `ms`, with its verification passes' times.
+    pub fn speculated(&mut self, ms: f64, tokens: usize, verify_ms: &[f64]) {
+        for &v in verify_ms {
+            self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
+        }
+        if tokens > 0 {
+            self.own = average(self.own, ms / tokens as f64);
+            self.rounds += 1;
+        }
+        self.pacing.costs.record_spec(
+            &self.pacing.kind,
+            self.level,
+            ms,
+            tokens,
+            std::mem::take(&mut self.probing),
+        );
+    }
+
+    /// The target wrote `tokens` alone in `ms` (in a pause).
+    pub fn wrote_alone(&mut self, ms: f64, tokens: usize) {
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        self.paused_tokens += tokens;
+        self.pacing
+            .costs
+            .record_alone(Some(&self.pacing.kind), self.level, ms, tokens);
+    }
+
+    /// The target wrote `tokens` in `ms` outside a pause (in `target` mode, or where the drafter had nothing to
+    /// propose): its speed at the current load, for the others.
+    pub fn target_wrote(&self, ms: f64, tokens: usize) {
+        let level = load_level((self.pacing.load)());
+        self.pacing.costs.record_alone(None, level, ms, tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn load_levels_are_powers_of_two() {
+        let levels: Vec<u32> = [0, 1, 2, 3, 4, 5, 8, 9, 16, 17].map(load_level).to_vec();
+        assert_eq!(levels, [0, 0, 1, 2, 2, 3, 3, 4, 4, 5]);
+        let labels: Vec<String> = (0..5).map(level_label).collect();
+        assert_eq!(labels, ["1", "2", "3-4", "5-8", "9-16"]);
+    }
+
+    /// Runs `pace` for `n` decisions: speculative rounds at `spec` ms/token writing 2 tokens each, pauses at
+    /// `alone` ms/token. Returns the advice, in order.
+    fn drive(pace: &mut Pace, n: usize, spec: f64, alone: f64, verify: f64) -> Vec<Advice> {
+        let mut seen = Vec::new();
+        for _ in 0..n {
+            let a = pace.advise();
+            match a {
+                Advice::Speculate => pace.speculated(2.0 * spec, 2, &[verify]),
+                Advice::Alone(k) => pace.wrote_alone(k as f64 * alone, k),
+            }
+            seen.push(a);
+        }
+        seen
+    }
+
+    /// Tokens written alone between speculative rounds.
+    fn gaps(seen: &[Advice]) -> Vec<usize> {
+        seen.split(|a| *a == Advice::Speculate)
+            .map(|run| {
+                run.iter()
+                    .map(|a| match a {
+                        Advice::Alone(k) => *k,
+                        Advice::Speculate => 0,
+                    })
+                    .sum::<usize>()
+            })
+            .filter(|&n| n > 0)
+            .collect()
+    }
+
+    #[test]
+    fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone() {
+        // Speculation at 50 ms/token with verifications of 100 ms: it beats what a target step can cost.
+        let mut p = Pace::new(Pacing::alone("token-spec/model"));
+        assert!(gaps(&drive(&mut p, 8, 50.0, 90.0, 100.0)).is_empty());
+        // Rounds at 150 ms/token lose to the cheapest verification (100 ms): judged after the probe rounds, then a
+        // short first pause, which measures the target alone.
+        let mut p = Pace::new(Pacing::alone("token-spec/model"));
+        for i in 0..Pace::PROBE {
+            assert_eq!(
+                p.advise(),
+                Advice::Speculate,
+                "round {i}: judged only after the probe"
+            );
+            p.speculated(300.0, 2, &[100.0]);
+        }
+        assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+        p.wrote_alone(4.0 * 90.0, 4);
+        // Still losing against the target's measured 90 ms/token: a probe round once 16 tokens in all were written
+        // alone, then probes 32, 64, ... tokens apart (in pauses of at most 64 tokens), up to 512.
+        let seen = drive(&mut p, 40, 150.0, 90.0, 100.0);
+        assert_eq!(&gaps(&seen)[..6], [12, 32, 64, 128, 256, 512], "{seen:?}");
+        assert!(seen.iter().all(|a| *a <= Advice::Alone(64)));
+        // The first pause's 4 tokens and the 12 after them are one pause.
+        assert_eq!(p.pauses, gaps(&seen).len());
+        // Once a probe wins (30 ms/token), it goes on speculating.
+        let seen = drive(&mut p, 600, 30.0, 90.0, 100.0);
+        assert!(
+            seen[550..].iter().all(|a| *a == Advice::Speculate),
+            "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn requests_at_the_same_load_share_what_others_measured_and_one_probe() {
+        let load = Arc::new(AtomicUsize::new(8));
+        let l = load.clone();
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: "parse+token-spec/model".into(),
+            load: Arc::new(move || l.load(Ordering::Relaxed)),
+        };
+        // One request learns that at 8 requests speculation (150 ms/token) loses to the target (90 ms/token).
+        let mut first = Pace::new(pacing.clone());
+        drive(&mut first, 10, 150.0, 90.0, 100.0);
+        assert!(first.paused_tokens > 0);
+        let seen = pacing.costs.snapshot();
+        assert!(seen.iter().all(|f| f.level == 3), "{seen:?}");
+        // A new request at that load starts writing alone, with no probe rounds of its own.
+        let mut second = Pace::new(pacing.clone());
+        assert!(matches!(second.advise(), Advice::Alone(_)));
+        // When a probe is due, only one of two waiting requests makes it.
+        let mut a = Pace::new(pacing.clone());
+        let mut b = Pace::new(pacing.clone());
+        pacing
+            .costs
+            .record_alone(Some(&pacing.kind), 3, 512.0 * 90.0, 512);
+        let advice = [a.advise(), b.advise()];
+        assert_eq!(
+            advice.iter().filter(|x| **x == Advice::Speculate).count(),
+            1,
+            "{advice:?}"
+        );
+        // At one request the same kind has no figure yet: a request there speculates, and learns.
+        load.store(1, Ordering::Relaxed);
+        let mut alone = Pace::new(pacing.clone());
+        assert_eq!(alone.advise(), Advice::Speculate);
+        // Target-mode requests tell the others what the target costs at their load.
+        Pace::new(pacing.clone()).target_wrote(16.0 * 70.0, 16);
+        assert_eq!(pacing.costs.alone_ms(0), Some(70.0));
+    }
+}
