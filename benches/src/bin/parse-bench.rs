@@ -17,6 +17,12 @@
 //! of the kept tokens the draft wrote. Output tokens, per-token figures, tok/s and the draft share use the kept
 //! tokens; the time of the whole run (overshoot of the last chunk included) stays in.
 //!
+//! With `--router ADDR --clients N` the requests go through a running cluster instead, N at a time (prompts taken
+//! in order), each reply streamed and dropped once its answer is over (the router then stops it); tok/s is then the
+//! aggregate: kept output tokens of all prompts over the run's wall time, prefill included (the same work in every
+//! mode). The loop's counters come back only with a reply that runs to its end, so through a router the passes and
+//! acceptance columns count those replies alone (HumanEval's, stopped at the code block's close, mostly do not).
+//!
 //! Every prompt's result is also kept in `<out-dir>/<suite>-runs/<run>/<i>.json`; `--resume` reuses them, so a long
 //! run survives an interruption (timings of reused prompts come from the run that made them: same machine and
 //! build, but not the same process). MT-Bench and XSum have no reference answer here: their quality is the ROUGE-L F1
@@ -26,10 +32,13 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use std::sync::Arc;
+
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use parse_bench::model_dir;
 use parse_bench::plot::{Series, scatter_svg};
+use parse_core::pace::{Costs, Pacing};
 use parse_core::{
     AcceptPolicy, DraftWindow, DrafterKind, GenerationRequest, Mode, NgramConfig, NgramDrafter,
     SegmenterConfig, Source, Stats, Verdict,
@@ -81,11 +90,19 @@ struct Args {
     /// lookup, no model).
     #[arg(long, value_delimiter = ',', default_value = "model")]
     drafters: Vec<String>,
-    /// Pausing greedy token-level speculation where it does not pay (`DraftWindow::adaptive`, the router's
-    /// default), each speculative run with every value given: `--adaptive false,true` runs both; the adaptive runs'
+    /// Letting the target write alone where speculation does not pay (`DraftWindow::adaptive`, the router's
+    /// default: greedy token-spec and PARSE rounds; in process each request judges on its own figures), each
+    /// speculative run with every value given: `--adaptive false,true` runs both; the adaptive runs'
     /// labels say `adaptive`.
     #[arg(long, value_delimiter = ',', default_value = "false")]
     adaptive: Vec<bool>,
+    /// Send the requests to the router at this address (a running cluster with the default pair) instead of
+    /// running the models in process.
+    #[arg(long)]
+    router: Option<String>,
+    /// With --router: requests at once.
+    #[arg(long, default_value_t = 1)]
+    clients: usize,
 }
 
 struct Record {
@@ -284,6 +301,127 @@ impl<'a> AnswerEnd<'a> {
     }
 }
 
+/// Runs every prompt of `cfg` through the router at `addr`, `args.clients` at a time: each reply is streamed into its
+/// [`AnswerEnd`] and dropped once the answer is over. Returns the results in prompt order and the wall time.
+fn through_router(
+    addr: &str,
+    args: &Args,
+    cfg: &RunCfg,
+    recs: &[Record],
+    tok: &Tokenizer,
+    budget: usize,
+) -> Result<(Vec<Saved>, f64)> {
+    use parse_client::{Client, Event};
+    use parse_proto::v1::{GenerateRequest, TokenSource};
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio_stream::StreamExt;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let prompts: Arc<Vec<String>> = Arc::new(recs.iter().map(|r| r.prompt.clone()).collect());
+    let results: Arc<Mutex<Vec<Option<Saved>>>> =
+        Arc::new(Mutex::new((0..recs.len()).map(|_| None).collect()));
+    let next = Arc::new(AtomicUsize::new(0));
+    let base = GenerateRequest {
+        max_new_tokens: budget as u32,
+        mode: cfg.mode.as_str().into(),
+        verdict: format!("{:?}", cfg.verdict).to_lowercase(),
+        tau: Some(cfg.tau),
+        exact_floor: Some(true),
+        drafter: if cfg.ngram { "ngram" } else { "model" }.into(),
+        adaptive: Some(cfg.adaptive),
+        ..Default::default()
+    };
+    let start = std::time::Instant::now();
+    rt.block_on(async {
+        let client = Client::connect(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..args.clients {
+            let (mut client, prompts, results, next, base) = (
+                client.clone(),
+                prompts.clone(),
+                results.clone(),
+                next.clone(),
+                base.clone(),
+            );
+            let (tok, suite) = (tok.clone(), args.suite.clone());
+            tasks.spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(prompt) = prompts.get(i) else {
+                        return anyhow::Ok(());
+                    };
+                    let t = std::time::Instant::now();
+                    let req = GenerateRequest {
+                        prompt: prompt.clone(),
+                        ..base.clone()
+                    };
+                    let mut stream = client
+                        .generate_stream(req)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
+                    let mut end = AnswerEnd::new(&tok, &suite);
+                    let mut stats = Stats::default();
+                    while let Some(event) = stream.next().await {
+                        match event.map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))? {
+                            Event::Delta(d) => {
+                                let source = if d.source == TokenSource::Draft as i32 {
+                                    Source::Draft
+                                } else {
+                                    Source::Target
+                                };
+                                if !end.push(&d.token_ids, source) {
+                                    break;
+                                }
+                            }
+                            Event::Finished(f) => {
+                                let s = f.stats.unwrap_or_default();
+                                stats = Stats {
+                                    draft_tokens_proposed: s.draft_tokens_proposed as usize,
+                                    draft_tokens_accepted: s.draft_tokens_accepted as usize,
+                                    segments_proposed: s.segments_proposed as usize,
+                                    segments_accepted: s.segments_accepted as usize,
+                                    target_passes: s.target_passes as usize,
+                                    target_positions: s.target_positions as usize,
+                                    paused_tokens: s.paused_tokens as usize,
+                                    pauses: s.pauses as usize,
+                                    ..Default::default()
+                                };
+                                break;
+                            }
+                        }
+                    }
+                    // Dropping the stream stops a reply whose answer is over.
+                    drop(stream);
+                    stats.total_ms = t.elapsed().as_secs_f64() * 1e3;
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(Saved {
+                        tokens: end.kept,
+                        draft_tokens_in_output: end.from_draft,
+                        stats,
+                    });
+                    eprint!(".");
+                }
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r??;
+        }
+        anyhow::Ok(())
+    })?;
+    let wall_s = start.elapsed().as_secs_f64();
+    let outs = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
+    let outs = outs
+        .into_iter()
+        .collect::<Option<Vec<Saved>>>()
+        .context("a prompt without a reply")?;
+    Ok((outs, wall_s))
+}
+
 /// ROUGE-L F1 between two token sequences (longest common subsequence).
 fn rouge_l(reference: &[u32], candidate: &[u32]) -> f64 {
     if reference.is_empty() || candidate.is_empty() {
@@ -405,14 +543,31 @@ fn main() -> Result<()> {
             }
         }
     }
-    let dir = model_dir();
-    let mut target = Engine::load(&EngineConfig::new(
-        dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
-    ))?;
-    let mut draft = Engine::load(&EngineConfig::new(
-        dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-    ))?;
-    let tok = target.tokenizer().clone();
+    if args.clients == 0 {
+        bail!("--clients must be at least 1");
+    }
+    // Through a router the models run there; the tokenizer here only reads the replies.
+    let mut engines = match args.router {
+        Some(_) => None,
+        None => {
+            let dir = model_dir();
+            Some((
+                Engine::load(&EngineConfig::new(
+                    dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+                ))?,
+                Engine::load(&EngineConfig::new(
+                    dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+                ))?,
+            ))
+        }
+    };
+    let tok = match &engines {
+        Some((target, _)) => target.tokenizer().clone(),
+        None => Arc::new(Tokenizer::from_file(
+            &PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../shared/models/qwen2.5-tokenizer.json"),
+        )?),
+    };
     let prompts: Vec<Vec<u32>> = recs
         .iter()
         .map(|r| tok.encode_chat(&[Message::user(&r.prompt)]))
@@ -433,6 +588,20 @@ fn main() -> Result<()> {
         let mut quality = 0.0;
         let mut prefix_share = 0.0;
         let mut draft_in_output = 0;
+        let mut remote = match &args.router {
+            Some(addr) => {
+                let (outs, wall_s) = through_router(addr, &args, cfg, &recs, &tok, budget)?;
+                Some((outs.into_iter(), wall_s))
+            }
+            None => None,
+        };
+        let wall_s = remote.as_ref().map(|r| r.1);
+        // In process the run's requests share what they measure, as a router's do (at a load of one).
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: label(cfg),
+            load: Arc::new(|| 1),
+        };
         for (i, p) in prompts.iter().enumerate() {
             let req = GenerationRequest {
                 session: format!("bench-{i}"),
@@ -455,12 +624,18 @@ fn main() -> Result<()> {
                 judge_suffix: tok.judge_suffix()?,
             };
             let saved = run_dir.join(format!("{}.json", i + args.skip));
-            let out = match std::fs::read_to_string(&saved) {
-                Ok(text) if args.resume => serde_json::from_str::<Saved>(&text)
+            let out = match (
+                std::fs::read_to_string(&saved),
+                remote.as_mut(),
+                engines.as_mut(),
+            ) {
+                (_, Some((outs, _)), _) => outs.next().context("a reply per prompt")?,
+                (Ok(text), None, _) if args.resume => serde_json::from_str::<Saved>(&text)
                     .with_context(|| format!("{}", saved.display()))?,
-                _ => {
-                    let mut v = EngineVerifier::new(&mut target);
-                    let mut model = EngineDrafter::new(&mut draft);
+                (_, None, None) => bail!("no models loaded"),
+                (_, None, Some((target, draft))) => {
+                    let mut v = EngineVerifier::new(target);
+                    let mut model = EngineDrafter::new(draft);
                     let mut lookup = NgramDrafter::new(
                         NgramConfig::default(),
                         tok.piece_fn(),
@@ -469,8 +644,14 @@ fn main() -> Result<()> {
                     let d: &mut dyn parse_core::Drafter =
                         if cfg.ngram { &mut lookup } else { &mut model };
                     let mut end = AnswerEnd::new(&tok, &args.suite);
-                    let o = parse_core::generate(d, &mut v, &req, &mut |t, s| end.push(t, s))
-                        .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
+                    let o = parse_core::generate_paced(
+                        d,
+                        &mut v,
+                        &req,
+                        &mut |t, s| end.push(t, s),
+                        pacing.clone(),
+                    )
+                    .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
                     debug_assert!(o.tokens.starts_with(&end.kept));
                     let s = Saved {
                         tokens: end.kept,
@@ -529,8 +710,9 @@ fn main() -> Result<()> {
             prefix_share = prompts.len() as f64;
         }
         let n = prompts.len() as f64;
-        // Decode throughput: output tokens over generation time, prefill excluded (it is the same in every mode).
-        let gen_s = (total.total_ms - total.prefill_ms) / 1e3;
+        // Decode throughput: output tokens over generation time, prefill excluded (it is the same in every mode);
+        // through a router, over the wall time of the run.
+        let gen_s = wall_s.unwrap_or((total.total_ms - total.prefill_ms) / 1e3);
         let tps = total.output_tokens as f64 / gen_s.max(1e-9);
         let per_tok = |x: usize| x as f64 / total.output_tokens.max(1) as f64;
         let ratio = |a: usize, b: usize| {
