@@ -384,6 +384,9 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     /// The loop's own random stream (acceptance draws, replacement tokens), seeded from the request.
     rng: StdRng,
     pace: Pace,
+    /// The draft model has the prompt (opened up front, or with `adaptive` at the first draft: a request that writes
+    /// alone from the start never pays the draft's prefill).
+    draft_open: bool,
 }
 
 impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
@@ -460,10 +463,15 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         while self.finished.is_none() {
             // The first token on its own, so that its text goes out after one step (time to first token); then
             // up to 16 per call.
-            let n = if self.out.is_empty() { 1 } else { 16 };
+            let first = self.out.is_empty();
+            let n = if first { 1 } else { 16 };
             let (t, before) = (Instant::now(), self.out.len());
             self.extend(self.remaining().min(n), None)?;
-            self.pace.target_wrote(ms(t), self.out.len() - before);
+            // The target's speed for the others' pace; not the first step, which runs with the prefills of the
+            // requests that arrived with this one and says little about writing on.
+            if !first {
+                self.pace.target_wrote(ms(t), self.out.len() - before);
+            }
         }
         Ok(())
     }
@@ -474,6 +482,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.d
             .begin(&self.req.session, &self.req.prompt, sampling)?;
         self.stats.prefill_ms += ms(t);
+        self.draft_open = true;
         Ok(())
     }
 
@@ -515,9 +524,12 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             Some(_) => self.req.window.max_tokens,
             None => tokens,
         });
+        let sampling = self.draft_sampling();
+        if !self.draft_open {
+            self.open_draft(&sampling)?;
+        }
         let t = Instant::now();
         let context = self.context();
-        let sampling = self.draft_sampling();
         self.d.begin(&self.req.session, &context, &sampling)?;
         let mut draft = Vec::new();
         let mut pieces: Vec<String> = Vec::new();
@@ -669,7 +681,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     fn run_token_spec(&mut self) -> Result<()> {
         self.open_target()?;
         let sampling = self.draft_sampling();
-        self.open_draft(&sampling)?;
+        if !self.req.window.adaptive {
+            self.open_draft(&sampling)?;
+        }
         let mut round = 0usize;
         while self.finished.is_none() {
             let span = round_span(round);
@@ -696,9 +710,10 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// One round of greedy token-level speculation or, with `adaptive` and while it does not pay ([`Pace`]), the
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
-        let (t, before) = (Instant::now(), self.out.len());
+        let (t, before, prefill) = (Instant::now(), self.out.len(), self.stats.prefill_ms);
         if adaptive && let Advice::Alone(n) = self.pace.advise() {
-            self.extend(n.min(self.remaining()), None)?;
+            // At most 16 per call, as in `target` mode, so that text streams out as it is written.
+            self.extend(n.min(16).min(self.remaining()), None)?;
             self.pace.wrote_alone(ms(t), self.out.len() - before);
             return Ok(0);
         }
@@ -712,18 +727,22 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let verify_ms = self.stats.verify_ms;
         self.verify(&draft, &bs, true, true)?;
         if adaptive {
+            // The draft's prefill (a first draft) is not a cost of this round.
+            let round_ms = ms(t) - (self.stats.prefill_ms - prefill);
             let this_verify = self.stats.verify_ms - verify_ms;
             self.pace
-                .speculated(ms(t), self.out.len() - before, &[this_verify]);
+                .speculated(round_ms, self.out.len() - before, &[this_verify]);
         }
         Ok(draft.len())
     }
 
     fn run_parse(&mut self) -> Result<()> {
         self.open_target()?;
-        self.open_draft(&SamplingParams::default())?;
-        self.window = self.req.window.initial_segments;
         let adaptive = self.req.window.adaptive;
+        if !adaptive {
+            self.open_draft(&SamplingParams::default())?;
+        }
+        self.window = self.req.window.initial_segments;
         let mut round = 0usize;
         while self.finished.is_none() {
             // One span per round (draft, verification, extension): the workers' spans of its calls are its
@@ -731,12 +750,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let span = round_span(round);
             let _round = span.enter();
             round += 1;
-            let (t, before, verify_ms) = (Instant::now(), self.out.len(), self.stats.verify_ms);
+            let (t, before) = (Instant::now(), self.out.len());
+            let (verify_ms, prefill) = (self.stats.verify_ms, self.stats.prefill_ms);
             if adaptive && let Advice::Alone(n) = self.pace.advise() {
                 // The target writes alone, to the end of the current segment at most, so that the next PARSE round
                 // drafts from a segment's start.
                 let cfg = self.req.segmenter.clone();
-                self.extend(n.min(self.remaining()), Some(&cfg))?;
+                self.extend(n.min(16).min(self.remaining()), Some(&cfg))?;
                 self.pace.wrote_alone(ms(t), self.out.len() - before);
                 span.record("drafted", 0);
                 continue;
@@ -777,9 +797,10 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 }
             }
             if adaptive {
+                let round_ms = ms(t) - (self.stats.prefill_ms - prefill);
                 let this_verify = self.stats.verify_ms - verify_ms;
                 self.pace
-                    .speculated(ms(t), self.out.len() - before, &[this_verify]);
+                    .speculated(round_ms, self.out.len() - before, &[this_verify]);
             }
         }
         Ok(())
@@ -861,6 +882,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         // A stream of its own, apart from the workers' samplers that share the request's seed.
         rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
         pace: Pace::new(pacing),
+        draft_open: false,
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),

@@ -6,7 +6,7 @@
 //! and on the load (a step shared by 8 requests costs more than a step alone, and a verification block more again,
 //! so speculation that pays at one request can lose at eight). [`Costs`] keeps, per load level, the target's
 //! milliseconds per token when it writes alone and each kind of speculation's milliseconds per output token, as
-//! moving averages over the requests that report to it: the router keeps one for its worker pools, an in-process
+//! moving averages weighted by tokens over the requests that report to it: the router keeps one for its worker pools, an in-process
 //! request one of its own. [`Pace`] is one request's use of it: before each round it asks whether to speculate or
 //! to let the target write alone for a while, and reports what the round cost.
 
@@ -28,17 +28,37 @@ pub fn level_label(level: u32) -> String {
     }
 }
 
-/// Weight of the newest figure in the moving averages.
-const NEW: f64 = 0.4;
+/// Milliseconds per token over recent samples, each weighted by its tokens: a sample of [`Rate::SPAN`] tokens moves
+/// the figure as far as one step of a moving average with weight 0.4 would, a one-token sample about a sixteenth as far
+/// (so that one slow step, say the first after a wave of prefills, does not stand for the whole rate).
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    ms: f64,
+    tokens: f64,
+}
 
-fn average(old: Option<f64>, x: f64) -> Option<f64> {
-    Some(old.map_or(x, |o| o + NEW * (x - o)))
+impl Rate {
+    const SPAN: f64 = 16.0;
+    const KEEP: f64 = 0.6;
+
+    fn add(&mut self, ms: f64, tokens: usize) {
+        if tokens == 0 {
+            return;
+        }
+        let keep = Self::KEEP.powf(tokens as f64 / Self::SPAN);
+        self.ms = self.ms * keep + ms;
+        self.tokens = self.tokens * keep + tokens as f64;
+    }
+
+    fn get(&self) -> Option<f64> {
+        (self.tokens > 0.0).then(|| self.ms / self.tokens)
+    }
 }
 
 /// One kind of speculation at one load level.
 #[derive(Debug, Clone)]
 struct SpecFigure {
-    ms_per_token: Option<f64>,
+    rate: Rate,
     /// Tokens written alone by requests of this kind since its last speculative round here.
     since: usize,
     /// Tokens written alone between two probe rounds while speculation loses: doubled after each probe that still
@@ -49,7 +69,7 @@ struct SpecFigure {
 impl Default for SpecFigure {
     fn default() -> Self {
         SpecFigure {
-            ms_per_token: None,
+            rate: Rate::default(),
             since: 0,
             gap: Costs::MIN_GAP,
         }
@@ -58,7 +78,7 @@ impl Default for SpecFigure {
 
 #[derive(Debug, Clone, Default)]
 struct Level {
-    alone_ms_per_token: Option<f64>,
+    alone: Rate,
     spec: HashMap<String, SpecFigure>,
 }
 
@@ -89,11 +109,11 @@ impl Costs {
     }
 
     pub fn alone_ms(&self, level: u32) -> Option<f64> {
-        self.with(level, |l| l.alone_ms_per_token)
+        self.with(level, |l| l.alone.get())
     }
 
     pub fn spec_ms(&self, kind: &str, level: u32) -> Option<f64> {
-        self.with(level, |l| l.spec.get(kind).and_then(|s| s.ms_per_token))
+        self.with(level, |l| l.spec.get(kind).and_then(|s| s.rate.get()))
     }
 
     /// The target wrote `tokens` alone in `ms`: for a paused request of `kind`, or (`None`) in `target` mode.
@@ -102,7 +122,7 @@ impl Costs {
             return;
         }
         self.with(level, |l| {
-            l.alone_ms_per_token = average(l.alone_ms_per_token, ms / tokens as f64);
+            l.alone.add(ms, tokens);
             if let Some(k) = kind {
                 l.spec.entry(k.to_string()).or_default().since += tokens;
             }
@@ -112,13 +132,11 @@ impl Costs {
     /// A round of `kind` wrote `tokens` in `ms`; `probe`: it was a probe of a speculation that was losing.
     pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: bool) {
         self.with(level, |l| {
-            let alone = l.alone_ms_per_token;
+            let alone = l.alone.get();
             let s = l.spec.entry(kind.to_string()).or_default();
             s.since = 0;
-            if tokens > 0 {
-                s.ms_per_token = average(s.ms_per_token, ms / tokens as f64);
-            }
-            let losing = matches!((s.ms_per_token, alone), (Some(x), Some(a)) if x > a);
+            s.rate.add(ms, tokens);
+            let losing = matches!((s.rate.get(), alone), (Some(x), Some(a)) if x > a);
             if !losing {
                 s.gap = Self::MIN_GAP;
             } else if probe {
@@ -152,7 +170,7 @@ impl Costs {
         let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::new();
         for (&level, l) in levels.iter() {
-            if let Some(ms) = l.alone_ms_per_token {
+            if let Some(ms) = l.alone.get() {
                 out.push(CostFigure {
                     level,
                     path: "alone".into(),
@@ -160,7 +178,7 @@ impl Costs {
                 });
             }
             for (k, s) in &l.spec {
-                if let Some(ms) = s.ms_per_token {
+                if let Some(ms) = s.rate.get() {
                     out.push(CostFigure {
                         level,
                         path: k.clone(),
@@ -224,7 +242,7 @@ pub enum Advice {
 pub struct Pace {
     pacing: Pacing,
     /// This request's ms per token since its last pause, and its rounds there.
-    own: Option<f64>,
+    own: Rate,
     rounds: usize,
     /// The shared figure when those rounds began (before they were reported to it).
     prior: Option<f64>,
@@ -252,7 +270,7 @@ impl Pace {
     pub fn new(pacing: Pacing) -> Self {
         Pace {
             pacing,
-            own: None,
+            own: Rate::default(),
             rounds: 0,
             prior: None,
             alone_last: false,
@@ -266,7 +284,7 @@ impl Pace {
     }
 
     fn estimate(&self) -> Option<f64> {
-        match (self.own, self.prior) {
+        match (self.own.get(), self.prior) {
             (Some(o), _) if self.rounds >= Self::PROBE => Some(o),
             (Some(o), Some(s)) => {
                 let w = self.rounds as f64 / Self::PROBE as f64;
@@ -309,7 +327,7 @@ impl Pace {
             self.pauses += 1;
         }
         self.alone_last = true;
-        self.own = None;
+        self.own = Rate::default();
         self.rounds = 0;
         Advice::Alone(self.paused)
     }
@@ -320,7 +338,7 @@ impl Pace {
             self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
         }
         if tokens > 0 {
-            self.own = average(self.own, ms / tokens as f64);
+            self.own.add(ms, tokens);
             self.rounds += 1;
         }
         self.pacing.costs.record_spec(
@@ -423,6 +441,27 @@ mod tests {
             seen[550..].iter().all(|a| *a == Advice::Speculate),
             "{seen:?}"
         );
+    }
+
+    #[test]
+    fn figures_weigh_samples_by_their_tokens() {
+        let c = Costs::default();
+        for _ in 0..10 {
+            c.record_alone(None, 0, 16.0 * 100.0, 16);
+        }
+        assert!((c.alone_ms(0).unwrap() - 100.0).abs() < 1e-9);
+        // One slow step (5 s for one token) moves the rate by about a fortieth of the gap, not by 0.4 of it.
+        c.record_alone(None, 0, 5000.0, 1);
+        let a = c.alone_ms(0).unwrap();
+        assert!(a > 200.0 && a < 240.0, "{a}");
+        // A stretch of 16 tokens at 300 ms moves it by about 0.4 of the way.
+        let c = Costs::default();
+        for _ in 0..10 {
+            c.record_alone(None, 0, 16.0 * 100.0, 16);
+        }
+        c.record_alone(None, 0, 16.0 * 300.0, 16);
+        let a = c.alone_ms(0).unwrap();
+        assert!((a - 180.0).abs() < 2.0, "{a}");
     }
 
     #[test]
