@@ -277,6 +277,8 @@ impl From<&VerifyOutput> for v1::VerifyResponse {
                 tokens: s.dist.iter().map(|x| x.0).collect(),
                 probs: s.dist.iter().map(|x| x.1).collect(),
             }),
+            // The worker adds its charge.
+            charged_ms: 0.0,
         }
     }
 }

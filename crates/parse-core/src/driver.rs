@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::pace::{Advice, Pace, Pacing};
+use crate::pace::{Advice, Pace, Pacing, Spent};
 use crate::plan::VerifyPlan;
 use crate::policy::{AcceptPolicy, VerifyOutput, decide};
 use crate::segmenter::{self, SegmenterConfig};
@@ -252,6 +252,11 @@ pub trait Drafter {
     ) -> Result<()> {
         Ok(())
     }
+    /// Worker time charged to this drafter's work so far, in ms (see [`Verifier::charged_ms`]); `None` where it is
+    /// not measured.
+    fn charged_ms(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Tokens a verifier decoded on its own.
@@ -279,6 +284,12 @@ pub trait Verifier {
     /// Keeps the first `len` cached tokens.
     fn truncate(&mut self, session: &str, len: usize) -> Result<()>;
     fn release(&mut self, session: &str) -> Result<()>;
+    /// Worker time charged to this verifier's work so far, in ms: a worker that runs many requests' blocks in one
+    /// pass charges each its share of the pass's time, by rows, so that a request's figure is what it takes from
+    /// the pool rather than how long it waited. `None` where it is not measured (in process): wall time stands in.
+    fn charged_ms(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Who wrote a piece of output.
@@ -387,11 +398,49 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     /// The draft model has the prompt (opened up front, or with `adaptive` at the first draft: a request that writes
     /// alone from the start never pays the draft's prefill).
     draft_open: bool,
+    /// Worker time charged to the draft's prefill (left out of the rounds' costs, like its wall time).
+    draft_prefill_charged: f64,
+}
+
+/// Where a measurement of cost starts (see [`Run::spent`]).
+#[derive(Clone, Copy)]
+struct Mark {
+    at: Instant,
+    prefill_ms: f64,
+    charged: Option<f64>,
 }
 
 impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     fn remaining(&self) -> usize {
         self.req.max_new_tokens - self.out.len()
+    }
+
+    /// Worker time charged to this request so far, less the draft's prefill: the verifier's and the drafter's (a
+    /// drafter that charges nothing, n-grams in the router, counts as free). `None` where the verifier charges
+    /// nothing (in process).
+    fn charged(&self) -> Option<f64> {
+        let v = self.v.charged_ms()?;
+        Some(v + self.d.charged_ms().unwrap_or(0.0) - self.draft_prefill_charged)
+    }
+
+    fn mark(&self) -> Mark {
+        Mark {
+            at: Instant::now(),
+            prefill_ms: self.stats.prefill_ms,
+            charged: self.charged(),
+        }
+    }
+
+    /// What was spent since `m`: wall time less prefills (a draft's first prefill is not a cost of the round that
+    /// happens to open it), and the worker time charged.
+    fn spent(&self, m: Mark) -> Spent {
+        Spent {
+            wall_ms: ms(m.at) - (self.stats.prefill_ms - m.prefill_ms),
+            charged_ms: match (m.charged, self.charged()) {
+                (Some(a), Some(b)) => Some((b - a).max(0.0)),
+                _ => None,
+            },
+        }
     }
 
     /// Appends output up to an end token or the budget; returns how many tokens were taken.
@@ -465,12 +514,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // up to 16 per call.
             let first = self.out.is_empty();
             let n = if first { 1 } else { 16 };
-            let (t, before) = (Instant::now(), self.out.len());
+            let (m, before) = (self.mark(), self.out.len());
             self.extend(self.remaining().min(n), None)?;
             // The target's speed for the others' pace; not the first step, which runs with the prefills of the
             // requests that arrived with this one and says little about writing on.
             if !first {
-                self.pace.target_wrote(ms(t), self.out.len() - before);
+                self.pace
+                    .target_wrote(self.spent(m), self.out.len() - before);
             }
         }
         Ok(())
@@ -478,10 +528,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     /// Prompt processing on the draft side counts as prefill, like the target's: later drafts extend it.
     fn open_draft(&mut self, sampling: &SamplingParams) -> Result<()> {
-        let t = Instant::now();
+        let (t, charged) = (Instant::now(), self.d.charged_ms());
         self.d
             .begin(&self.req.session, &self.req.prompt, sampling)?;
         self.stats.prefill_ms += ms(t);
+        if let (Some(a), Some(b)) = (charged, self.d.charged_ms()) {
+            self.draft_prefill_charged += b - a;
+        }
         self.draft_open = true;
         Ok(())
     }
@@ -710,28 +763,28 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// One round of greedy token-level speculation or, with `adaptive` and while it does not pay ([`Pace`]), the
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
-        let (t, before, prefill) = (Instant::now(), self.out.len(), self.stats.prefill_ms);
+        let (round, before) = (self.mark(), self.out.len());
         if adaptive && let Advice::Alone(n) = self.pace.advise() {
             // At most 16 per call, as in `target` mode, so that text streams out as it is written.
             self.extend(n.min(16).min(self.remaining()), None)?;
-            self.pace.wrote_alone(ms(t), self.out.len() - before);
+            self.pace
+                .wrote_alone(self.spent(round), self.out.len() - before);
             return Ok(0);
         }
         let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
         if draft.is_empty() {
-            let t = Instant::now();
+            let m = self.mark();
             self.extend(1, None)?;
-            self.pace.target_wrote(ms(t), self.out.len() - before);
+            self.pace
+                .target_wrote(self.spent(m), self.out.len() - before);
             return Ok(0);
         }
-        let verify_ms = self.stats.verify_ms;
+        let m = self.mark();
         self.verify(&draft, &bs, true, true)?;
         if adaptive {
-            // The draft's prefill (a first draft) is not a cost of this round.
-            let round_ms = ms(t) - (self.stats.prefill_ms - prefill);
-            let this_verify = self.stats.verify_ms - verify_ms;
+            let this_verify = self.spent(m);
             self.pace
-                .speculated(round_ms, self.out.len() - before, &[this_verify]);
+                .speculated(self.spent(round), self.out.len() - before, &[this_verify]);
         }
         Ok(draft.len())
     }
@@ -750,14 +803,14 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let span = round_span(round);
             let _round = span.enter();
             round += 1;
-            let (t, before) = (Instant::now(), self.out.len());
-            let (verify_ms, prefill) = (self.stats.verify_ms, self.stats.prefill_ms);
+            let (mark, before) = (self.mark(), self.out.len());
             if adaptive && let Advice::Alone(n) = self.pace.advise() {
                 // The target writes alone, to the end of the current segment at most, so that the next PARSE round
                 // drafts from a segment's start.
                 let cfg = self.req.segmenter.clone();
                 self.extend(n.min(16).min(self.remaining()), Some(&cfg))?;
-                self.pace.wrote_alone(ms(t), self.out.len() - before);
+                self.pace
+                    .wrote_alone(self.spent(mark), self.out.len() - before);
                 span.record("drafted", 0);
                 continue;
             }
@@ -786,7 +839,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                     ahead,
                 )?;
             }
+            let m = self.mark();
             let (accepted, full) = self.verify(&draft, &bs, false, false)?;
+            let this_verify = self.spent(m);
             span.record("accepted", accepted);
             if full {
                 self.window = (self.window * 2).min(self.req.window.max_segments);
@@ -797,10 +852,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 }
             }
             if adaptive {
-                let round_ms = ms(t) - (self.stats.prefill_ms - prefill);
-                let this_verify = self.stats.verify_ms - verify_ms;
                 self.pace
-                    .speculated(round_ms, self.out.len() - before, &[this_verify]);
+                    .speculated(self.spent(mark), self.out.len() - before, &[this_verify]);
             }
         }
         Ok(())
@@ -883,6 +936,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
         pace: Pace::new(pacing),
         draft_open: false,
+        draft_prefill_charged: 0.0,
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),

@@ -221,6 +221,39 @@ impl std::fmt::Debug for Pacing {
     }
 }
 
+/// What a round or a run of steps cost: its wall time and, where the workers measure it, the worker time charged to
+/// it ([`crate::Verifier::charged_ms`]: each pass's time split among the requests in it by rows).
+///
+/// With one request per worker the wall time is the cost: it is the request's latency, round trips included, and
+/// nobody else could have used the gaps. With more, it is not: a step that shares its pass with other requests'
+/// verification blocks and prefills takes as long as the whole pass, so the target writing alone looks dearer the
+/// more the others speculate, while what a request takes from the pool is its rows' share of the passes. Figures at
+/// those levels are charged times where the workers report them: summed over the requests they are the pool's busy
+/// time, and a request that takes the cheaper path per token raises the pool's throughput.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spent {
+    pub wall_ms: f64,
+    pub charged_ms: Option<f64>,
+}
+
+impl Spent {
+    /// Wall time alone (no worker reports a charge: in process).
+    pub fn wall(ms: f64) -> Self {
+        Spent {
+            wall_ms: ms,
+            charged_ms: None,
+        }
+    }
+
+    /// The figure that counts at `level`.
+    pub fn at(&self, level: u32) -> f64 {
+        match self.charged_ms {
+            Some(c) if level > 0 => c,
+            _ => self.wall_ms,
+        }
+    }
+}
+
 /// What a request does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Advice {
@@ -332,9 +365,11 @@ impl Pace {
         Advice::Alone(self.paused)
     }
 
-    /// A speculative round wrote `tokens` in `ms`, with its verification passes' times.
-    pub fn speculated(&mut self, ms: f64, tokens: usize, verify_ms: &[f64]) {
-        for &v in verify_ms {
+    /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs.
+    pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent]) {
+        let ms = spent.at(self.level);
+        for v in verify {
+            let v = v.at(self.level);
             self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
         }
         if tokens > 0 {
@@ -350,8 +385,9 @@ impl Pace {
         );
     }
 
-    /// The target wrote `tokens` alone in `ms` (in a pause).
-    pub fn wrote_alone(&mut self, ms: f64, tokens: usize) {
+    /// The target wrote `tokens` alone for `spent` (in a pause).
+    pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
+        let ms = spent.at(self.level);
         self.paused = self.paused.saturating_sub(tokens.max(1));
         self.paused_tokens += tokens;
         self.pacing
@@ -359,11 +395,13 @@ impl Pace {
             .record_alone(Some(&self.pacing.kind), self.level, ms, tokens);
     }
 
-    /// The target wrote `tokens` in `ms` outside a pause (in `target` mode, or where the drafter had nothing to
+    /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
     /// propose): its speed at the current load, for the others.
-    pub fn target_wrote(&self, ms: f64, tokens: usize) {
+    pub fn target_wrote(&self, spent: Spent, tokens: usize) {
         let level = load_level((self.pacing.load)());
-        self.pacing.costs.record_alone(None, level, ms, tokens);
+        self.pacing
+            .costs
+            .record_alone(None, level, spent.at(level), tokens);
     }
 }
 
@@ -387,8 +425,10 @@ mod tests {
         for _ in 0..n {
             let a = pace.advise();
             match a {
-                Advice::Speculate => pace.speculated(2.0 * spec, 2, &[verify]),
-                Advice::Alone(k) => pace.wrote_alone(k as f64 * alone, k),
+                Advice::Speculate => {
+                    pace.speculated(Spent::wall(2.0 * spec), 2, &[Spent::wall(verify)])
+                }
+                Advice::Alone(k) => pace.wrote_alone(Spent::wall(k as f64 * alone), k),
             }
             seen.push(a);
         }
@@ -424,10 +464,10 @@ mod tests {
                 Advice::Speculate,
                 "round {i}: judged only after the probe"
             );
-            p.speculated(300.0, 2, &[100.0]);
+            p.speculated(Spent::wall(300.0), 2, &[Spent::wall(100.0)]);
         }
         assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
-        p.wrote_alone(4.0 * 90.0, 4);
+        p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
         // Still losing against the target's measured 90 ms/token: a probe round once 16 tokens in all were written
         // alone, then probes 32, 64, ... tokens apart (in pauses of at most 64 tokens), up to 512.
         let seen = drive(&mut p, 40, 150.0, 90.0, 100.0);
@@ -499,7 +539,50 @@ mod tests {
         let mut alone = Pace::new(pacing.clone());
         assert_eq!(alone.advise(), Advice::Speculate);
         // Target-mode requests tell the others what the target costs at their load.
-        Pace::new(pacing.clone()).target_wrote(16.0 * 70.0, 16);
+        Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 70.0), 16);
         assert_eq!(pacing.costs.alone_ms(0), Some(70.0));
+    }
+
+    #[test]
+    fn under_load_charged_worker_time_decides_and_alone_wall_time_at_one_request() {
+        let load = Arc::new(AtomicUsize::new(8));
+        let l = load.clone();
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: "parse+token-spec/model".into(),
+            load: Arc::new(move || l.load(Ordering::Relaxed)),
+        };
+        // At 8 requests a target step waits for a pass full of the others' verification blocks (800 ms of wall
+        // time per token) but is charged one row's share of it (40 ms); a speculative round writes 2 tokens in
+        // 600 ms of wall time, charged 200 ms. By wall time speculation would win; by charge it loses.
+        let spec = Spent {
+            wall_ms: 600.0,
+            charged_ms: Some(200.0),
+        };
+        let step = Spent {
+            wall_ms: 16.0 * 800.0,
+            charged_ms: Some(16.0 * 40.0),
+        };
+        Pace::new(pacing.clone()).target_wrote(step, 16);
+        assert_eq!(pacing.costs.alone_ms(3), Some(40.0));
+        let mut p = Pace::new(pacing.clone());
+        for _ in 0..Pace::PROBE {
+            assert_eq!(p.advise(), Advice::Speculate);
+            p.speculated(spec, 2, &[spec]);
+        }
+        let at_eight = pacing.costs.spec_ms(&pacing.kind, 3).unwrap();
+        assert!((at_eight - 100.0).abs() < 1e-9, "{at_eight}");
+        assert!(matches!(p.advise(), Advice::Alone(_)));
+        // At one request the same costs are read by wall time: speculation (300 ms/token) beats the target (800).
+        load.store(1, Ordering::Relaxed);
+        Pace::new(pacing.clone()).target_wrote(step, 16);
+        assert_eq!(pacing.costs.alone_ms(0), Some(800.0));
+        let mut p = Pace::new(pacing.clone());
+        for _ in 0..2 * Pace::PROBE {
+            assert_eq!(p.advise(), Advice::Speculate);
+            p.speculated(spec, 2, &[spec]);
+        }
+        let at_one = pacing.costs.spec_ms(&pacing.kind, 0).unwrap();
+        assert!((at_one - 300.0).abs() < 1e-9, "{at_one}");
     }
 }

@@ -89,10 +89,12 @@ pub fn admit<B: Backend>(backend: &B, session: &str, max: usize) -> Result<(), C
     ))
 }
 
-/// Per session: the epoch of its current draft (a newer draft supersedes older producers) and its last use.
+/// Per session: the epoch of its current draft (a newer draft supersedes older producers), its last use, and the
+/// worker time charged to it.
 #[derive(Debug, Default)]
 pub struct SessionBook {
     entries: HashMap<String, (u64, Instant)>,
+    charged: HashMap<String, f64>,
 }
 
 impl SessionBook {
@@ -128,6 +130,25 @@ impl SessionBook {
 
     pub fn remove(&mut self, session: &str) {
         self.entries.remove(session);
+        self.charged.remove(session);
+    }
+
+    /// Adds `ms` of forward-pass time to what `session` was charged (see [`Task::charge`]).
+    pub fn charge(&mut self, session: &str, ms: f64) {
+        *self.charged.entry(session.to_string()).or_default() += ms;
+    }
+
+    /// The forward-pass time charged to `session` since it was opened here, in ms: its share of every pass it
+    /// was in. Replies carry it, so that a request can tell what it takes from the worker.
+    pub fn charged(&self, session: &str) -> f64 {
+        self.charged.get(session).copied().unwrap_or(0.0)
+    }
+
+    /// Forgets the charges of sessions that are not in the book (a task that ended after its session was
+    /// released); the reaper runs it.
+    pub fn prune(&mut self) {
+        let entries = &self.entries;
+        self.charged.retain(|s, _| entries.contains_key(s));
     }
 
     /// Sessions unused for longer than `ttl`.
@@ -204,6 +225,8 @@ struct ShellTask<B: Backend, S: Steps<State<B>>, F, T> {
     reply: Option<tokio::sync::oneshot::Sender<Result<T, CoreError>>>,
     waiting: Option<metrics::Queued>,
     started: Option<Instant>,
+    /// Its share of the passes it was in so far (booked to its session when it ends).
+    charged: f64,
     open: Arc<AtomicUsize>,
     metrics: Arc<WorkerMetrics>,
     _backend: std::marker::PhantomData<fn(B)>,
@@ -217,6 +240,8 @@ where
 {
     fn complete(&mut self, st: &mut State<B>, out: Result<S::Output, CoreError>) -> Option<T> {
         let finish = self.finish.take()?;
+        st.book
+            .charge(&self.session, std::mem::take(&mut self.charged));
         let out = finish(st, out);
         if let Some(t) = self.started {
             self.metrics.step(self.op, t.elapsed().as_secs_f64());
@@ -270,6 +295,10 @@ where
 
     fn abandoned(&self) -> bool {
         self.reply.as_ref().is_none_or(|r| r.is_closed())
+    }
+
+    fn charge(&mut self, ms: f64) {
+        self.charged += ms;
     }
 
     fn cancel(&mut self, st: &mut State<B>) {
@@ -450,6 +479,7 @@ impl<B: Backend> Shell<B> {
             reply: Some(reply),
             waiting: Some(self.metrics.queued()),
             started: None,
+            charged: 0.0,
             open: self.open.clone(),
             metrics: self.metrics.clone(),
             _backend: std::marker::PhantomData,
@@ -481,6 +511,7 @@ impl<B: Backend> Shell<B> {
         let name = self.cfg.name;
         self.call_waiting("expire", move |st| {
             let old = st.book.idle(ttl);
+            st.book.prune();
             for s in &old {
                 st.book.remove(s);
                 if st.backend.has_session(s)
@@ -530,7 +561,20 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         b.touch("b");
         assert_eq!(b.idle(Duration::from_millis(10)), vec!["a".to_string()]);
+        b.charge("b", 2.5);
+        b.charge("b", 1.0);
+        assert_eq!(b.charged("b"), 3.5);
+        assert_eq!(b.charged("a"), 0.0);
         b.remove("a");
         assert!(!b.contains("a"));
+        b.remove("b");
+        assert_eq!(b.charged("b"), 0.0);
+        // A charge that comes after its session left the book is pruned.
+        b.touch("kept");
+        b.charge("kept", 1.0);
+        b.charge("gone", 1.0);
+        b.prune();
+        assert_eq!(b.charged("gone"), 0.0);
+        assert_eq!(b.charged("kept"), 1.0);
     }
 }

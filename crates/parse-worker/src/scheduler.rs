@@ -40,6 +40,8 @@ pub trait Task<S>: Send {
     fn abandoned(&self) -> bool;
     /// Its caller has gone after it started: leave the state tidy (no reply is sent).
     fn cancel(&mut self, state: &mut S);
+    /// Its share of a pass it was in, in ms: the pass's time split among its blocks by rows.
+    fn charge(&mut self, _ms: f64) {}
 }
 
 enum Work<S> {
@@ -185,7 +187,12 @@ fn run<S: Forward>(
             }
         }
         if !blocks.is_empty() {
+            let t = std::time::Instant::now();
             let results = state.forward_blocks(&blocks);
+            let per_row = t.elapsed().as_secs_f64() * 1e3 / planned.max(1) as f64;
+            for (b, &i) in blocks.iter().zip(&owners) {
+                running[i].task.charge(per_row * b.rows() as f64);
+            }
             if let Some(f) = &packing.on_step {
                 f(StepShape {
                     blocks: blocks.len(),
@@ -352,6 +359,8 @@ mod tests {
         asked: u32,
         got: Vec<f32>,
         reply: Option<oneshot::Sender<Vec<f32>>>,
+        /// Where its charges go, by name.
+        charges: Option<std::sync::Arc<std::sync::Mutex<Vec<(String, f64)>>>>,
     }
 
     impl Task<Ledger> for Counter {
@@ -382,6 +391,11 @@ mod tests {
         fn cancel(&mut self, st: &mut Ledger) {
             st.cancelled.push(self.session.clone());
         }
+        fn charge(&mut self, ms: f64) {
+            if let Some(c) = &self.charges {
+                c.lock().unwrap().push((self.name.clone(), ms));
+            }
+        }
     }
 
     /// A counter task and its caller's answer.
@@ -401,6 +415,7 @@ mod tests {
             asked: 0,
             got: Vec::new(),
             reply: Some(reply),
+            charges: None,
         };
         (Box::new(t), rx)
     }
@@ -544,6 +559,49 @@ mod tests {
             passes[4..].iter().any(|p| p.len() == 2),
             "the late task never shared a pass: {passes:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn each_task_is_charged_its_rows_share_of_the_passes_it_was_in() {
+        let s = ledger_scheduler(16, 64);
+        s.call(|l| l.pass_time = Duration::from_millis(40))
+            .await
+            .unwrap();
+        let charges = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tasks = [("one", 2, 1), ("three", 2, 3)]
+            .into_iter()
+            .map(|(name, steps, rows)| {
+                let (reply, rx) = oneshot::channel();
+                let t = Counter {
+                    name: name.to_string(),
+                    session: name.to_string(),
+                    steps,
+                    rows,
+                    asked: 0,
+                    got: Vec::new(),
+                    reply: Some(reply),
+                    charges: Some(charges.clone()),
+                };
+                (Box::new(t) as Box<dyn Task<Ledger>>, rx)
+            })
+            .collect();
+        for a in queued_together(&s, tasks).await {
+            a.await.unwrap().unwrap();
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        assert_eq!(passes.len(), 2, "{passes:?}");
+        let charges = charges.lock().unwrap().clone();
+        let total = |name: &str| -> f64 {
+            charges
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, ms)| ms)
+                .sum()
+        };
+        let (one, three) = (total("one"), total("three"));
+        // Two passes of at least 40 ms each, split 1:3 by rows.
+        assert!(one + three >= 80.0, "{charges:?}");
+        assert!((three / one - 3.0).abs() < 1e-9, "{charges:?}");
     }
 
     #[tokio::test]

@@ -178,13 +178,15 @@ impl Drafter for DraftWorker {
             }
         };
         let begin = BeginSteps::new(&session, &r.context, &sampling);
-        self.shell
+        let charged_to = session.clone();
+        let charged_ms = self
+            .shell
             .steps(
                 "begin",
                 &session,
                 gate,
                 begin,
-                |_, out| out.map(|_| ()),
+                move |st, out| out.map(|_| st.book.charged(&charged_to)),
                 false,
             )
             .instrument(span.clone())
@@ -192,7 +194,14 @@ impl Drafter for DraftWorker {
         let epoch = epoch.load(Ordering::Relaxed);
         let (tx, rx) = mpsc::channel::<Result<DraftResponse, Status>>(4);
         if r.max_tokens == 0 {
-            // Prefill only: the stream ends at once.
+            // Prefill only: one message with no tokens, which carries what the prefill was charged.
+            let m = DraftResponse {
+                charged_ms,
+                ..DraftResponse::default()
+            };
+            tx.try_send(Ok(m)).map_err(|_| {
+                Status::internal("the draft stream closed before its first message")
+            })?;
             return Ok(Response::new(Box::pin(ReceiverStream::new(rx))));
         }
         let session = r.session;
@@ -215,18 +224,22 @@ impl Drafter for DraftWorker {
                             Ok(true)
                         }
                     };
+                    let charged_to = s.clone();
                     let step = shell
                         .steps(
                             "draft",
                             &s,
                             gate,
                             DraftSteps::new(&s, 1),
-                            |_, out| out,
+                            move |st, out| {
+                                let charged = st.book.charged(&charged_to);
+                                Ok(out?.map(|c| (c, charged)))
+                            },
                             true,
                         )
                         .await;
                     match step {
-                        Ok(Some(c)) => {
+                        Ok(Some((c, charged_ms))) => {
                             sent += c.tokens.len();
                             tracing::Span::current().record("tokens", sent);
                             shell.metrics().rows("draft", c.tokens.len());
@@ -236,6 +249,7 @@ impl Drafter for DraftWorker {
                                 pieces: c.pieces,
                                 probs: c.probs,
                                 done,
+                                charged_ms,
                             };
                             if tx.send(Ok(m)).await.is_err() || done {
                                 return;

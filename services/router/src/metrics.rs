@@ -184,7 +184,8 @@ impl Metrics {
                 "parse_pace_ms_per_token",
                 "What the router judges speculation by: milliseconds per output token of the target writing alone \
                  (path=\"alone\") and of each kind of speculation (mode/drafter), per load (requests at once per \
-                 target worker), moving averages.",
+                 target worker), moving averages; at one request wall time, at more the workers' passes' time charged to the \
+                 requests by rows.",
             ),
             &["path", "load"],
         )

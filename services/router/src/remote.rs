@@ -206,6 +206,33 @@ impl Drop for DraftStream {
     }
 }
 
+/// Worker time charged to one side of a request ([`Verifier::charged_ms`]): each worker reports what it has charged
+/// the session in all, so a reply lost on the way (a prefetch thrown away) is made up by the next one; a request
+/// that moves to another worker keeps what the last one charged.
+#[derive(Debug, Default)]
+struct Charged {
+    left_behind: f64,
+    current: f64,
+}
+
+impl Charged {
+    /// A reply from the current worker: it has charged the session `ms` in all.
+    fn saw(&mut self, ms: f64) {
+        if ms.is_finite() && ms > self.current {
+            self.current = ms;
+        }
+    }
+
+    /// The request leaves its worker (or the worker lost its session): what it charged there is kept.
+    fn left(&mut self) {
+        self.left_behind += std::mem::take(&mut self.current);
+    }
+
+    fn total(&self) -> f64 {
+        self.left_behind + self.current
+    }
+}
+
 /// A draft opened ahead of its `begin`.
 struct Prefetch {
     context: Vec<u32>,
@@ -243,6 +270,7 @@ pub struct RemoteDrafter {
     pub draft_ahead: bool,
     /// Ids of the workers this request was given, in order.
     pub used: Vec<String>,
+    charged: Charged,
 }
 
 impl RemoteDrafter {
@@ -268,6 +296,7 @@ impl RemoteDrafter {
             prefetch_misses: 0,
             draft_ahead: true,
             used: Vec::new(),
+            charged: Charged::default(),
         }
     }
 
@@ -286,6 +315,7 @@ impl RemoteDrafter {
             leave(&self.ctx, l, session, Side::Draft, e, &mut self.lost);
             self.failovers += 1;
         }
+        self.charged.left();
         self.stream = None;
         self.prefetch = None;
     }
@@ -336,9 +366,12 @@ impl Drafter for RemoteDrafter {
                     sampling: Some((&self.sampling).into()),
                     max_tokens: 0,
                 });
+                let charged = &mut self.charged;
                 let drained = self.ctx.call(async {
                     let mut s = client.draft(req).await?.into_inner();
-                    while s.message().await?.is_some() {}
+                    while let Some(m) = s.message().await? {
+                        charged.saw(m.charged_ms);
+                    }
                     Ok::<(), tonic::Status>(())
                 });
                 if let Err(s) = drained {
@@ -401,6 +434,7 @@ impl Drafter for RemoteDrafter {
             };
             match self.ctx.call(stream.message()) {
                 Ok(Some(m)) => {
+                    self.charged.saw(m.charged_ms);
                     chunk.tokens.extend(m.tokens);
                     chunk.pieces.extend(m.pieces);
                     chunk.probs.extend(m.probs);
@@ -532,6 +566,10 @@ impl Drafter for RemoteDrafter {
         self.lease = None;
         Ok(())
     }
+
+    fn charged_ms(&self) -> Option<f64> {
+        Some(self.charged.total())
+    }
 }
 
 /// The target side of one request.
@@ -547,6 +585,7 @@ pub struct RemoteVerifier {
     pub failovers: usize,
     /// Ids of the workers this request was given, in order.
     pub used: Vec<String>,
+    charged: Charged,
 }
 
 impl RemoteVerifier {
@@ -561,6 +600,7 @@ impl RemoteVerifier {
             opened: false,
             failovers: 0,
             used: Vec::new(),
+            charged: Charged::default(),
         }
     }
 
@@ -591,9 +631,11 @@ impl RemoteVerifier {
             prompt,
             sampling: Some((&self.sampling).into()),
         });
-        self.ctx
+        let r = self
+            .ctx
             .call(client.open_session(req))
             .map_err(|s| core_from_status(&s))?;
+        self.charged.saw(r.into_inner().charged_ms);
         Ok(())
     }
 
@@ -627,6 +669,7 @@ impl RemoteVerifier {
                             e.message
                         );
                         self.failovers += 1;
+                        self.charged.left();
                         self.reopen_elsewhere(session)?;
                         continue;
                     }
@@ -650,6 +693,7 @@ impl RemoteVerifier {
         if let Some(l) = self.lease.take() {
             leave(&self.ctx, l, session, Side::Target, e, &mut self.lost);
         }
+        self.charged.left();
     }
 
     /// Re-prefills the accepted context on the current worker (or, when there is none, the next one picked),
@@ -684,7 +728,7 @@ impl Verifier for RemoteVerifier {
         }
         self.sampling = sampling.clone();
         let wire_sampling = Some(sampling.into());
-        self.with_failover(session, |ctx, c| {
+        let r = self.with_failover(session, |ctx, c| {
             let req = ctx.request(OpenSessionRequest {
                 session: session.to_string(),
                 prompt: prompt.to_vec(),
@@ -692,6 +736,7 @@ impl Verifier for RemoteVerifier {
             });
             ctx.call(c.open_session(req))
         })?;
+        self.charged.saw(r.into_inner().charged_ms);
         self.cache = prompt[..prompt.len() - 1].to_vec();
         self.opened = true;
         Ok(())
@@ -703,7 +748,9 @@ impl Verifier for RemoteVerifier {
             ctx.call(c.verify(ctx.request(wire.clone())))
         })?;
         self.cache.extend(&plan.tokens);
-        verify_output_from(r.into_inner())
+        let r = r.into_inner();
+        self.charged.saw(r.charged_ms);
+        verify_output_from(r)
     }
 
     fn extend(
@@ -724,6 +771,7 @@ impl Verifier for RemoteVerifier {
                 ctx.call(c.extend(ctx.request(req.clone())))
             })?
             .into_inner();
+        self.charged.saw(r.charged_ms);
         if r.tokens.is_empty() {
             return Err(Error::internal("the target worker extended by no token"));
         }
@@ -761,5 +809,9 @@ impl Verifier for RemoteVerifier {
         self.lease = None;
         self.opened = false;
         Ok(())
+    }
+
+    fn charged_ms(&self) -> Option<f64> {
+        Some(self.charged.total())
     }
 }

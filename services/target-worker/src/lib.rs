@@ -233,7 +233,7 @@ impl TargetWorker {
         session: String,
         gate: G,
         steps: S,
-    ) -> Result<S::Output, Status>
+    ) -> Result<(S::Output, f64), Status>
     where
         S: Steps<Backend> + 'static,
         S::Output: Send + 'static,
@@ -241,7 +241,7 @@ impl TargetWorker {
     {
         check_session(&session)?;
         let name = session.clone();
-        let (out, healthy) = self
+        let (out, charged, healthy) = self
             .shell
             .steps(
                 op,
@@ -249,19 +249,22 @@ impl TargetWorker {
                 gate,
                 steps,
                 move |st: &mut State<Backend>, out| {
+                    let charged = st.book.charged(&session);
                     if st.backend.engine().sessions().len(&session).is_ok() {
                         st.book.touch(&session);
                     } else {
                         st.book.remove(&session);
                     }
-                    Ok((out, st.backend.ops().healthy()))
+                    Ok((out, charged, st.backend.ops().healthy()))
                 },
                 false,
             )
             .await?;
         self.note_group(healthy);
-        out.map_err(status_from_core)?
-            .ok_or_else(|| Status::internal(format!("{op} was skipped")))
+        let out = out
+            .map_err(status_from_core)?
+            .ok_or_else(|| Status::internal(format!("{op} was skipped")))?;
+        Ok((out, charged))
     }
 
     /// Runs `f` on the verifier through the scheduler, within the queue bound, keeping `session`'s entry in the
@@ -317,16 +320,19 @@ impl Verifier for TargetWorker {
             let max_sessions = self.cfg.max_sessions;
             let steps = OpenSteps::new(&session, &r.prompt, &sampling);
             let admitted = session.clone();
-            self.steps(
-                "open",
-                session,
-                move |st| parse_worker::admit(&st.backend, &admitted, max_sessions).map(|()| true),
-                steps,
-            )
-            .await?;
+            let (_, charged_ms) = self
+                .steps(
+                    "open",
+                    session,
+                    move |st| {
+                        parse_worker::admit(&st.backend, &admitted, max_sessions).map(|()| true)
+                    },
+                    steps,
+                )
+                .await?;
             self.shell.metrics().rows("open", rows);
             tracing::Span::current().record("rows", rows);
-            Ok(Response::new(OpenSessionResponse {}))
+            Ok(Response::new(OpenSessionResponse { charged_ms }))
         }
         .instrument(span)
         .await
@@ -344,10 +350,13 @@ impl Verifier for TargetWorker {
             let session = r.session;
             let rows = plan.tokens.len();
             let steps = VerifySteps::new(&session, plan);
-            let out = self.steps("verify", session, |_| Ok(true), steps).await?;
+            let (out, charged_ms) = self.steps("verify", session, |_| Ok(true), steps).await?;
             self.shell.metrics().rows("verify", rows);
             tracing::Span::current().record("rows", rows);
-            Ok(Response::new(VerifyResponse::from(&out)))
+            Ok(Response::new(VerifyResponse {
+                charged_ms,
+                ..VerifyResponse::from(&out)
+            }))
         }
         .instrument(span)
         .await
@@ -377,12 +386,13 @@ impl Verifier for TargetWorker {
             let session = r.session;
             let steps =
                 ExtendSteps::new(&session, r.pending, r.max_tokens as usize, segment.as_ref());
-            let out = self.steps("extend", session, |_| Ok(true), steps).await?;
+            let (out, charged_ms) = self.steps("extend", session, |_| Ok(true), steps).await?;
             self.shell.metrics().rows("extend", out.tokens.len());
             tracing::Span::current().record("tokens", out.tokens.len());
             Ok(Response::new(ExtendResponse {
                 tokens: out.tokens,
                 pieces: out.pieces,
+                charged_ms,
             }))
         }
         .instrument(span)
