@@ -350,6 +350,9 @@ mod tests {
         }
     }
 
+    /// Charges as tasks received them: (name, ms).
+    type Charges = std::sync::Arc<std::sync::Mutex<Vec<(String, f64)>>>;
+
     /// Asks for `steps` blocks of `rows` rows (tokens 1, 2, ...) and answers the values it got back.
     struct Counter {
         name: String,
@@ -360,7 +363,7 @@ mod tests {
         got: Vec<f32>,
         reply: Option<oneshot::Sender<Vec<f32>>>,
         /// Where its charges go, by name.
-        charges: Option<std::sync::Arc<std::sync::Mutex<Vec<(String, f64)>>>>,
+        charges: Option<Charges>,
     }
 
     impl Task<Ledger> for Counter {
