@@ -101,7 +101,12 @@ pub struct Costs {
 impl Costs {
     /// Tokens written alone before the first probe of a losing speculation, and at most between two.
     pub const MIN_GAP: usize = 16;
-    pub const MAX_GAP: usize = 512;
+    pub const MAX_GAP: usize = 1024;
+    /// After a losing probe, the next waits at least this many times the tokens the target alone would have written
+    /// in the time the probe lost: a probe of a speculation that loses by far (a PARSE round keeping 60 tokens at
+    /// 2.7 times the target's cost per token) then costs at most an eighth of the time between probes, where
+    /// doubling from 16 tokens alone let such probes write a third of a loaded pool's output.
+    pub const PROBE_SHARE: f64 = 8.0;
 
     fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
         let mut levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
@@ -136,11 +141,15 @@ impl Costs {
             let s = l.spec.entry(kind.to_string()).or_default();
             s.since = 0;
             s.rate.add(ms, tokens);
-            let losing = matches!((s.rate.get(), alone), (Some(x), Some(a)) if x > a);
-            if !losing {
-                s.gap = Self::MIN_GAP;
-            } else if probe {
-                s.gap = (s.gap * 2).min(Self::MAX_GAP);
+            match (s.rate.get(), alone) {
+                (Some(x), Some(a)) if x > a => {
+                    if probe {
+                        let lost = (ms / a - tokens as f64).max(0.0);
+                        let pay = (Self::PROBE_SHARE * lost).ceil() as usize;
+                        s.gap = (s.gap * 2).max(pay).min(Self::MAX_GAP);
+                    }
+                }
+                _ => s.gap = Self::MIN_GAP,
             }
         })
     }
@@ -469,9 +478,11 @@ mod tests {
         assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
         p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
         // Still losing against the target's measured 90 ms/token: a probe round once 16 tokens in all were written
-        // alone, then probes 32, 64, ... tokens apart (in pauses of at most 64 tokens), up to 512.
-        let seen = drive(&mut p, 40, 150.0, 90.0, 100.0);
+        // alone, then probes 32, 64, ... tokens apart (in pauses of at most 64 tokens), up to 1024. (A probe of 2
+        // tokens loses 120 ms, 1.3 tokens of the target's: doubling decides here.)
+        let seen = drive(&mut p, 60, 150.0, 90.0, 100.0);
         assert_eq!(&gaps(&seen)[..6], [12, 32, 64, 128, 256, 512], "{seen:?}");
+        assert_eq!(gaps(&seen)[6], 1024, "{seen:?}");
         assert!(seen.iter().all(|a| *a <= Advice::Alone(64)));
         // The first pause's 4 tokens and the 12 after them are one pause.
         assert_eq!(p.pauses, gaps(&seen).len());
@@ -481,6 +492,30 @@ mod tests {
             seen[550..].iter().all(|a| *a == Advice::Speculate),
             "{seen:?}"
         );
+    }
+
+    #[test]
+    fn a_probe_that_loses_by_far_waits_eight_times_what_it_lost() {
+        let c = Costs::default();
+        let kind = "parse+token-spec/model";
+        c.record_alone(None, 3, 16.0 * 100.0, 16);
+        // A round keeping 60 tokens at 270 ms/token against the target's 100: speculation loses at this level.
+        c.record_spec(kind, 3, 60.0 * 270.0, 60, false);
+        assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
+        c.record_alone(Some(kind), 3, 16.0 * 100.0, 16);
+        assert!(c.take_probe(kind, 3));
+        // The probe loses the same: 102 tokens of the target's time lost, so 816 tokens alone before the next.
+        c.record_spec(kind, 3, 60.0 * 270.0, 60, true);
+        assert_eq!(c.until_probe(kind, 3), 816);
+        // Losing by more, it waits at most MAX_GAP; a probe that wins brings the least gap back.
+        c.record_alone(Some(kind), 3, 816.0 * 100.0, 816);
+        assert!(c.take_probe(kind, 3));
+        c.record_spec(kind, 3, 60.0 * 600.0, 60, true);
+        assert_eq!(c.until_probe(kind, 3), Costs::MAX_GAP);
+        for _ in 0..20 {
+            c.record_spec(kind, 3, 60.0 * 50.0, 60, true);
+        }
+        assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
     }
 
     #[test]
