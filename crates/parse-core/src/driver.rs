@@ -400,6 +400,8 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     draft_open: bool,
     /// Worker time charged to the draft's prefill (left out of the rounds' costs, like its wall time).
     draft_prefill_charged: f64,
+    /// The draft's charge (less its prefill) already counted in a speculative round's cost.
+    draft_booked: f64,
 }
 
 /// Where a measurement of cost starts (see [`Run::spent`]).
@@ -415,32 +417,39 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.req.max_new_tokens - self.out.len()
     }
 
-    /// Worker time charged to this request so far, less the draft's prefill: the verifier's and the drafter's (a
-    /// drafter that charges nothing, n-grams in the router, counts as free). `None` where the verifier charges
-    /// nothing (in process).
-    fn charged(&self) -> Option<f64> {
-        let v = self.v.charged_ms()?;
-        Some(v + self.d.charged_ms().unwrap_or(0.0) - self.draft_prefill_charged)
-    }
-
     fn mark(&self) -> Mark {
         Mark {
             at: Instant::now(),
             prefill_ms: self.stats.prefill_ms,
-            charged: self.charged(),
+            charged: self.v.charged_ms(),
         }
     }
 
     /// What was spent since `m`: wall time less prefills (a draft's first prefill is not a cost of the round that
-    /// happens to open it), and the worker time charged.
+    /// happens to open it), and the verifier's worker time charged (`None` where it charges nothing: in process).
+    /// The cost of the target writing alone, or of a verification.
     fn spent(&self, m: Mark) -> Spent {
         Spent {
             wall_ms: ms(m.at) - (self.stats.prefill_ms - m.prefill_ms),
-            charged_ms: match (m.charged, self.charged()) {
+            charged_ms: match (m.charged, self.v.charged_ms()) {
                 (Some(a), Some(b)) => Some((b - a).max(0.0)),
                 _ => None,
             },
         }
+    }
+
+    /// What a speculative round since `m` spent: [`Run::spent`] and all the drafter charged (less its prefill) that
+    /// no round counted yet. A draft worker's charges can come in while the target writes alone (a draft read
+    /// ahead, then dropped by a pause): they are speculation's cost, and counted as the target's they made writing
+    /// alone look dearer than it is. A drafter that charges nothing (n-grams in the router) counts as free.
+    fn spent_round(&mut self, m: Mark) -> Spent {
+        let mut spent = self.spent(m);
+        let drafted = self.d.charged_ms().unwrap_or(0.0) - self.draft_prefill_charged;
+        if let Some(c) = spent.charged_ms.as_mut() {
+            *c += (drafted - self.draft_booked).max(0.0);
+        }
+        self.draft_booked = self.draft_booked.max(drafted);
+        spent
     }
 
     /// Appends output up to an end token or the budget; returns how many tokens were taken.
@@ -783,8 +792,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.verify(&draft, &bs, true, true)?;
         if adaptive {
             let this_verify = self.spent(m);
+            let spent = self.spent_round(round);
             self.pace
-                .speculated(self.spent(round), self.out.len() - before, &[this_verify]);
+                .speculated(spent, self.out.len() - before, &[this_verify]);
         }
         Ok(draft.len())
     }
@@ -852,8 +862,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 }
             }
             if adaptive {
+                let spent = self.spent_round(mark);
                 self.pace
-                    .speculated(self.spent(mark), self.out.len() - before, &[this_verify]);
+                    .speculated(spent, self.out.len() - before, &[this_verify]);
             }
         }
         Ok(())
@@ -937,6 +948,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         pace: Pace::new(pacing),
         draft_open: false,
         draft_prefill_charged: 0.0,
+        draft_booked: 0.0,
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),
