@@ -117,6 +117,26 @@ impl Costs {
         self.with(level, |l| l.alone.get())
     }
 
+    /// The target's figure at `level`, or where it has none yet, at the nearest level that has one (the lower of two
+    /// as near) among those measured the same way (level 0 by wall time, the others by charged time, [`Spent::at`]).
+    /// Loads just above a power of two (9 requests at 8 clients, while one request ends as the next begins) are
+    /// otherwise judged against a verification's cost until a pause there measures the target.
+    pub fn alone_near(&self, level: u32) -> Option<f64> {
+        let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
+        let figure = |l: u32| levels.get(&l).and_then(|x| x.alone.get());
+        if level == 0 {
+            return figure(0);
+        }
+        let highest = levels.keys().copied().max().unwrap_or(0);
+        (0..=highest.max(level)).find_map(|d| {
+            [level.checked_sub(d), level.checked_add(d)]
+                .into_iter()
+                .flatten()
+                .filter(|&l| l >= 1)
+                .find_map(figure)
+        })
+    }
+
     pub fn spec_ms(&self, kind: &str, level: u32) -> Option<f64> {
         self.with(level, |l| l.spec.get(kind).and_then(|s| s.rate.get()))
     }
@@ -349,7 +369,10 @@ impl Pace {
             self.prior = costs.spec_ms(kind, self.level);
         }
         let known_alone = costs.alone_ms(self.level);
-        let speculate = match (self.estimate(), known_alone.or(self.cheapest_verify_ms)) {
+        let alone = known_alone
+            .or_else(|| costs.alone_near(self.level))
+            .or(self.cheapest_verify_ms);
+        let speculate = match (self.estimate(), alone) {
             (Some(spec), Some(alone)) => spec <= alone,
             _ => true,
         };
@@ -516,6 +539,35 @@ mod tests {
             c.record_spec(kind, 3, 60.0 * 50.0, 60, true);
         }
         assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
+    }
+
+    #[test]
+    fn a_load_with_no_figure_of_the_target_borrows_the_nearest_measured_the_same_way() {
+        let c = Costs::default();
+        assert_eq!(c.alone_near(3), None);
+        c.record_alone(None, 0, 16.0 * 900.0, 16);
+        // Level 0's figure is wall time: not a stand-in for charged time above it, nor the reverse.
+        assert_eq!(c.alone_near(4), None);
+        c.record_alone(None, 3, 16.0 * 50.0, 16);
+        c.record_alone(None, 1, 16.0 * 70.0, 16);
+        assert_eq!(c.alone_near(4), Some(50.0));
+        assert_eq!(c.alone_near(2), Some(70.0), "the lower of two as near");
+        assert_eq!(c.alone_near(1), Some(70.0));
+        assert_eq!(c.alone_near(0), Some(900.0));
+        c.record_alone(None, 4, 16.0 * 40.0, 16);
+        assert_eq!(c.alone_near(4), Some(40.0));
+        // A request at 9-16 requests whose speculation loses to the target at 5-8 pauses at once, for the short
+        // first pause that measures the target at its own load.
+        let costs = Arc::new(Costs::default());
+        costs.record_alone(None, 3, 16.0 * 50.0, 16);
+        let kind = "parse+token-spec/model";
+        costs.record_spec(kind, 4, 60.0 * 130.0, 60, false);
+        let mut p = Pace::new(Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(|| 9),
+        });
+        assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
     }
 
     #[test]
