@@ -410,6 +410,7 @@ struct Mark {
     at: Instant,
     prefill_ms: f64,
     charged: Option<f64>,
+    draft_prefill_charged: f64,
 }
 
 impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
@@ -422,6 +423,18 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             at: Instant::now(),
             prefill_ms: self.stats.prefill_ms,
             charged: self.v.charged_ms(),
+            draft_prefill_charged: self.draft_prefill_charged,
+        }
+    }
+
+    /// What the prefills left out of [`Run::spent`] since `m` cost (the draft's first prefill, where a round opened
+    /// the draft): no part of a round's rate, but part of what a probe round lost.
+    fn setup(&self, m: Mark) -> Spent {
+        Spent {
+            wall_ms: self.stats.prefill_ms - m.prefill_ms,
+            charged_ms: m
+                .charged
+                .map(|_| self.draft_prefill_charged - m.draft_prefill_charged),
         }
     }
 
@@ -793,8 +806,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         if adaptive {
             let this_verify = self.spent(m);
             let spent = self.spent_round(round);
+            let setup = self.setup(round);
             self.pace
-                .speculated(spent, self.out.len() - before, &[this_verify]);
+                .speculated(spent, self.out.len() - before, &[this_verify], setup);
         }
         Ok(draft.len())
     }
@@ -839,8 +853,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // While the target verifies this draft, the drafter may already write the next one on the guess that
             // this one is accepted whole (the likely case once the window has grown): PARSE verifies finished
             // segments while the draft streams on. Not when the draft ends the output.
+            // Nor after a probe of a speculation that was losing: a pause most likely follows, and the draft read
+            // ahead would be thrown away after taking its share of the workers.
             let after = self.remaining().saturating_sub(draft.len());
-            if after > 0 && !draft.iter().any(|t| self.req.eos.contains(t)) {
+            let probe = adaptive && self.pace.probing();
+            if after > 0 && !probe && !draft.iter().any(|t| self.req.eos.contains(t)) {
                 let mut context = self.context();
                 context.extend(&draft);
                 let ahead = (2 * draft.len())
@@ -867,8 +884,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             }
             if adaptive {
                 let spent = self.spent_round(mark);
+                let setup = self.setup(mark);
                 self.pace
-                    .speculated(spent, self.out.len() - before, &[this_verify]);
+                    .speculated(spent, self.out.len() - before, &[this_verify], setup);
             }
         }
         Ok(())

@@ -6,9 +6,9 @@
 //! and on the load (a step shared by 8 requests costs more than a step alone, and a verification block more again,
 //! so speculation that pays at one request can lose at eight). [`Costs`] keeps, per load level, the target's
 //! milliseconds per token when it writes alone and each kind of speculation's milliseconds per output token, as
-//! moving averages weighted by tokens over the requests that report to it: the router keeps one for its worker pools, an in-process
-//! request one of its own. [`Pace`] is one request's use of it: before each round it asks whether to speculate or
-//! to let the target write alone for a while, and reports what the round cost.
+//! moving averages weighted by tokens over the requests that report to it: the router keeps one for its worker
+//! pools, an in-process request one of its own. [`Pace`] is one request's use of it: before each round it asks
+//! whether to speculate or to let the target write alone for a while, and reports what the round cost.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -101,12 +101,16 @@ pub struct Costs {
 impl Costs {
     /// Tokens written alone before the first probe of a losing speculation, and at most between two.
     pub const MIN_GAP: usize = 16;
-    pub const MAX_GAP: usize = 1024;
+    pub const MAX_GAP: usize = 4096;
     /// After a losing probe, the next waits at least this many times the tokens the target alone would have written
-    /// in the time the probe lost: a probe of a speculation that loses by far (a PARSE round keeping 60 tokens at
-    /// 2.7 times the target's cost per token) then costs at most an eighth of the time between probes, where
-    /// doubling from 16 tokens alone let such probes write a third of a loaded pool's output.
-    pub const PROBE_SHARE: f64 = 8.0;
+    /// in the time the probe lost, its setup included (the draft's prefill of a request that had not drafted yet): a
+    /// probe of a speculation that loses by far then costs at most a 33rd of the time between probes. Doubling from
+    /// 16 tokens alone let such probes write a third of a loaded pool's output; at 8 times the loss (and a loss that
+    /// left the draft's prefill out) the default still ran at 0.86x `target` at 8 clients with 3% of its output
+    /// drafted, the probes' drafting sharing the target's cores (docs/figures.md, "Speculation that adapts to
+    /// load"). The price is a slower return to speculating where it starts to pay at that load: up to 4096 tokens
+    /// written alone at that load by the requests of that kind.
+    pub const PROBE_SHARE: f64 = 32.0;
 
     fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
         let mut levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
@@ -154,8 +158,10 @@ impl Costs {
         })
     }
 
-    /// A round of `kind` wrote `tokens` in `ms`; `probe`: it was a probe of a speculation that was losing.
-    pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: bool) {
+    /// A round of `kind` wrote `tokens` in `ms`. `probe`: it was a probe of a speculation that was losing, with what
+    /// its setup cost besides `ms` (the draft's first prefill, which a request that goes on speculating pays once and
+    /// which is not part of the rate, but which a probe pays for a single round).
+    pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: Option<f64>) {
         self.with(level, |l| {
             let alone = l.alone.get();
             let s = l.spec.entry(kind.to_string()).or_default();
@@ -163,8 +169,8 @@ impl Costs {
             s.rate.add(ms, tokens);
             match (s.rate.get(), alone) {
                 (Some(x), Some(a)) if x > a => {
-                    if probe {
-                        let lost = (ms / a - tokens as f64).max(0.0);
+                    if let Some(setup) = probe {
+                        let lost = ((ms + setup) / a - tokens as f64).max(0.0);
                         let pay = (Self::PROBE_SHARE * lost).ceil() as usize;
                         s.gap = (s.gap * 2).max(pay).min(Self::MAX_GAP);
                     }
@@ -294,12 +300,12 @@ pub enum Advice {
 /// One request's pace. Speculation goes on while it writes tokens at least as fast as the target alone, judged on
 /// an estimate of its milliseconds per token: the request's own recent rounds, leaning on the shared figure of its
 /// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, those
-/// rounds are made before it is judged). While it loses, the target writes alone, and every so many tokens
-/// written alone at that load (16, doubling while probes keep losing, up to 512; counted over all requests of the
-/// kind) one request makes a probe round, which measures it again. Before the target's own speed at a load is
-/// known, the cheapest verification the request has seen stands in for it (a one-token step costs no more) and the
-/// first pause is short, which measures it. Greedy only: a pause in a sampled request would change which random
-/// draws it uses.
+/// rounds are made before it is judged). While it loses, the target writes alone, and every so many tokens written
+/// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
+/// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
+/// which measures it again. Before the target's own speed at a load is known, the cheapest verification the request
+/// has seen stands in for it (a one-token step costs no more) and the first pause is short, which measures it.
+/// Greedy only: a pause in a sampled request would change which random draws it uses.
 #[derive(Debug)]
 pub struct Pace {
     pacing: Pacing,
@@ -397,8 +403,15 @@ impl Pace {
         Advice::Alone(self.paused)
     }
 
-    /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs.
-    pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent]) {
+    /// Whether the last advice to speculate was a probe of a speculation that was losing (the round will most
+    /// likely be followed by a pause, so nothing should be drafted ahead for the round after it).
+    pub fn probing(&self) -> bool {
+        self.probing
+    }
+
+    /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs and what it spent on
+    /// setting up (the draft's first prefill, left out of `spent`; it counts only towards a probe's loss).
+    pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent], setup: Spent) {
         let ms = spent.at(self.level);
         for v in verify {
             let v = v.at(self.level);
@@ -413,7 +426,7 @@ impl Pace {
             self.level,
             ms,
             tokens,
-            std::mem::take(&mut self.probing),
+            std::mem::take(&mut self.probing).then(|| setup.at(self.level)),
         );
     }
 
@@ -457,9 +470,12 @@ mod tests {
         for _ in 0..n {
             let a = pace.advise();
             match a {
-                Advice::Speculate => {
-                    pace.speculated(Spent::wall(2.0 * spec), 2, &[Spent::wall(verify)])
-                }
+                Advice::Speculate => pace.speculated(
+                    Spent::wall(2.0 * spec),
+                    2,
+                    &[Spent::wall(verify)],
+                    Spent::wall(0.0),
+                ),
                 Advice::Alone(k) => pace.wrote_alone(Spent::wall(k as f64 * alone), k),
             }
             seen.push(a);
@@ -496,16 +512,25 @@ mod tests {
                 Advice::Speculate,
                 "round {i}: judged only after the probe"
             );
-            p.speculated(Spent::wall(300.0), 2, &[Spent::wall(100.0)]);
+            p.speculated(
+                Spent::wall(300.0),
+                2,
+                &[Spent::wall(100.0)],
+                Spent::wall(0.0),
+            );
         }
         assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
         p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
         // Still losing against the target's measured 90 ms/token: a probe round once 16 tokens in all were written
-        // alone, then probes 32, 64, ... tokens apart (in pauses of at most 64 tokens), up to 1024. (A probe of 2
-        // tokens loses 120 ms, 1.3 tokens of the target's: doubling decides here.)
-        let seen = drive(&mut p, 60, 150.0, 90.0, 100.0);
-        assert_eq!(&gaps(&seen)[..6], [12, 32, 64, 128, 256, 512], "{seen:?}");
-        assert_eq!(gaps(&seen)[6], 1024, "{seen:?}");
+        // alone; a probe of 2 tokens loses 120 ms, 1.33 tokens of the target's, so the next waits 43 tokens (32 times
+        // that) and the gaps double from there (in pauses of at most 64 tokens), up to MAX_GAP.
+        let seen = drive(&mut p, 200, 150.0, 90.0, 100.0);
+        assert_eq!(
+            &gaps(&seen)[..7],
+            [12, 43, 86, 172, 344, 688, 1376],
+            "{seen:?}"
+        );
+        assert_eq!(gaps(&seen)[8], Costs::MAX_GAP, "{seen:?}");
         assert!(seen.iter().all(|a| *a <= Advice::Alone(64)));
         // The first pause's 4 tokens and the 12 after them are one pause.
         assert_eq!(p.pauses, gaps(&seen).len());
@@ -518,27 +543,39 @@ mod tests {
     }
 
     #[test]
-    fn a_probe_that_loses_by_far_waits_eight_times_what_it_lost() {
+    fn a_probe_that_loses_by_far_waits_32_times_what_it_lost_setup_included() {
         let c = Costs::default();
         let kind = "parse+token-spec/model";
         c.record_alone(None, 3, 16.0 * 100.0, 16);
         // A round keeping 60 tokens at 270 ms/token against the target's 100: speculation loses at this level.
-        c.record_spec(kind, 3, 60.0 * 270.0, 60, false);
+        c.record_spec(kind, 3, 60.0 * 270.0, 60, None);
         assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
         c.record_alone(Some(kind), 3, 16.0 * 100.0, 16);
         assert!(c.take_probe(kind, 3));
-        // The probe loses the same: 102 tokens of the target's time lost, so 816 tokens alone before the next.
-        c.record_spec(kind, 3, 60.0 * 270.0, 60, true);
-        assert_eq!(c.until_probe(kind, 3), 816);
+        // The probe loses the same: 102 tokens of the target's time lost, so 3264 tokens alone before the next.
+        c.record_spec(kind, 3, 60.0 * 270.0, 60, Some(0.0));
+        assert_eq!(c.until_probe(kind, 3), 3264);
         // Losing by more, it waits at most MAX_GAP; a probe that wins brings the least gap back.
-        c.record_alone(Some(kind), 3, 816.0 * 100.0, 816);
+        c.record_alone(Some(kind), 3, 3264.0 * 100.0, 3264);
         assert!(c.take_probe(kind, 3));
-        c.record_spec(kind, 3, 60.0 * 600.0, 60, true);
+        c.record_spec(kind, 3, 60.0 * 600.0, 60, Some(0.0));
         assert_eq!(c.until_probe(kind, 3), Costs::MAX_GAP);
         for _ in 0..20 {
-            c.record_spec(kind, 3, 60.0 * 50.0, 60, true);
+            c.record_spec(kind, 3, 60.0 * 50.0, 60, Some(0.0));
         }
         assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
+        // A probe that loses a little (60 tokens at 110 ms/token: 6 tokens of the target's) but had to prefill the
+        // draft first (3 s, 30 tokens of the target's) lost 36: the next waits 1152 tokens, not 192. The prefill is
+        // not part of the rate.
+        let c = Costs::default();
+        c.record_alone(None, 3, 16.0 * 100.0, 16);
+        c.record_spec(kind, 3, 60.0 * 110.0, 60, Some(3000.0));
+        assert_eq!(c.until_probe(kind, 3), 1152);
+        assert!((c.spec_ms(kind, 3).unwrap() - 110.0).abs() < 1e-9);
+        let c = Costs::default();
+        c.record_alone(None, 3, 16.0 * 100.0, 16);
+        c.record_spec(kind, 3, 60.0 * 110.0, 60, Some(0.0));
+        assert_eq!(c.until_probe(kind, 3), 192);
     }
 
     #[test]
@@ -561,7 +598,7 @@ mod tests {
         let costs = Arc::new(Costs::default());
         costs.record_alone(None, 3, 16.0 * 50.0, 16);
         let kind = "parse+token-spec/model";
-        costs.record_spec(kind, 4, 60.0 * 130.0, 60, false);
+        costs.record_spec(kind, 4, 60.0 * 130.0, 60, None);
         let mut p = Pace::new(Pacing {
             costs: costs.clone(),
             kind: kind.into(),
@@ -600,9 +637,10 @@ mod tests {
             kind: "parse+token-spec/model".into(),
             load: Arc::new(move || l.load(Ordering::Relaxed)),
         };
-        // One request learns that at 8 requests speculation (150 ms/token) loses to the target (90 ms/token).
+        // One request learns that at 8 requests speculation (150 ms/token) loses to the target (90 ms/token): its 3
+        // rounds, pauses of 4 and 12 tokens, a probe, 43 tokens alone, a probe, 64 of the next 86 tokens alone.
         let mut first = Pace::new(pacing.clone());
-        drive(&mut first, 10, 150.0, 90.0, 100.0);
+        drive(&mut first, 9, 150.0, 90.0, 100.0);
         assert!(first.paused_tokens > 0);
         let seen = pacing.costs.snapshot();
         assert!(seen.iter().all(|f| f.level == 3), "{seen:?}");
@@ -655,7 +693,7 @@ mod tests {
         let mut p = Pace::new(pacing.clone());
         for _ in 0..Pace::PROBE {
             assert_eq!(p.advise(), Advice::Speculate);
-            p.speculated(spec, 2, &[spec]);
+            p.speculated(spec, 2, &[spec], Spent::wall(0.0));
         }
         let at_eight = pacing.costs.spec_ms(&pacing.kind, 3).unwrap();
         assert!((at_eight - 100.0).abs() < 1e-9, "{at_eight}");
@@ -667,7 +705,7 @@ mod tests {
         let mut p = Pace::new(pacing.clone());
         for _ in 0..2 * Pace::PROBE {
             assert_eq!(p.advise(), Advice::Speculate);
-            p.speculated(spec, 2, &[spec]);
+            p.speculated(spec, 2, &[spec], Spent::wall(0.0));
         }
         let at_one = pacing.costs.spec_ms(&pacing.kind, 0).unwrap();
         assert!((at_one - 300.0).abs() < 1e-9, "{at_one}");

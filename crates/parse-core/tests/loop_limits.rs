@@ -160,6 +160,8 @@ impl Verifier for FakeVerifier {
 #[derive(Default)]
 struct FakeDrafter {
     ctx: HashMap<String, Vec<u32>>,
+    /// Hints to draft ahead ([`Drafter::prefetch`]) received.
+    prefetches: usize,
 }
 
 impl Drafter for FakeDrafter {
@@ -193,6 +195,16 @@ impl Drafter for FakeDrafter {
     }
     fn release(&mut self, s: &str) -> parse_core::Result<()> {
         self.ctx.remove(s);
+        Ok(())
+    }
+    fn prefetch(
+        &mut self,
+        _: &str,
+        _: &[u32],
+        _: &SamplingParams,
+        _: usize,
+    ) -> parse_core::Result<()> {
+        self.prefetches += 1;
         Ok(())
     }
 }
@@ -357,4 +369,44 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
         let err = generate(&mut d, &mut v, &bad, &mut |_, _| true).unwrap_err();
         assert_eq!(err.kind, parse_core::ErrorKind::InvalidInput, "{bad:?}");
     }
+}
+
+/// A probe round (speculation measured again while it loses) drafts nothing ahead: a pause most likely follows, and
+/// the draft read ahead would be thrown away. Speculation that pays drafts ahead as before.
+#[test]
+fn a_probe_round_does_not_draft_ahead() {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let kind = "parse/model";
+    let mut r = request(Mode::Parse, 0.5, Verdict::Likelihood, PROMPTS[0], 40);
+    r.window.adaptive = true;
+    let paced = |spec_ms: f64, alone_ms: f64| {
+        let costs = Arc::new(Costs::default());
+        costs.record_spec(kind, 0, 16.0 * spec_ms, 16, None);
+        costs.record_alone(Some(kind), 0, 16.0 * alone_ms, 16);
+        Pacing {
+            costs,
+            kind: kind.into(),
+            load: Arc::new(|| 1),
+        }
+    };
+    let go = |pacing: Pacing| {
+        let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+        let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+        assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 40));
+        (out.stats, d.prefetches)
+    };
+    // Speculation at 10 ms/token against the target's 100: every round speculates and drafts ahead.
+    let (stats, prefetches) = go(paced(10.0, 100.0));
+    assert_eq!(stats.paused_tokens, 0, "{stats:?}");
+    assert!(prefetches > 0, "{stats:?}");
+    // At 1e6 ms/token against 100, with 16 tokens already written alone: a probe is due at once. The request
+    // makes that probe (its first round), then pauses, and never drafts ahead.
+    let (stats, prefetches) = go(paced(1e6, 100.0));
+    assert!(
+        stats.draft_tokens_proposed > 0,
+        "the probe drafted: {stats:?}"
+    );
+    assert!(stats.paused_tokens > 0, "{stats:?}");
+    assert_eq!(prefetches, 0, "{stats:?}");
 }

@@ -251,7 +251,7 @@ fn a_paced_parse_request_lets_the_target_write_while_speculation_loses() {
     // next probe is 15 tokens away: the request writes its 12 tokens alone, the target's own.
     let kind = "parse+token-spec/model";
     let costs = Arc::new(Costs::default());
-    costs.record_spec(kind, 0, 1e6, 1, false);
+    costs.record_spec(kind, 0, 1e6, 1, None);
     costs.record_alone(Some(kind), 0, 1.0, 1);
     let pacing = Pacing {
         costs: costs.clone(),

@@ -648,7 +648,7 @@ mod tests {
         let m = Metrics::new();
         let costs = parse_core::pace::Costs::default();
         costs.record_alone(None, 3, 160.0, 2);
-        costs.record_spec("parse+token-spec/model", 3, 300.0, 2, false);
+        costs.record_spec("parse+token-spec/model", 3, 300.0, 2, None);
         m.pace_costs(&costs.snapshot());
         let t = m.render();
         assert_eq!(
