@@ -834,11 +834,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // every segment's end cost a call per line of code, each call a chance to miss a batched pass; at 8
                 // clients on 24 HumanEval prompts this went from 0.76x to 0.80x `target` on a fresh router and from
                 // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
+                // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
+                // going on to the end of the next segment, and the next, took a call per line of code again.
                 let cfg = self.req.segmenter.clone();
                 let last = n <= 16;
-                self.extend(n.min(16).min(self.remaining()), last.then_some(&cfg))?;
-                self.pace
-                    .wrote_alone(self.spent(mark), self.out.len() - before);
+                let want = n.min(16).min(self.remaining());
+                self.extend(want, last.then_some(&cfg))?;
+                let wrote = self.out.len() - before;
+                self.pace.wrote_alone(self.spent(mark), wrote);
+                if last && wrote < want {
+                    self.pace.end_pause();
+                }
                 span.record("drafted", 0);
                 continue;
             }

@@ -440,6 +440,13 @@ impl Pace {
             .record_alone(Some(&self.pacing.kind), self.level, ms, tokens);
     }
 
+    /// Ends the current pause before its length is used up: the target stopped at a segment's end, where the pause
+    /// was to end anyway, and what was left of it would go on one segment per call. The next advice reads the figures
+    /// again (most likely a pause of whole 16-token calls).
+    pub fn end_pause(&mut self) {
+        self.paused = 0;
+    }
+
     /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
     /// propose): its speed at the current load, for the others.
     pub fn target_wrote(&self, spent: Spent, tokens: usize) {

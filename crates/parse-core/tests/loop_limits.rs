@@ -58,6 +58,8 @@ fn greedy(prompt: &[u32], next: fn(&[u32]) -> u32, max: usize) -> Vec<u32> {
 #[derive(Default)]
 struct FakeVerifier {
     caches: HashMap<String, Vec<u32>>,
+    /// Every extension: tokens asked for, whether it was to stop at a segment's end, tokens written.
+    extends: Vec<(usize, bool, usize)>,
 }
 
 impl Verifier for FakeVerifier {
@@ -143,6 +145,7 @@ impl Verifier for FakeVerifier {
                 break;
             }
         }
+        self.extends.push((max, seg.is_some(), out.tokens.len()));
         Ok(out)
     }
     fn truncate(&mut self, s: &str, len: usize) -> parse_core::Result<()> {
@@ -409,4 +412,40 @@ fn a_probe_round_does_not_draft_ahead() {
     );
     assert!(stats.paused_tokens > 0, "{stats:?}");
     assert_eq!(prefetches, 0, "{stats:?}");
+}
+
+/// A pause ends where its last call stops at a segment's end; what is left of it is not written one segment per
+/// call.
+#[test]
+fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let kind = "parse/model";
+    let mut r = request(Mode::Parse, 0.5, Verdict::Likelihood, PROMPTS[2], 60);
+    r.window.adaptive = true;
+    // Speculation loses by far and its last probe was just made: every pause is of the longest length.
+    let costs = Arc::new(Costs::default());
+    costs.record_alone(None, 0, 16.0 * 100.0, 16);
+    costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
+    let pacing = Pacing {
+        costs,
+        kind: kind.into(),
+        load: Arc::new(|| 1),
+    };
+    let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+    let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+    assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60));
+    assert_eq!(out.stats.paused_tokens, out.tokens.len(), "{:?}", out.stats);
+    // Some last call stopped at a segment's end before its length (else this checks nothing)...
+    assert!(
+        v.extends.iter().any(|&(max, seg, n)| seg && n < max),
+        "{:?}",
+        v.extends
+    );
+    // ...and after each, a new pause began with a call that does not stop at a segment's end.
+    for w in v.extends.windows(2) {
+        if w[0].1 && w[0].2 < w[0].0 {
+            assert!(!w[1].1, "{:?}", v.extends);
+        }
+    }
 }
