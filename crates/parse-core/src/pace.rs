@@ -105,11 +105,10 @@ impl Costs {
     /// After a losing probe, the next waits at least this many times the tokens the target alone would have written
     /// in the time the probe lost, its setup included (the draft's prefill of a request that had not drafted yet): a
     /// probe of a speculation that loses by far then costs at most a 33rd of the time between probes. Doubling from
-    /// 16 tokens alone let such probes write a third of a loaded pool's output; at 8 times the loss (and a loss that
-    /// left the draft's prefill out) the default still ran at 0.86x `target` at 8 clients with 3% of its output
-    /// drafted, the probes' drafting sharing the target's cores (docs/figures.md, "Speculation that adapts to
-    /// load"). The price is a slower return to speculating where it starts to pay at that load: up to 4096 tokens
-    /// written alone at that load by the requests of that kind.
+    /// 16 tokens alone let such probes write a third of a loaded pool's output; at 8 times the loss (a loss that left
+    /// the draft's prefill out) the probes of a warm router at 8 clients took twice the draft worker's time they take
+    /// now (docs/figures.md, "Speculation that adapts to load"). The price is a slower return to speculating where it
+    /// starts to pay at that load: up to 4096 tokens written alone at that load by the requests of that kind.
     pub const PROBE_SHARE: f64 = 32.0;
 
     fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
