@@ -64,6 +64,8 @@ struct SpecFigure {
     /// Tokens written alone between two probe rounds while speculation loses: doubled after each probe that still
     /// loses, back to the least after one that wins.
     gap: usize,
+    /// Rounds reported here, by all requests.
+    reports: usize,
 }
 
 impl Default for SpecFigure {
@@ -72,6 +74,7 @@ impl Default for SpecFigure {
             rate: Rate::default(),
             since: 0,
             gap: Costs::MIN_GAP,
+            reports: 0,
         }
     }
 }
@@ -96,6 +99,14 @@ pub struct CostFigure {
 #[derive(Debug, Default)]
 pub struct Costs {
     levels: Mutex<HashMap<u32, Level>>,
+    activity: Mutex<Activity>,
+}
+
+/// The speculative rounds of a pool's requests: how many run now, and when the last ended.
+#[derive(Debug, Default)]
+struct Activity {
+    running: usize,
+    last_end: Option<std::time::Instant>,
 }
 
 impl Costs {
@@ -144,16 +155,55 @@ impl Costs {
         self.with(level, |l| l.spec.get(kind).and_then(|s| s.rate.get()))
     }
 
+    /// [`Costs::spec_ms`] and how many rounds were reported to it.
+    fn spec_figure(&self, kind: &str, level: u32) -> (Option<f64>, usize) {
+        self.with(level, |l| {
+            l.spec
+                .get(kind)
+                .map_or((None, 0), |s| (s.rate.get(), s.reports))
+        })
+    }
+
     /// The target wrote `tokens` alone in `ms`: for a paused request of `kind`, or (`None`) in `target` mode.
     pub fn record_alone(&self, kind: Option<&str>, level: u32, ms: f64, tokens: usize) {
+        self.add_alone(kind, level, ms, tokens, false);
+    }
+
+    /// [`Costs::record_alone`] for tokens written while another request's speculative round ran (`beside`): they
+    /// count towards the next probe, but not towards the target's figure at that level, once it has one.
+    ///
+    /// Where workers share their cores (a draft worker beside the target worker on one host), a step written beside
+    /// others' drafting takes longer, in wall time and in the time charged to it, and the longer the more requests
+    /// draft: a figure of the target taken then makes speculation look cheaper by comparison, more requests
+    /// speculate, and the target looks dearer still. On a fresh router at 8 clients on two cores, rounds judged
+    /// against such a figure (the target at 68-105 ms per token beside the drafting against 26-31 on its own) kept
+    /// most requests speculating to the end, at 0.70x `target`'s throughput (docs/figures.md, "A fresh router").
+    fn add_alone(&self, kind: Option<&str>, level: u32, ms: f64, tokens: usize, beside: bool) {
         if tokens == 0 {
             return;
         }
         self.with(level, |l| {
-            l.alone.add(ms, tokens);
+            if !beside || l.alone.get().is_none() {
+                l.alone.add(ms, tokens);
+            }
             if let Some(k) = kind {
                 l.spec.entry(k.to_string()).or_default().since += tokens;
             }
+        })
+    }
+
+    fn activity<T>(&self, f: impl FnOnce(&mut Activity) -> T) -> T {
+        f(&mut self.activity.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn round_begins(&self) {
+        self.activity(|a| a.running += 1)
+    }
+
+    fn round_ends(&self) {
+        self.activity(|a| {
+            a.running = a.running.saturating_sub(1);
+            a.last_end = Some(std::time::Instant::now());
         })
     }
 
@@ -165,6 +215,7 @@ impl Costs {
             let alone = l.alone.get();
             let s = l.spec.entry(kind.to_string()).or_default();
             s.since = 0;
+            s.reports += 1;
             s.rate.add(ms, tokens);
             match (s.rate.get(), alone) {
                 (Some(x), Some(a)) if x > a => {
@@ -298,8 +349,9 @@ pub enum Advice {
 
 /// One request's pace. Speculation goes on while it writes tokens at least as fast as the target alone, judged on
 /// an estimate of its milliseconds per token: the request's own recent rounds, leaning on the shared figure of its
-/// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, those
-/// rounds are made before it is judged). While it loses, the target writes alone, and every so many tokens written
+/// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, it leans on
+/// the first that other requests report while its rounds go on, and with none, those rounds are made before it is
+/// judged). While it loses, the target writes alone, and every so many tokens written
 /// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
 /// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
 /// which measures it again. Before the target's own speed at a load is known, the cheapest verification the request
@@ -311,8 +363,11 @@ pub struct Pace {
     /// This request's ms per token since its last pause, and its rounds there.
     own: Rate,
     rounds: usize,
-    /// The shared figure when those rounds began (before they were reported to it).
+    /// The shared figure when those rounds began (before they were reported to it), or where there was none, the
+    /// first that others reported to while they went on.
     prior: Option<f64>,
+    /// Rounds this request reported at `level` since it last paused.
+    reported: usize,
     /// The last advice was to write alone.
     alone_last: bool,
     cheapest_verify_ms: Option<f64>,
@@ -321,6 +376,8 @@ pub struct Pace {
     /// The level of the last advice, which the next report belongs to.
     level: u32,
     probing: bool,
+    /// A speculative round of this request is running (counted in the pool's [`Activity`]).
+    in_round: bool,
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
@@ -340,11 +397,13 @@ impl Pace {
             own: Rate::default(),
             rounds: 0,
             prior: None,
+            reported: 0,
             alone_last: false,
             cheapest_verify_ms: None,
             paused: 0,
             level: 0,
             probing: false,
+            in_round: false,
             pauses: 0,
             paused_tokens: 0,
         }
@@ -364,6 +423,7 @@ impl Pace {
 
     /// Speculate or write alone, now.
     pub fn advise(&mut self) -> Advice {
+        self.end_round();
         if self.paused > 0 {
             return Advice::Alone(self.paused);
         }
@@ -372,6 +432,16 @@ impl Pace {
         self.probing = false;
         if self.rounds == 0 {
             self.prior = costs.spec_ms(kind, self.level);
+        } else if self.prior.is_none() {
+            // Rounds made with no figure to lean on. Where others reported rounds at this load meanwhile (requests
+            // that began together on a router that had not measured this load), their figure counts as if it had
+            // been there: each request is then judged after its first round, not its first PROBE rounds (on a
+            // fresh router at 8 clients those rounds wrote a third of the output, as whole PARSE rounds, at a loss).
+            // The figure holds this request's own rounds too, weighed once more: a small bias towards them.
+            let (figure, reports) = costs.spec_figure(kind, self.level);
+            if reports > self.reported {
+                self.prior = figure;
+            }
         }
         let known_alone = costs.alone_ms(self.level);
         let alone = known_alone
@@ -384,6 +454,8 @@ impl Pace {
         if speculate || (self.rounds == 0 && costs.take_probe(kind, self.level)) {
             self.probing = !speculate;
             self.alone_last = false;
+            self.in_round = true;
+            costs.round_begins();
             return Advice::Speculate;
         }
         self.paused = if known_alone.is_none() {
@@ -399,6 +471,7 @@ impl Pace {
         self.alone_last = true;
         self.own = Rate::default();
         self.rounds = 0;
+        self.reported = 0;
         Advice::Alone(self.paused)
     }
 
@@ -411,6 +484,7 @@ impl Pace {
     /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs and what it spent on
     /// setting up (the draft's first prefill, left out of `spent`; it counts only towards a probe's loss).
     pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent], setup: Spent) {
+        self.end_round();
         let ms = spent.at(self.level);
         for v in verify {
             let v = v.at(self.level);
@@ -420,6 +494,7 @@ impl Pace {
             self.own.add(ms, tokens);
             self.rounds += 1;
         }
+        self.reported += 1;
         self.pacing.costs.record_spec(
             &self.pacing.kind,
             self.level,
@@ -434,9 +509,26 @@ impl Pace {
         let ms = spent.at(self.level);
         self.paused = self.paused.saturating_sub(tokens.max(1));
         self.paused_tokens += tokens;
+        let beside = self.beside_speculation(spent);
         self.pacing
             .costs
-            .record_alone(Some(&self.pacing.kind), self.level, ms, tokens);
+            .add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
+    }
+
+    fn end_round(&mut self) {
+        if std::mem::take(&mut self.in_round) {
+            self.pacing.costs.round_ends();
+        }
+    }
+
+    /// Whether another request's speculative round ran while the target wrote for `spent`.
+    fn beside_speculation(&self, spent: Spent) -> bool {
+        let costs = &self.pacing.costs;
+        costs.activity(|a| {
+            a.running > usize::from(self.in_round)
+                || a.last_end
+                    .is_some_and(|t| t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms)
+        })
     }
 
     /// Ends the current pause before its length is used up: the target stopped at a segment's end, where the pause
@@ -450,9 +542,16 @@ impl Pace {
     /// propose): its speed at the current load, for the others.
     pub fn target_wrote(&self, spent: Spent, tokens: usize) {
         let level = load_level((self.pacing.load)());
+        let beside = self.beside_speculation(spent);
         self.pacing
             .costs
-            .record_alone(None, level, spent.at(level), tokens);
+            .add_alone(None, level, spent.at(level), tokens, beside);
+    }
+}
+
+impl Drop for Pace {
+    fn drop(&mut self) {
+        self.end_round();
     }
 }
 
@@ -672,6 +771,103 @@ mod tests {
         // Target-mode requests tell the others what the target costs at their load.
         Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 70.0), 16);
         assert_eq!(pacing.costs.alone_ms(0), Some(70.0));
+    }
+
+    #[test]
+    fn requests_that_begin_together_on_a_fresh_router_are_judged_on_each_others_first_rounds() {
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: "parse+token-spec/model".into(),
+            load: Arc::new(|| 8),
+        };
+        // The target's figure at this load is known (from `target`-mode requests), speculation's is not.
+        Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
+        let mut all: Vec<Pace> = (0..8).map(|_| Pace::new(pacing.clone())).collect();
+        for p in all.iter_mut() {
+            assert_eq!(
+                p.advise(),
+                Advice::Speculate,
+                "no figure: each makes a round"
+            );
+        }
+        // Every first round loses (40 tokens at 150 ms/token against 90).
+        for p in all.iter_mut() {
+            p.speculated(
+                Spent::wall(40.0 * 150.0),
+                40,
+                &[Spent::wall(200.0)],
+                Spent::wall(0.0),
+            );
+        }
+        // Each is judged on the pool's figure, which the others' rounds made: all write alone from here.
+        for (i, p) in all.iter_mut().enumerate() {
+            assert!(matches!(p.advise(), Advice::Alone(_)), "request {i}");
+        }
+        // A request whose rounds are the only ones reported at its load is still judged after PROBE rounds.
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            ..pacing
+        };
+        Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
+        let mut p = Pace::new(pacing.clone());
+        for _ in 0..Pace::PROBE {
+            assert_eq!(p.advise(), Advice::Speculate);
+            p.speculated(
+                Spent::wall(40.0 * 150.0),
+                40,
+                &[Spent::wall(200.0)],
+                Spent::wall(0.0),
+            );
+        }
+        assert!(matches!(p.advise(), Advice::Alone(_)));
+    }
+
+    #[test]
+    fn the_target_measured_beside_others_speculation_leaves_its_figure_alone() {
+        let pacing = Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: "parse+token-spec/model".into(),
+            load: Arc::new(|| 8),
+        };
+        let step = |ms: f64| Spent {
+            wall_ms: 0.0,
+            charged_ms: Some(16.0 * ms),
+        };
+        // With no figure yet, a stretch written beside a speculative round is taken: it is all there is.
+        let mut drafting = Pace::new(pacing.clone());
+        let paused = Pace::new(pacing.clone());
+        assert_eq!(drafting.advise(), Advice::Speculate);
+        paused.target_wrote(step(90.0), 16);
+        assert_eq!(pacing.costs.alone_ms(3), Some(90.0));
+        drafting.speculated(step(50.0), 16, &[step(50.0)], Spent::wall(0.0));
+        // Once the round is over, the target's stretches count (a stretch of 0 ms began after it ended).
+        for _ in 0..20 {
+            paused.target_wrote(step(30.0), 16);
+        }
+        let quiet = pacing.costs.alone_ms(3).unwrap();
+        assert!((quiet - 30.0).abs() < 0.1, "{quiet}");
+        // Beside a round that runs, or one that ended within the stretch, they count towards probes only.
+        assert_eq!(drafting.advise(), Advice::Speculate);
+        paused.target_wrote(step(120.0), 16);
+        let mut mine = Pace::new(pacing.clone());
+        mine.wrote_alone(step(120.0), 16);
+        assert_eq!(pacing.costs.alone_ms(3), Some(quiet));
+        drafting.speculated(step(50.0), 16, &[step(50.0)], Spent::wall(0.0));
+        paused.target_wrote(
+            Spent {
+                wall_ms: 60_000.0,
+                charged_ms: Some(16.0 * 120.0),
+            },
+            16,
+        );
+        assert_eq!(pacing.costs.alone_ms(3), Some(quiet));
+        // A request's own round is not beside itself: a target step in it (the draft had nothing) counts, and a
+        // request that ends in the middle of a round leaves no round running.
+        assert_eq!(drafting.advise(), Advice::Speculate);
+        drafting.target_wrote(step(30.0), 16);
+        drop(drafting);
+        paused.target_wrote(step(60.0), 16);
+        assert!(pacing.costs.alone_ms(3).unwrap() > quiet + 1.0);
     }
 
     #[test]
