@@ -176,8 +176,9 @@ impl Costs {
     /// others' drafting takes longer, in wall time and in the time charged to it, and the longer the more requests
     /// draft: a figure of the target taken then makes speculation look cheaper by comparison, more requests
     /// speculate, and the target looks dearer still. On a fresh router at 8 clients on two cores, rounds judged
-    /// against such a figure (the target at 68-105 ms per token beside the drafting against 26-31 on its own) kept
-    /// most requests speculating to the end, at 0.70x `target`'s throughput (docs/figures.md, "A fresh router").
+    /// against such a figure (the target at 48-105 ms per token beside the drafting against 26-31 on its own) kept
+    /// most requests speculating to the end, at 0.65-0.70x `target`'s throughput (docs/figures.md, "A fresh
+    /// router").
     fn add_alone(&self, kind: Option<&str>, level: u32, ms: f64, tokens: usize, beside: bool) {
         if tokens == 0 {
             return;
@@ -366,7 +367,7 @@ pub struct Pace {
     /// The shared figure when those rounds began (before they were reported to it), or where there was none, the
     /// first that others reported to while they went on.
     prior: Option<f64>,
-    /// Rounds this request reported at `level` since it last paused.
+    /// Rounds this request reported since it last paused.
     reported: usize,
     /// The last advice was to write alone.
     alone_last: bool,
