@@ -201,11 +201,13 @@ impl Costs {
         self.activity(|a| a.running += 1)
     }
 
-    fn round_ends(&self) {
+    fn round_ends(&self) -> std::time::Instant {
+        let now = std::time::Instant::now();
         self.activity(|a| {
             a.running = a.running.saturating_sub(1);
-            a.last_end = Some(std::time::Instant::now());
-        })
+            a.last_end = Some(now);
+        });
+        now
     }
 
     /// A round of `kind` wrote `tokens` in `ms`. `probe`: it was a probe of a speculation that was losing, with what
@@ -379,6 +381,8 @@ pub struct Pace {
     probing: bool,
     /// A speculative round of this request is running (counted in the pool's [`Activity`]).
     in_round: bool,
+    /// When this request's last round ended (a round that ends at the next advice ends after that advice's mark).
+    round_ended: Option<std::time::Instant>,
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
@@ -405,6 +409,7 @@ impl Pace {
             level: 0,
             probing: false,
             in_round: false,
+            round_ended: None,
             pauses: 0,
             paused_tokens: 0,
         }
@@ -518,17 +523,19 @@ impl Pace {
 
     fn end_round(&mut self) {
         if std::mem::take(&mut self.in_round) {
-            self.pacing.costs.round_ends();
+            self.round_ended = Some(self.pacing.costs.round_ends());
         }
     }
 
-    /// Whether another request's speculative round ran while the target wrote for `spent`.
+    /// Whether another request's speculative round ran while the target wrote for `spent` (the last to end being
+    /// this request's own, the others' are taken to have ended before it).
     fn beside_speculation(&self, spent: Spent) -> bool {
         let costs = &self.pacing.costs;
         costs.activity(|a| {
             a.running > usize::from(self.in_round)
-                || a.last_end
-                    .is_some_and(|t| t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms)
+                || a.last_end.is_some_and(|t| {
+                    Some(t) != self.round_ended && t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms
+                })
         })
     }
 
@@ -866,6 +873,15 @@ mod tests {
         // request that ends in the middle of a round leaves no round running.
         assert_eq!(drafting.advise(), Advice::Speculate);
         drafting.target_wrote(step(30.0), 16);
+        // Nor is a round of its own that ends at its next advice, after the stretch that follows began.
+        let long = Spent {
+            wall_ms: 60_000.0,
+            charged_ms: Some(16.0 * 10.0),
+        };
+        assert_eq!(drafting.advise(), Advice::Speculate);
+        drafting.wrote_alone(long, 16);
+        let before_drop = pacing.costs.alone_ms(3).unwrap();
+        assert!(before_drop < quiet - 5.0, "{before_drop} {quiet}");
         drop(drafting);
         paused.target_wrote(step(60.0), 16);
         assert!(pacing.costs.alone_ms(3).unwrap() > quiet + 1.0);
