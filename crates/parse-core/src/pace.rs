@@ -781,12 +781,26 @@ mod tests {
         assert_eq!(pacing.costs.alone_ms(0), Some(70.0));
     }
 
-    #[test]
-    fn requests_that_begin_together_on_a_fresh_router_are_judged_on_each_others_first_rounds() {
-        let pacing = Pacing {
+    /// A router's shared figures, empty, with 8 requests per target worker.
+    fn fresh_pool_at_eight() -> Pacing {
+        Pacing {
             costs: Arc::new(Costs::default()),
             kind: "parse+token-spec/model".into(),
             load: Arc::new(|| 8),
+        }
+    }
+
+    #[test]
+    fn requests_that_begin_together_on_a_fresh_router_are_judged_on_each_others_first_rounds() {
+        let pacing = fresh_pool_at_eight();
+        // A round that loses: 40 tokens at 150 ms/token against the target's 90.
+        let losing_round = |p: &mut Pace| {
+            p.speculated(
+                Spent::wall(40.0 * 150.0),
+                40,
+                &[Spent::wall(200.0)],
+                Spent::wall(0.0),
+            )
         };
         // The target's figure at this load is known (from `target`-mode requests), speculation's is not.
         Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
@@ -798,14 +812,9 @@ mod tests {
                 "no figure: each makes a round"
             );
         }
-        // Every first round loses (40 tokens at 150 ms/token against 90).
+        // Every first round loses.
         for p in all.iter_mut() {
-            p.speculated(
-                Spent::wall(40.0 * 150.0),
-                40,
-                &[Spent::wall(200.0)],
-                Spent::wall(0.0),
-            );
+            losing_round(p);
         }
         // Each is judged on the pool's figure, which the others' rounds made: all write alone from here.
         for (i, p) in all.iter_mut().enumerate() {
@@ -820,23 +829,14 @@ mod tests {
         let mut p = Pace::new(pacing.clone());
         for _ in 0..Pace::PROBE {
             assert_eq!(p.advise(), Advice::Speculate);
-            p.speculated(
-                Spent::wall(40.0 * 150.0),
-                40,
-                &[Spent::wall(200.0)],
-                Spent::wall(0.0),
-            );
+            losing_round(&mut p);
         }
         assert!(matches!(p.advise(), Advice::Alone(_)));
     }
 
     #[test]
     fn the_target_measured_beside_others_speculation_leaves_its_figure_alone() {
-        let pacing = Pacing {
-            costs: Arc::new(Costs::default()),
-            kind: "parse+token-spec/model".into(),
-            load: Arc::new(|| 8),
-        };
+        let pacing = fresh_pool_at_eight();
         let step = |ms: f64| Spent {
             wall_ms: 0.0,
             charged_ms: Some(16.0 * ms),
