@@ -1,10 +1,13 @@
 //! AMX-INT8 block kernels for Q4_K and Q6_K weights: 16 weight rows x 16 activation rows per tile multiply.
 //!
-//! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: per super-block and
-//! sub-block, `tdpbssd` gives the exact integer dot products of 16 weight rows with 16 activation rows; they are
-//! scaled by the sub-block scales and summed into the exact integer `S` (for Q4_K the min term `M` is an exact
-//! integer too, through `vpdpwssd`), and the float chains are those of the definitions. Only blocks of at least [`MIN_ROWS`] rows come here; one-token steps use the
-//! VNNI panels, which give the same bits.
+//! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: as the weights of a
+//! super-block are unpacked, each is multiplied by its sub-block's scale and the product split into two signed
+//! bytes (`lo + 2^s hi`); two `tdpbssd` chains over the whole super-block give the exact integers `L` and `H` of 16
+//! weight rows with 16 activation rows, and `S = L + 2^s H` is the super-block's integer of the definition (for Q4_K
+//! the min term `M` is an exact integer too, through `vpdpwssd`); the float chains are those of the definitions.
+//! Only blocks of at least [`MIN_ROWS`] rows come here; one-token steps use the VNNI panels, which give the same
+//! bits. The weights are walked 16 rows at a time, one super-block per step, with the blocks of a later step
+//! prefetched.
 //!
 //! Tiles are programmed with inline assembly (the AMX intrinsics are not stable in Rust): `ldtilecfg` on entry,
 //! `tilerelease` on exit, so no tile state outlives a call. The process asks the kernel for the AMX tile data
@@ -18,10 +21,11 @@ use std::sync::OnceLock;
 
 use super::*;
 
-/// Blocks with fewer activation rows use the panels (a 16-row tile would be mostly padding). Measured with
-/// `engine-bench --blocks 4,8,16,64` on the default target, `PARSE_CPU_KERNELS=vnni` against `amx`: an 8-token block
-/// took 183 vs 167 ms, a 16-token block 343 vs 190 ms.
-pub const MIN_ROWS: usize = 8;
+/// Blocks with fewer activation rows use the panels (a 16-row tile would be mostly padding, and unpacking the weights
+/// for the tiles costs about as much as a one-row pass whatever the rows). Measured with prefetching in the tiles,
+/// `engine-bench --models target --blocks 2,4,6,8`, `PARSE_CPU_KERNELS=vnni` against `amx` on a 2-core AMX machine:
+/// 4 rows 94 vs 106-112 ms, 6 rows 114 vs 112-119 ms, 8 rows 136 vs 113-127 ms (logits at the last row).
+pub const MIN_ROWS: usize = 6;
 
 const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
 const XFEATURE_XTILEDATA: libc::c_ulong = 18;
@@ -132,6 +136,77 @@ static TIMES: [[u8; 16]; 8] = {
     t
 };
 
+/// The two tile products of one super-block: `L = sum lo x` into `c_lo` and `H = sum hi x` into `c_hi`, for the 16
+/// weight rows unpacked into `u_lo`/`u_hi` (256 values each, in activation order) and the 16 activation rows of
+/// tile-block `tb` of `acts`.
+///
+/// # Safety
+/// AMX must be usable and the tiles configured as five 16 x 64-byte tiles (`TileConfig::new(&[(64, 16); 5])`);
+/// `tb` must be a tile-block of `acts`.
+#[inline(always)]
+unsafe fn lo_hi_products(
+    acts: &Acts,
+    tb: usize,
+    u_lo: &Unpacked,
+    u_hi: &Unpacked,
+    c_lo: &mut CTile,
+    c_hi: &mut CTile,
+) {
+    // tmm0, tmm3: L and H, 16 rows x 16 i32; tmm1, tmm4: A (lo, hi), 16 weight rows x 64 bytes; tmm2: B, 16 x 64
+    // bytes (64 activation values of 16 rows: sub-blocks 2j and 2j + 1 are adjacent in `acts.xb`).
+    // SAFETY: A operands span 16 rows of 64 bytes at stride 256 inside `u_lo`/`u_hi`; B spans 16 rows of 64 bytes
+    // inside `acts.xb`; L and H are stored into `c_lo`/`c_hi` (16 rows of 64 bytes); the caller configured the tiles.
+    unsafe {
+        asm!("tilezero tmm0", "tilezero tmm3", options(nostack, nomem));
+        for j in 0..4 {
+            asm!(
+                "tileloadd tmm2, [{b} + {s64}*1]",
+                "tileloadd tmm1, [{lo} + {s256}*1]",
+                "tileloadd tmm4, [{hi} + {s256}*1]",
+                "tdpbssd tmm0, tmm1, tmm2",
+                "tdpbssd tmm3, tmm4, tmm2",
+                b = in(reg) acts.xb[(tb * 8 + 2 * j) * 512..].as_ptr(),
+                lo = in(reg) u_lo.0[0][64 * j..].as_ptr(),
+                hi = in(reg) u_hi.0[0][64 * j..].as_ptr(),
+                s64 = in(reg) 64usize,
+                s256 = in(reg) 256usize,
+                options(nostack),
+            );
+        }
+        asm!(
+            "tilestored [{lo} + {s64}*1], tmm0",
+            "tilestored [{hi} + {s64}*1], tmm3",
+            lo = in(reg) c_lo.0.as_mut_ptr(),
+            hi = in(reg) c_hi.0.as_mut_ptr(),
+            s64 = in(reg) 64usize,
+            options(nostack),
+        );
+    }
+}
+
+/// Super-block steps ahead that a group kernel prefetches its weights: the kernels walk 16 weight rows one
+/// super-block at a time (16 streams, which the hardware prefetcher does not follow as well as decode's one), so the
+/// blocks of the step `AHEAD` steps on are asked for while this one is computed.
+const AHEAD: usize = 2;
+
+/// Prefetches the 16 weight blocks (one per row of a group) of step `step` of the walk over `groups` groups of 16
+/// rows with `kb` blocks each; past the end, nothing.
+#[inline(always)]
+fn prefetch_step<T>(w: &[T], kb: usize, step: usize) {
+    let (g, b) = (step / kb, step % kb);
+    if (g + 1) * 16 * kb > w.len() {
+        return;
+    }
+    let size = std::mem::size_of::<T>();
+    for n in 0..16 {
+        let p = (&w[(g * 16 + n) * kb + b] as *const T).cast::<i8>();
+        for off in (0..size).step_by(64).chain(std::iter::once(size - 1)) {
+            // SAFETY: the block has `size` bytes from `p`; prefetching never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+        }
+    }
+}
+
 /// `out[r * stride + c] = dot(W[c], x[r])` for every weight row `c` of `w` (a multiple of 16 rows of `kb` blocks)
 /// and every activation row `r < acts.m`.
 ///
@@ -149,8 +224,7 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
     let tiles = acts.tiles;
-    // tmm0, tmm3: L and H, 16 rows x 16 i32; tmm1, tmm4: A (q * lo, q * hi), 16 weight rows x 64 bytes;
-    // tmm2: B, 16 x 64 bytes (64 activation values of 16 rows).
+    // A operands `q * lo` and `q * hi` (see `lo_hi_products`).
     let cfg = TileConfig::new(&[(64, 16); 5]);
     let mut u_lo = Box::new(Unpacked([[0; 256]; 16]));
     let mut u_hi = Box::new(Unpacked([[0; 256]; 16]));
@@ -169,6 +243,7 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
         acc.fill(0.0);
         acc_m.fill(0.0);
         for b in 0..kb {
+            prefetch_step(w, kb, g * kb + b + AHEAD);
             let mut mp = [[0i32; 4]; 16];
             let mut wd = [0f32; 16];
             let mut wdm = [0f32; 16];
@@ -216,35 +291,8 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
             }
             for t in 0..tiles {
                 let tb = t * kb + b;
-                // SAFETY: A operands span 16 rows of 64 bytes at stride 256 inside `u_lo`/`u_hi`; B spans 16 rows
-                // of 64 bytes inside `acts.xb` (sub-blocks 2j and 2j + 1 are adjacent); L and H are stored into
-                // `c_lo`/`c_hi` (16 rows of 64 bytes); the tiles were configured above.
-                unsafe {
-                    asm!("tilezero tmm0", "tilezero tmm3", options(nostack, nomem));
-                    for j in 0..4 {
-                        asm!(
-                            "tileloadd tmm2, [{b} + {s64}*1]",
-                            "tileloadd tmm1, [{lo} + {s256}*1]",
-                            "tileloadd tmm4, [{hi} + {s256}*1]",
-                            "tdpbssd tmm0, tmm1, tmm2",
-                            "tdpbssd tmm3, tmm4, tmm2",
-                            b = in(reg) acts.xb[(tb * 8 + 2 * j) * 512..].as_ptr(),
-                            lo = in(reg) u_lo.0[0][64 * j..].as_ptr(),
-                            hi = in(reg) u_hi.0[0][64 * j..].as_ptr(),
-                            s64 = in(reg) 64usize,
-                            s256 = in(reg) 256usize,
-                            options(nostack),
-                        );
-                    }
-                    asm!(
-                        "tilestored [{lo} + {s64}*1], tmm0",
-                        "tilestored [{hi} + {s64}*1], tmm3",
-                        lo = in(reg) c_lo.0.as_mut_ptr(),
-                        hi = in(reg) c_hi.0.as_mut_ptr(),
-                        s64 = in(reg) 64usize,
-                        options(nostack),
-                    );
-                }
+                // SAFETY: the tiles were configured above with the layout `lo_hi_products` expects.
+                unsafe { lo_hi_products(acts, tb, &u_lo, &u_hi, &mut c_lo, &mut c_hi) };
                 // SAFETY: 16 scales and 4 x 16 packed sums of tile t, super-block b.
                 let (dx, bsp) = unsafe {
                     let bsp: [__m512i; 4] = std::array::from_fn(|tt| {
@@ -294,107 +342,140 @@ pub unsafe fn q4k_groups(w: &[BlockQ4K], kb: usize, acts: &Acts, out: &mut [f32]
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
+/// `i16` lane indices that spread a Q6_K super-block's 16 group scales over the 64 values of chunk `c` (0..4, in
+/// activation order): half `h` (values `32h..32h + 32` of the chunk) takes groups `4c + 2h` (lanes 0..16) and
+/// `4c + 2h + 1` (lanes 16..32). Entry `2c + h`.
+static Q6K_SCALE_LANES: [[i16; 32]; 8] = {
+    let mut t = [[0i16; 32]; 8];
+    let mut e = 0;
+    while e < 8 {
+        let mut l = 0;
+        while l < 32 {
+            t[e][l] = (2 * e + l / 16) as i16;
+            l += 1;
+        }
+        e += 1;
+    }
+    t
+};
+
 /// `out[r * stride + c] = dot(W[c], x[r])` for every Q6_K weight row `c` of `w` (a multiple of 16 rows of `kb`
 /// blocks) and every activation row `r < acts.m`.
+///
+/// Each weight is multiplied by its group's scale as it is unpacked (`p = sc * q`, `q` in -32..32 and `sc` a signed
+/// byte, so `p` in -4064..=4096) and split as `p = 64 * hi + lo` with `lo = p & 63` and `hi = p >> 6` (in -64..=64),
+/// both signed bytes: two tile products over the whole super-block, `L = sum lo x` and `H = sum hi x`, give
+/// `S = L + 64 H` exactly, the integer of the definition, with one tile store each per super-block (one per
+/// 16-value group before, with a multiply per group and weight row).
 ///
 /// # Safety
 /// The CPU must support the VNNI variant and [`available`] must have returned true.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
-#[allow(clippy::needless_range_loop)] // group and weight-row indices address several arrays at once
+#[allow(clippy::needless_range_loop)] // weight-row indices address several arrays at once
 pub unsafe fn q6k_groups(w: &[BlockQ6K], kb: usize, acts: &Acts, out: &mut [f32], stride: usize) {
     debug_assert_eq!(kb, acts.kb);
     let w = raw_q6k(w);
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
     let tiles = acts.tiles;
-    // tmm0: C, 16 rows x 16 i32; tmm1: A, 16 weight rows x 16 bytes (one scale group); tmm2: B, 4 x 64 bytes.
-    let cfg = TileConfig::new(&[(64, 16), (16, 16), (64, 4)]);
-    let mut u = Box::new(Unpacked([[0; 256]; 16]));
-    let mut c = Box::new(CTile([0; 256]));
+    let cfg = TileConfig::new(&[(64, 16); 5]);
+    let mut u_lo = Box::new(Unpacked([[0; 256]; 16]));
+    let mut u_hi = Box::new(Unpacked([[0; 256]; 16]));
+    let mut c_lo = Box::new(CTile([0; 256]));
+    let mut c_hi = Box::new(CTile([0; 256]));
     let mut acc = vec![0f32; tiles * 256];
     let m4 = _mm512_set1_epi8(0xF);
     let m2 = _mm512_set1_epi8(3);
     let k32 = _mm512_set1_epi8(32);
+    let low6 = _mm512_set1_epi16(63);
     let shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     let shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    // SAFETY: the table holds 8 rows of 32 i16.
+    let lanes: [__m512i; 8] =
+        std::array::from_fn(|e| unsafe { _mm512_loadu_si512(Q6K_SCALE_LANES[e].as_ptr().cast()) });
     // SAFETY: the configuration is a valid palette-1 layout; the caller guarantees AMX is usable.
     unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
     for g in 0..cols / 16 {
         acc.fill(0.0);
         for b in 0..kb {
-            let mut sc = [[0i32; 16]; 16];
+            prefetch_step(w, kb, g * kb + b + AHEAD);
             let mut wd = [0f32; 16];
             for n in 0..16 {
                 let blk = &w[(g * 16 + n) * kb + b];
-                sc[n] = blk.scales.map(|v| v as i32);
                 wd[n] = f16::from_bits(blk.d).to_f32();
-                // Values minus 32, in activation order (as the VNNI kernel builds them).
-                for h in 0..2 {
-                    // SAFETY: ql has 128 bytes and qh 64; the loads span 64h..64h+64 and 32h..32h+32; u.0[n] has
-                    // 256 bytes.
-                    unsafe {
-                        let ql = _mm512_loadu_si512(blk.ql.as_ptr().add(64 * h).cast());
-                        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            blk.qh.as_ptr().add(32 * h).cast(),
-                        ));
-                        let high = |shift: __m512i| {
-                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
-                        };
-                        let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01));
-                        let q23 = _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                            high(shift23),
+                // SAFETY: scales has 16 bytes.
+                let sc16 = unsafe {
+                    _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(
+                        blk.scales.as_ptr().cast(),
+                    )))
+                };
+                // Chunk `c` (values 64c..64c+64 in activation order) of `q - 32`, scaled and split.
+                let mut split = |c: usize, q: __m512i| {
+                    let half = |h: usize, v: __m256i| {
+                        let p = _mm512_mullo_epi16(
+                            _mm512_cvtepi8_epi16(v),
+                            _mm512_permutexvar_epi16(lanes[2 * c + h], sc16),
                         );
-                        let dst = u.0[n].as_mut_ptr().add(128 * h);
-                        _mm512_storeu_si512(dst.cast(), _mm512_sub_epi8(q01, k32));
-                        _mm512_storeu_si512(dst.add(64).cast(), _mm512_sub_epi8(q23, k32));
+                        (
+                            _mm512_cvtepi16_epi8(_mm512_and_si512(p, low6)),
+                            _mm512_cvtepi16_epi8(_mm512_srai_epi16(p, 6)),
+                        )
+                    };
+                    let (l0, h0) = half(0, _mm512_castsi512_si256(q));
+                    let (l1, h1) = half(1, _mm512_extracti64x4_epi64(q, 1));
+                    // SAFETY: u_lo/u_hi rows have 256 bytes; the stores span 64c..64c+64.
+                    unsafe {
+                        _mm512_store_si512(
+                            u_lo.0[n].as_mut_ptr().add(64 * c).cast(),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1),
+                        );
+                        _mm512_store_si512(
+                            u_hi.0[n].as_mut_ptr().add(64 * c).cast(),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1),
+                        );
                     }
+                };
+                // Values in activation order, as the VNNI kernel builds them.
+                for h in 0..2 {
+                    // SAFETY: ql has 128 bytes and qh 64; the loads span 64h..64h+64 and 32h..32h+32.
+                    let (ql, qh) = unsafe {
+                        (
+                            _mm512_loadu_si512(blk.ql.as_ptr().add(64 * h).cast()),
+                            _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                blk.qh.as_ptr().add(32 * h).cast(),
+                            )),
+                        )
+                    };
+                    let high = |shift: __m512i| {
+                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), m2), 4)
+                    };
+                    let q01 = _mm512_or_si512(_mm512_and_si512(ql, m4), high(shift01));
+                    let q23 = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                        high(shift23),
+                    );
+                    split(2 * h, _mm512_sub_epi8(q01, k32));
+                    split(2 * h + 1, _mm512_sub_epi8(q23, k32));
                 }
             }
             for t in 0..tiles {
                 let tb = t * kb + b;
-                let mut s_acc = [_mm512_setzero_si512(); 16];
-                for grp in 0..16 {
-                    let a_ptr = u.0[0][16 * grp..].as_ptr();
-                    let b_ptr = acts.xb[(tb * 8 + grp / 2) * 512 + (grp % 2) * 256..].as_ptr();
-                    // SAFETY: A spans 16 rows of 16 bytes at stride 256 inside `u`; B spans 4 rows of 64 bytes inside
-                    // `acts.xb`; C is stored into `c` (16 rows of 64 bytes); the tiles were configured above.
-                    unsafe {
-                        asm!(
-                            "tilezero tmm0",
-                            "tileloadd tmm1, [{a} + {sa}*1]",
-                            "tileloadd tmm2, [{b} + {sb}*1]",
-                            "tdpbssd tmm0, tmm1, tmm2",
-                            "tilestored [{c} + {sc}*1], tmm0",
-                            a = in(reg) a_ptr,
-                            sa = in(reg) 256usize,
-                            b = in(reg) b_ptr,
-                            sb = in(reg) 64usize,
-                            c = in(reg) c.0.as_mut_ptr(),
-                            sc = in(reg) 64usize,
-                            options(nostack),
-                        );
-                    }
-                    for n in 0..16 {
-                        // SAFETY: row n of C is 16 i32 inside `c`.
-                        let row = unsafe { _mm512_load_si512(c.0[16 * n..].as_ptr().cast()) };
-                        s_acc[n] = _mm512_add_epi32(
-                            s_acc[n],
-                            _mm512_mullo_epi32(row, _mm512_set1_epi32(sc[n][grp])),
-                        );
-                    }
-                }
+                // SAFETY: the tiles were configured above with the layout `lo_hi_products` expects.
+                unsafe { lo_hi_products(acts, tb, &u_lo, &u_hi, &mut c_lo, &mut c_hi) };
                 // SAFETY: 16 scales of tile t, super-block b.
                 let dx = unsafe { _mm512_loadu_ps(acts.dx[tb * 16..].as_ptr()) };
                 for n in 0..16 {
                     let at = (t * 16 + n) * 16;
-                    // SAFETY: acc holds 16 f32 at `at`.
+                    // SAFETY: row n of L and H is 16 i32 inside `c_lo`/`c_hi`; acc holds 16 f32 at `at`.
                     unsafe {
+                        let l = _mm512_load_si512(c_lo.0[16 * n..].as_ptr().cast());
+                        let h = _mm512_load_si512(c_hi.0[16 * n..].as_ptr().cast());
+                        let s_n = _mm512_add_epi32(l, _mm512_slli_epi32(h, 6));
                         let a = _mm512_loadu_ps(acc[at..].as_ptr());
                         let d = _mm512_mul_ps(dx, _mm512_set1_ps(wd[n]));
                         _mm512_storeu_ps(
                             acc[at..].as_mut_ptr(),
-                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_acc[n]), a),
+                            _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s_n), a),
                         );
                     }
                 }

@@ -336,7 +336,7 @@ pub enum Kernels {
     Avx2,
     /// AVX-512 with VNNI (`vpdpbusd`: 64 products per instruction).
     Vnni,
-    /// The VNNI variant, with AMX-INT8 tile multiplies for Q4_K blocks of [`amx::MIN_ROWS`] rows or more.
+    /// The VNNI variant, with AMX-INT8 tile multiplies for Q4_K and Q6_K blocks of [`amx::MIN_ROWS`] rows or more.
     Amx,
 }
 
@@ -780,8 +780,20 @@ mod tests {
         let (kb, cols) = (3, 32);
         let k = kb * QK_K;
         let wf = random(&mut rng, cols * k, 1.0);
-        let (w, w6) = (blocks::<BlockQ4K>(&wf), blocks::<BlockQ6K>(&wf));
-        for m in [8, 16, 21] {
+        let (w, mut w6) = (blocks::<BlockQ4K>(&wf), blocks::<BlockQ6K>(&wf));
+        // The first super-block of the first 16 Q6_K rows at the extremes of the scaled weights the tiles split into
+        // two bytes: every weight -32 or 31, every group scale -128 or 127 (products -4064..=4096).
+        for (n, b) in w6.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ6K and RawQ6K have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ6K).cast::<RawQ6K>() };
+            let q: u8 = if n % 2 == 0 { 0 } else { 63 };
+            raw.ql = [(q & 0xF) | ((q & 0xF) << 4); 128];
+            let h = q >> 4;
+            raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
+            raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
+        }
+        for m in [amx::MIN_ROWS, 8, 16, 21] {
             let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&random(&mut rng, m * k, 3.0));
             let acts = amx::Acts::new(&xq, kb, m);
             let stride = cols + 5;
