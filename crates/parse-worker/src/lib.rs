@@ -373,6 +373,7 @@ impl<B: Backend> Shell<B> {
             step_rows: cfg.step_rows.max(1),
             max_tasks: cfg.queue.max(1),
             on_step: Some(on_step),
+            ..Packing::default()
         };
         Shell {
             scheduler: Scheduler::spawn(cfg.name, state, cfg.queue.max(1), packing, cancel.clone()),

@@ -9,6 +9,9 @@
 //! forward pass ([`Forward::forward_blocks`]), and each task gets its block's logits back at its next step. A task
 //! that joins does not wait for the others to finish; a prefill is cut to the room a step has left, so a long
 //! prompt does not stall the decode steps beside it. Tasks that did not get into a step go first at the next one.
+//! A step whose planning answered callers waits a moment (`Packing::linger`, at most an eighth of the last pass)
+//! for their next calls before its pass starts: a caller that calls again at once (the router's next `Extend` of a
+//! request) otherwise sits out a whole pass.
 //!
 //! Work whose caller has gone (its reply receiver dropped: a cancelled request) is skipped, or stopped at its next
 //! step. The thread ends when every handle is dropped or the cancellation token fires; later calls answer
@@ -76,7 +79,14 @@ pub struct Packing {
     pub max_tasks: usize,
     /// Called after every packed pass.
     pub on_step: Option<std::sync::Arc<dyn Fn(StepShape) + Send + Sync>>,
+    /// How long a step may wait, once tasks have finished (and answered) in its planning, for their callers' next
+    /// calls before its pass starts; at most [`LINGER_SHARE`] of the last pass's time. Zero: never wait.
+    pub linger: std::time::Duration,
 }
+
+/// The longest a step lingers, as a share of the last pass's time: what a caller whose next call never comes costs
+/// the others is bounded by it.
+pub const LINGER_SHARE: f64 = 0.125;
 
 impl Default for Packing {
     fn default() -> Self {
@@ -84,6 +94,7 @@ impl Default for Packing {
             step_rows: 128,
             max_tasks: 256,
             on_step: None,
+            linger: std::time::Duration::from_millis(5),
         }
     }
 }
@@ -119,6 +130,7 @@ fn run<S: Forward>(
 ) {
     let mut running: VecDeque<Running<S>> = VecDeque::new();
     let step_rows = packing.step_rows.max(1);
+    let mut last_pass = std::time::Duration::ZERO;
     loop {
         // Wait only when nothing runs; otherwise take what has arrived and step. Once the token has fired, no
         // work runs (what was queued is dropped: its callers get Stopped).
@@ -151,45 +163,81 @@ fn run<S: Forward>(
             .filter(|r| r.started && !r.task.abandoned())
             .map(|r| r.task.session().to_string())
             .collect();
-        for (i, r) in running.iter_mut().enumerate() {
-            if r.task.abandoned() {
-                if r.started {
-                    r.task.cancel(state);
-                }
-                finished.push(i);
-                continue;
-            }
-            if !r.started && busy.iter().any(|b| b == r.task.session()) {
-                continue;
-            }
-            if r.block.is_none() {
-                if planned >= step_rows {
+        // Tasks that finished in this planning: each answered a caller whose next call is likely on its way.
+        let mut answered = 0;
+        let mut from = 0;
+        loop {
+            for (i, r) in running.iter_mut().enumerate().skip(from) {
+                if r.task.abandoned() {
+                    if r.started {
+                        r.task.cancel(state);
+                    }
+                    finished.push(i);
                     continue;
                 }
-                if !r.started {
-                    busy.push(r.task.session().to_string());
+                if !r.started && busy.iter().any(|b| b == r.task.session()) {
+                    continue;
                 }
-                r.started = true;
-                match r.task.advance(state, r.input.take(), step_rows - planned) {
-                    Some(b) => r.block = Some(b),
-                    None => {
-                        finished.push(i);
+                if r.block.is_none() {
+                    if planned >= step_rows {
                         continue;
                     }
+                    if !r.started {
+                        busy.push(r.task.session().to_string());
+                    }
+                    r.started = true;
+                    match r.task.advance(state, r.input.take(), step_rows - planned) {
+                        Some(b) => r.block = Some(b),
+                        None => {
+                            // Done and answered: its session is free for the next task.
+                            busy.retain(|b| b != r.task.session());
+                            answered += 1;
+                            finished.push(i);
+                            continue;
+                        }
+                    }
+                }
+                let Some(b) = r.block.as_ref() else { continue };
+                let fits = planned == 0 || planned + b.rows() <= step_rows;
+                if fits && !blocks.iter().any(|x| x.session == b.session) {
+                    planned += b.rows();
+                    owners.push(i);
+                    blocks.extend(r.block.take());
                 }
             }
-            let Some(b) = r.block.as_ref() else { continue };
-            let fits = planned == 0 || planned + b.rows() <= step_rows;
-            if fits && !blocks.iter().any(|x| x.session == b.session) {
-                planned += b.rows();
-                owners.push(i);
-                blocks.extend(r.block.take());
+            // A caller just answered usually calls again at once (a worker's reply, then the router's next call):
+            // without a short wait, the pass that starts now would leave its session out, and it would wait a whole
+            // pass. The wait ends when as many tasks have arrived as finished, or after the linger.
+            if answered == 0 || blocks.is_empty() || packing.linger.is_zero() || from > 0 {
+                break;
+            }
+            from = running.len();
+            let wait = packing.linger.min(last_pass.mul_f64(LINGER_SHARE));
+            let deadline = std::time::Instant::now() + wait;
+            let mut arrived = 0;
+            while arrived < answered && running.len() < packing.max_tasks.max(1) {
+                match rx.try_recv() {
+                    Ok(w) => {
+                        arrived += usize::from(matches!(w, Work::Task(_)));
+                        take(state, &mut running, w);
+                    }
+                    Err(mpsc::error::TryRecvError::Empty)
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                    Err(_) => break,
+                }
+            }
+            if running.len() == from {
+                break;
             }
         }
         if !blocks.is_empty() {
             let t = std::time::Instant::now();
             let results = state.forward_blocks(&blocks);
-            let per_row = t.elapsed().as_secs_f64() * 1e3 / planned.max(1) as f64;
+            last_pass = t.elapsed();
+            let per_row = last_pass.as_secs_f64() * 1e3 / planned.max(1) as f64;
             for (b, &i) in blocks.iter().zip(&owners) {
                 running[i].task.charge(per_row * b.rows() as f64);
             }
@@ -649,6 +697,48 @@ mod tests {
             .unwrap();
         assert_eq!(cancelled, ["gone"]);
         assert!(n < 8 + 1000, "the abandoned task ran to its end");
+    }
+
+    /// Runs a long task and, beside it, a one-step task whose caller calls again on the same session as soon as it
+    /// is answered; returns the sessions of the second pass after the first task's.
+    async fn second_call_pass(linger: Duration) -> Vec<String> {
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            Packing {
+                linger,
+                ..packing(64)
+            },
+            CancellationToken::new(),
+        );
+        s.call(|l| l.pass_time = Duration::from_millis(160))
+            .await
+            .unwrap();
+        let (long, rx_long) = counter("long", 6, 1);
+        let (first, rx_first) = named("first", "s", 1, 1);
+        let answers = queued_together(&s, vec![(long, rx_long), (first, rx_first)]).await;
+        let mut answers = answers.into_iter();
+        let long = answers.next().unwrap();
+        answers.next().unwrap().await.unwrap().unwrap();
+        let (second, rx_second) = named("second", "s", 1, 1);
+        s.run_task(second, rx_second, true).await.unwrap();
+        long.await.unwrap().unwrap();
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        // Pass 0 ran `first`; it was answered while pass 1 was planned.
+        passes[1]
+            .iter()
+            .map(|(session, _)| session.clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_step_lingers_for_the_next_call_of_a_caller_it_just_answered() {
+        let mut with = second_call_pass(Duration::from_millis(20)).await;
+        with.sort();
+        assert_eq!(with, ["long", "s"]);
+        // Without the linger the pass starts at once and the second call waits for the one after.
+        assert_eq!(second_call_pass(Duration::ZERO).await, ["long"]);
     }
 
     #[tokio::test]
