@@ -75,9 +75,11 @@ fn main() -> Result<()> {
     let mut target = Engine::load(&EngineConfig::new(
         dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
     ))?;
-    let mut draft = Engine::load(&EngineConfig::new(
-        dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-    ))?;
+    let mut draft = Engine::load(&EngineConfig {
+        // As the draft worker loads it (its head in Q5_0), so that both sides draft the same tokens.
+        load: parse_engine::LoadOptions::draft(),
+        ..EngineConfig::new(dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    })?;
     let tok = target.tokenizer().clone();
 
     // In process.

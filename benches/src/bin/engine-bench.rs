@@ -19,7 +19,8 @@ use serde_json::json;
 
 #[derive(Parser)]
 struct Args {
-    /// Which default models to measure.
+    /// Which default models to measure: `target`, `draft` (loaded as a draft is: its output head in Q5_0,
+    /// `LoadOptions::draft`), `draft-stored` (the draft with its head as stored, Q8_0).
     #[arg(long, value_delimiter = ',', default_value = "target,draft")]
     models: Vec<String>,
     /// Tokens in the cache before each measured step.
@@ -40,7 +41,8 @@ struct Args {
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
     /// Also measure how often the draft's greedy token equals the target's over this many target-chosen tokens
-    /// per prompt, with the draft as stored (Q5_0) and with its Q5_0 matrices requantized to Q8_0.
+    /// per prompt, with the draft as stored (Q5_0 matrices, a Q8_0 head), with its Q5_0 matrices requantized to Q8_0,
+    /// and with its head in Q5_0 (as a draft loads).
     #[arg(long)]
     agreement: Option<usize>,
     /// Repetitions for llama-bench.
@@ -119,9 +121,18 @@ fn cpu_description() -> String {
 fn file_for(model: &str) -> Result<&'static str> {
     match model {
         "target" => Ok("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
-        "draft" => Ok("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-        other => anyhow::bail!("unknown model `{other}` (target or draft)"),
+        "draft" | "draft-stored" => Ok("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+        other => anyhow::bail!("unknown model `{other}` (target, draft or draft-stored)"),
     }
+}
+
+/// How `model` is loaded: the draft as the workers load a draft, `draft-stored` and the target as stored.
+fn config_for(model: &str, path: &std::path::Path) -> EngineConfig {
+    let mut cfg = EngineConfig::new(path);
+    if model == "draft" {
+        cfg.load = parse_engine::LoadOptions::draft();
+    }
+    cfg
 }
 
 fn context_tokens(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -141,7 +152,7 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
         None => None,
     };
     let t0 = Instant::now();
-    let mut e = Engine::load(&EngineConfig::new(&path))
+    let mut e = Engine::load(&config_for(name, &path))
         .with_context(|| format!("loading {}", path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let ctx = context_tokens(&e, args.context)?;
@@ -250,7 +261,9 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
         "Explain the difference between a process and a thread.",
     ];
     let target = Engine::load(&EngineConfig::new(model_dir().join(file_for("target")?)))?;
-    let draft = Engine::load(&EngineConfig::new(model_dir().join(file_for("draft")?)))?;
+    let draft_path = model_dir().join(file_for("draft")?);
+    let draft = Engine::load(&EngineConfig::new(&draft_path))?;
+    let draft_head = Engine::load(&config_for("draft", &draft_path))?;
     fn kernels(e: &Engine) -> Result<&parse_engine::Model> {
         e.model()
             .kernels()
@@ -258,8 +271,9 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
     }
     let (target_model, draft_model) = (kernels(&target)?, kernels(&draft)?);
     let requant = requantized_q5_0(draft_model)?;
+    let head_q5_0 = kernels(&draft_head)?;
     let argmax = parse_engine::sampling::argmax;
-    let mut same = [0usize; 2];
+    let mut same = [0usize; 3];
     let mut total = 0usize;
     for p in PROMPTS {
         let ids = target.tokenizer().encode_chat(&[Message::user(p)])?;
@@ -274,7 +288,7 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
         let mut seq = ids.clone();
         seq.extend_from_slice(&cont);
         let rows: Vec<usize> = (ids.len() - 1..seq.len() - 1).collect();
-        for (i, model) in [draft_model, &requant].into_iter().enumerate() {
+        for (i, model) in [draft_model, &requant, head_q5_0].into_iter().enumerate() {
             let mut c = parse_engine::KvCache::new(model.config());
             let l = model.forward_causal(&mut c, &seq[..seq.len() - 1], &rows)?;
             same[i] += (0..n).filter(|&j| argmax(l.row(j)) == cont[j]).count();
@@ -285,6 +299,7 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
         "tokens": total,
         "draft_q5_0": same[0] as f64 / total as f64,
         "draft_requantized_q8_0": same[1] as f64 / total as f64,
+        "draft_head_q5_0": same[2] as f64 / total as f64,
     }))
 }
 
@@ -370,10 +385,11 @@ fn main() -> Result<()> {
         Some(n) => {
             let a = agreement(n)?;
             println!(
-                "\nDraft/target greedy agreement over {} target tokens: draft as stored (Q5_0) {:.3}, Q5_0 requantized to Q8_0 {:.3}",
+                "\nDraft/target greedy agreement over {} target tokens: draft as stored (Q5_0, Q8_0 head) {:.3}, Q5_0 requantized to Q8_0 {:.3}, head in Q5_0 (as a draft loads) {:.3}",
                 a["tokens"],
                 a["draft_q5_0"].as_f64().unwrap_or(0.0),
-                a["draft_requantized_q8_0"].as_f64().unwrap_or(0.0)
+                a["draft_requantized_q8_0"].as_f64().unwrap_or(0.0),
+                a["draft_head_q5_0"].as_f64().unwrap_or(0.0)
             );
             Some(a)
         }

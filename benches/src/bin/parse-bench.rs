@@ -555,9 +555,11 @@ fn main() -> Result<()> {
                 Engine::load(&EngineConfig::new(
                     dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
                 ))?,
-                Engine::load(&EngineConfig::new(
-                    dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-                ))?,
+                Engine::load(&EngineConfig {
+                    // As the draft worker loads it (its head in Q5_0).
+                    load: parse_engine::LoadOptions::draft(),
+                    ..EngineConfig::new(dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+                })?,
             ))
         }
     };

@@ -738,6 +738,18 @@ impl QMatrix {
         })
     }
 
+    /// The matrix in `dtype` where that stores fewer bits per weight than its own format and its rows divide into
+    /// `dtype`'s blocks; otherwise unchanged (a re-quantization that saves no bytes only adds rounding). The values
+    /// go through f32, so the rounding is `dtype`'s own plus the stored format's (Q8_0's is a twentieth of Q5_0's).
+    pub fn requantized_to(self, dtype: GgmlDType) -> Result<Self, LayoutError> {
+        let bits = |t: GgmlDType| t.type_size() as f64 * 8.0 / t.block_size() as f64;
+        let own = self.dtype();
+        if bits(dtype) >= bits(own) || !self.cols().is_multiple_of(dtype.block_size()) {
+            return Ok(self);
+        }
+        QMatrix::from_f32(dtype, self.rows(), self.cols(), &self.to_f32())
+    }
+
     /// Formats whose CPU dot kernels are slow (no SIMD path) are re-quantized to Q8_0, which has one. Q8_0 keeps
     /// 8 bits per weight, more than the 5 or 4 of the source, so the change in outputs is far below the source
     /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
@@ -828,6 +840,34 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A head re-quantized for a draft: to fewer bits it changes format (and stays close to the values); to as many
+    /// or more bits, or where the rows do not divide into the format's blocks, it is left as it is.
+    #[test]
+    fn requantizing_saves_bytes_or_leaves_the_matrix_alone() {
+        let (rows, cols) = (16, 256);
+        let w = random(rows * cols, 11);
+        let q8 = QMatrix::from_f32(GgmlDType::Q8_0, rows, cols, &w).unwrap();
+        let q5 = q8.clone().requantized_to(GgmlDType::Q5_0).unwrap();
+        assert_eq!(q5.dtype(), GgmlDType::Q5_0);
+        assert!(q5.storage_bytes() < q8.storage_bytes());
+        let err = q5
+            .to_f32()
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // Q5_0 steps of (max |w| of a block, here <= 1) / 16, off by up to one step at the clipped end of its range
+        // (-16..=15); the Q8_0 rounding before adds at most a 254th.
+        assert!(err <= 1.0 / 16.0 + 1.0 / 254.0, "max error {err}");
+        let q4k = QMatrix::from_f32(GgmlDType::Q4K, rows, cols, &w).unwrap();
+        let same = q4k.clone().requantized_to(GgmlDType::Q5_0).unwrap();
+        assert_eq!(same.dtype(), GgmlDType::Q4K);
+        assert_eq!(same.to_f32(), q4k.to_f32());
+        let f32_odd = QMatrix::from_f32(GgmlDType::F32, 2, 40, &w[..80]).unwrap();
+        let kept = f32_odd.requantized_to(GgmlDType::Q5_0).unwrap();
+        assert_eq!(kept.dtype(), GgmlDType::F32);
     }
 
     #[test]

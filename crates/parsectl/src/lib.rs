@@ -282,12 +282,18 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
+/// Loads a model; `proposer`: it drafts for a target (its head in Q5_0, [`parse_engine::LoadOptions::draft`]), as
+/// against writing the answer itself (`draft` mode, which reads it as stored).
 fn load(
     path: PathBuf,
     tokenizer: &Option<PathBuf>,
     compute: &parse_engine::ComputeArgs,
+    proposer: bool,
 ) -> Result<Engine, CliError> {
     let mut cfg = EngineConfig::new(path);
+    if proposer {
+        cfg.load = parse_engine::LoadOptions::draft();
+    }
     cfg.tokenizer = tokenizer.clone();
     cfg.compute = compute.compute()?;
     Ok(Engine::load(&cfg)?)
@@ -308,6 +314,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
             args.models.path_for(Mode::Target)?,
             &args.models.tokenizer,
             &args.compute,
+            false,
         )?),
         false => None,
     };
@@ -316,6 +323,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
             args.models.path_for(Mode::Draft)?,
             &args.models.tokenizer,
             &args.compute,
+            mode != Mode::Draft,
         )?),
         false => None,
     };
