@@ -66,6 +66,8 @@ struct SpecFigure {
     gap: usize,
     /// Rounds reported here, by all requests.
     reports: usize,
+    /// Requests making a first round here with no figure to judge it by (see [`Pace::advise`]).
+    measuring: usize,
 }
 
 impl Default for SpecFigure {
@@ -75,6 +77,7 @@ impl Default for SpecFigure {
             since: 0,
             gap: Costs::MIN_GAP,
             reports: 0,
+            measuring: 0,
         }
     }
 }
@@ -241,6 +244,27 @@ impl Costs {
         })
     }
 
+    /// Whether a request may make the first round of `kind` at `level`, which has no figure: only if no other
+    /// request is making one (it then counts as making it, until [`Costs::measured`]).
+    fn take_measuring(&self, kind: &str, level: u32) -> bool {
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            let free = s.measuring == 0;
+            if free {
+                s.measuring = 1;
+            }
+            free
+        })
+    }
+
+    /// The first round taken with [`Costs::take_measuring`] reported, or its request ended.
+    fn measured(&self, kind: &str, level: u32) {
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            s.measuring = s.measuring.saturating_sub(1);
+        })
+    }
+
     /// Takes the due probe of `kind`, so that one request makes it, not every request at once.
     fn take_probe(&self, kind: &str, level: u32) -> bool {
         self.with(level, |l| {
@@ -383,6 +407,8 @@ pub struct Pace {
     in_round: bool,
     /// When this request's last round ended (a round that ends at the next advice ends after that advice's mark).
     round_ended: Option<std::time::Instant>,
+    /// The level where this request makes the first round of its kind, with no figure there yet.
+    measuring: Option<u32>,
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
@@ -410,6 +436,7 @@ impl Pace {
             probing: false,
             in_round: false,
             round_ended: None,
+            measuring: None,
             pauses: 0,
             paused_tokens: 0,
         }
@@ -453,18 +480,33 @@ impl Pace {
         let alone = known_alone
             .or_else(|| costs.alone_near(self.level))
             .or(self.cheapest_verify_ms);
-        let speculate = match (self.estimate(), alone) {
+        let estimate = self.estimate();
+        let speculate = match (estimate, alone) {
             (Some(spec), Some(alone)) => spec <= alone,
+            // Nothing to judge by: a round measures. One request at a time makes the first round of a kind at a
+            // level with no figure; the others write alone (the short first pause) until its figure is in. On a
+            // fresh router at 8 clients every request made its first round, each opening a draft session; with one
+            // measuring, the draft worker drafted half as much in a cold run, at the same throughput within the
+            // runs' spread (docs/figures.md, "A draft head in Q5_0; one request measures a fresh load").
+            (None, _) if self.rounds == 0 && self.measuring.is_none() => {
+                let mine = costs.take_measuring(kind, self.level);
+                if mine {
+                    self.measuring = Some(self.level);
+                }
+                mine
+            }
             _ => true,
         };
-        if speculate || (self.rounds == 0 && costs.take_probe(kind, self.level)) {
+        // A probe measures a speculation that loses, never one with no figure yet (one request is measuring it).
+        let probe = || estimate.is_some() && costs.take_probe(kind, self.level);
+        if speculate || (self.rounds == 0 && probe()) {
             self.probing = !speculate;
             self.alone_last = false;
             self.in_round = true;
             costs.round_begins();
             return Advice::Speculate;
         }
-        self.paused = if known_alone.is_none() {
+        self.paused = if known_alone.is_none() || estimate.is_none() {
             Self::FIRST_PAUSE
         } else {
             costs
@@ -501,6 +543,7 @@ impl Pace {
             self.rounds += 1;
         }
         self.reported += 1;
+        let measured = self.measuring.take();
         self.pacing.costs.record_spec(
             &self.pacing.kind,
             self.level,
@@ -508,6 +551,9 @@ impl Pace {
             tokens,
             std::mem::take(&mut self.probing).then(|| setup.at(self.level)),
         );
+        if let Some(level) = measured {
+            self.pacing.costs.measured(&self.pacing.kind, level);
+        }
     }
 
     /// The target wrote `tokens` alone for `spent` (in a pause).
@@ -560,6 +606,9 @@ impl Pace {
 impl Drop for Pace {
     fn drop(&mut self) {
         self.end_round();
+        if let Some(level) = self.measuring.take() {
+            self.pacing.costs.measured(&self.pacing.kind, level);
+        }
     }
 }
 
@@ -791,7 +840,7 @@ mod tests {
     }
 
     #[test]
-    fn requests_that_begin_together_on_a_fresh_router_are_judged_on_each_others_first_rounds() {
+    fn on_a_fresh_router_one_request_measures_and_the_others_are_judged_on_its_rounds() {
         let pacing = fresh_pool_at_eight();
         // A round that loses: 40 tokens at 150 ms/token against the target's 90.
         let losing_round = |p: &mut Pace| {
@@ -805,21 +854,35 @@ mod tests {
         // The target's figure at this load is known (from `target`-mode requests), speculation's is not.
         Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
         let mut all: Vec<Pace> = (0..8).map(|_| Pace::new(pacing.clone())).collect();
-        for p in all.iter_mut() {
-            assert_eq!(
-                p.advise(),
-                Advice::Speculate,
-                "no figure: each makes a round"
-            );
+        let advice: Vec<Advice> = all.iter_mut().map(|p| p.advise()).collect();
+        assert_eq!(
+            advice[0],
+            Advice::Speculate,
+            "no figure: one request measures"
+        );
+        assert!(
+            advice[1..]
+                .iter()
+                .all(|a| *a == Advice::Alone(Pace::FIRST_PAUSE)),
+            "the others wait for its figure, in short pauses: {advice:?}"
+        );
+        // While its round runs, the others go on waiting, and take no probe (there is nothing losing to probe).
+        for p in all[1..].iter_mut() {
+            p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
+            assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+            p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
         }
-        // Every first round loses.
-        for p in all.iter_mut() {
-            losing_round(p);
+        // Its round loses: the others are judged on the pool's figure and write alone from here; it goes on to
+        // PROBE rounds of its own (they refine the figure the others read), then writes alone too.
+        losing_round(&mut all[0]);
+        for (i, p) in all[1..].iter_mut().enumerate() {
+            assert!(matches!(p.advise(), Advice::Alone(_)), "request {}", i + 1);
         }
-        // Each is judged on the pool's figure, which the others' rounds made: all write alone from here.
-        for (i, p) in all.iter_mut().enumerate() {
-            assert!(matches!(p.advise(), Advice::Alone(_)), "request {i}");
+        for _ in 1..Pace::PROBE {
+            assert_eq!(all[0].advise(), Advice::Speculate);
+            losing_round(&mut all[0]);
         }
+        assert!(matches!(all[0].advise(), Advice::Alone(_)));
         // A request whose rounds are the only ones reported at its load is still judged after PROBE rounds.
         let pacing = Pacing {
             costs: Arc::new(Costs::default()),
@@ -832,6 +895,35 @@ mod tests {
             losing_round(&mut p);
         }
         assert!(matches!(p.advise(), Advice::Alone(_)));
+    }
+
+    #[test]
+    fn a_first_round_that_wins_lets_the_others_speculate_and_one_that_never_reports_frees_its_place()
+     {
+        let pacing = fresh_pool_at_eight();
+        Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
+        let mut a = Pace::new(pacing.clone());
+        let mut b = Pace::new(pacing.clone());
+        assert_eq!(a.advise(), Advice::Speculate);
+        assert_eq!(b.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+        b.wrote_alone(Spent::wall(4.0 * 90.0), 4);
+        // A round at 30 ms/token against the target's 90: the waiting request speculates too.
+        a.speculated(
+            Spent::wall(40.0 * 30.0),
+            40,
+            &[Spent::wall(200.0)],
+            Spent::wall(0.0),
+        );
+        assert_eq!(b.advise(), Advice::Speculate);
+        // At another load with no figure, a measuring request that ends before it reports lets the next one measure.
+        let fresh = fresh_pool_at_eight();
+        let mut gone = Pace::new(fresh.clone());
+        let mut next = Pace::new(fresh.clone());
+        assert_eq!(gone.advise(), Advice::Speculate);
+        assert_eq!(next.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+        next.wrote_alone(Spent::wall(4.0 * 90.0), 4);
+        drop(gone);
+        assert_eq!(next.advise(), Advice::Speculate);
     }
 
     #[test]
