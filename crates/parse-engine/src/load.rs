@@ -45,7 +45,8 @@ impl LoadOptions {
     /// For a draft model: its output head in Q5_0. The default draft's head (151,936 x 896, the tied embedding
     /// stored again in Q8_0, 138 MiB) is 37% of the bytes a one-token step reads (every weight but the embedding
     /// table, of which it reads a row); in Q5_0 (the format of its embedding and most of its layers) it is 89 MiB,
-    /// and a draft step about 3% faster (the Q5_0 kernel reads fewer bytes per weight but does more work per byte).
+    /// and a draft step about 3% faster (less than the bytes suggest: the step reads its weights below the memory's
+    /// speed).
     /// A draft only proposes tokens: where the target verifies them token by token (greedy `token-spec`) the output
     /// is the target's whatever the head, and in the PARSE modes the verdict decides which drafted tokens stay. The
     /// greedy agreement with the target was the same with either head; docs/figures.md ("A draft head in Q5_0; one
