@@ -26,8 +26,9 @@ pub struct LoadOptions {
     pub fast_cpu_formats: bool,
     /// Caps the context length below the model's own (KV memory grows with it).
     pub max_context: Option<usize>,
-    /// Re-quantize a separate output head stored in more bits per weight to this format ([`QMatrix::requantized_to`]).
-    /// `None` (the default) reads it as stored. See [`LoadOptions::draft`].
+    /// Re-quantize a GGUF model's separate output head stored in more bits per weight to this format
+    /// ([`QMatrix::requantized_to`]); a safetensors model's head is read as stored. `None` (the default) reads it as
+    /// stored. See [`LoadOptions::draft`].
     pub head_format: Option<GgmlDType>,
 }
 
@@ -584,13 +585,9 @@ pub fn load_safetensors(dir: &Path, opts: &LoadOptions) -> Result<Model> {
     )?;
     let norm = take("model.norm.weight", &[d])?;
     let lm_head = match take("lm_head.weight", &[cfg.vocab_size, d]) {
-        Ok(w) => {
-            let head = mat(w, cfg.vocab_size, d)?;
-            Some(match opts.head_format {
-                Some(f) => head.requantized_to(f)?,
-                None => head,
-            })
-        }
+        // Read at the checkpoint's own precision, `head_format` or not: a safetensors model is unquantized, and
+        // quantizing its head alone is not what its owner chose.
+        Ok(w) => Some(mat(w, cfg.vocab_size, d)?),
         Err(Error::MissingTensor(_)) => None,
         Err(e) => return Err(e),
     };

@@ -282,16 +282,16 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
-/// Loads a model; `proposer`: it drafts for a target (its head in Q5_0, [`parse_engine::LoadOptions::draft`]), as
-/// against writing the answer itself (`draft` mode, which reads it as stored).
+/// Loads a model; `draft`: the draft model, loaded as the draft worker loads it (its head in Q5_0,
+/// [`parse_engine::LoadOptions::draft`]), so that every mode gives the same tokens in process and through a cluster.
 fn load(
     path: PathBuf,
     tokenizer: &Option<PathBuf>,
     compute: &parse_engine::ComputeArgs,
-    proposer: bool,
+    draft: bool,
 ) -> Result<Engine, CliError> {
     let mut cfg = EngineConfig::new(path);
-    if proposer {
+    if draft {
         cfg.load = parse_engine::LoadOptions::draft();
     }
     cfg.tokenizer = tokenizer.clone();
@@ -323,7 +323,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
             args.models.path_for(Mode::Draft)?,
             &args.models.tokenizer,
             &args.compute,
-            mode != Mode::Draft,
+            true,
         )?),
         false => None,
     };
