@@ -740,7 +740,8 @@ impl QMatrix {
 
     /// The matrix in `dtype` where that stores fewer bits per weight than its own format and its rows divide into
     /// `dtype`'s blocks; otherwise unchanged (a re-quantization that saves no bytes only adds rounding). The values
-    /// go through f32, so the rounding is `dtype`'s own plus the stored format's (Q8_0's is a twentieth of Q5_0's).
+    /// go through f32 (a transient copy: 519 MiB for the default draft's head), so the rounding is `dtype`'s own plus
+    /// the stored format's (Q8_0's steps are an eighth of Q5_0's).
     pub fn requantized_to(self, dtype: GgmlDType) -> Result<Self, LayoutError> {
         let bits = |t: GgmlDType| t.type_size() as f64 * 8.0 / t.block_size() as f64;
         let own = self.dtype();
