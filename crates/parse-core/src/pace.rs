@@ -66,8 +66,8 @@ struct SpecFigure {
     gap: usize,
     /// Rounds reported here, by all requests.
     reports: usize,
-    /// Requests making a first round here with no figure to judge it by (see [`Pace::advise`]).
-    measuring: usize,
+    /// A request is making a first round here with no figure to judge it by (see [`Pace::advise`]).
+    measuring: bool,
 }
 
 impl Default for SpecFigure {
@@ -77,7 +77,7 @@ impl Default for SpecFigure {
             since: 0,
             gap: Costs::MIN_GAP,
             reports: 0,
-            measuring: 0,
+            measuring: false,
         }
     }
 }
@@ -249,10 +249,8 @@ impl Costs {
     fn take_measuring(&self, kind: &str, level: u32) -> bool {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();
-            let free = s.measuring == 0;
-            if free {
-                s.measuring = 1;
-            }
+            let free = !s.measuring;
+            s.measuring = true;
             free
         })
     }
@@ -261,7 +259,7 @@ impl Costs {
     fn measured(&self, kind: &str, level: u32) {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();
-            s.measuring = s.measuring.saturating_sub(1);
+            s.measuring = false;
         })
     }
 
@@ -382,7 +380,9 @@ pub enum Advice {
 /// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
 /// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
 /// which measures it again. Before the target's own speed at a load is known, the cheapest verification the request
-/// has seen stands in for it (a one-token step costs no more) and the first pause is short, which measures it.
+/// has seen stands in for it (a one-token step costs no more) and the first pause is short, which measures it. Where
+/// no request has reported a round of its kind at its load yet, one request at a time makes the first, and the
+/// others write alone in short pauses until its figure is in.
 /// Greedy only: a pause in a sampled request would change which random draws it uses.
 #[derive(Debug)]
 pub struct Pace {
