@@ -85,6 +85,10 @@ pub struct BenchArgs {
     /// Drafter: model or ngram (the router's default when not given).
     #[arg(long)]
     pub drafter: Option<String>,
+    /// Whether speculation adapts to load (`--adaptive false`: every round drafts, as a fault check that needs
+    /// draft sessions wants); the router's default when not given.
+    #[arg(long)]
+    pub adaptive: Option<bool>,
     /// Prompts, one per line (cycled); without it a built-in set.
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
@@ -483,6 +487,7 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
                         max_new_tokens: b.max_new_tokens,
                         mode: mode.clone(),
                         drafter: b.drafter.clone().unwrap_or_default(),
+                        adaptive: b.adaptive,
                         ..Default::default()
                     };
                     let timeout = Duration::from_secs_f64(b.timeout_s);
