@@ -127,10 +127,12 @@ pub struct DraftWindow {
     pub max_segments: usize,
     /// Tokens per verification at most.
     pub max_tokens: usize,
-    /// Draft tokens per round of token-level speculation.
+    /// Draft tokens per round of token-level speculation (with `adaptive`, in greedy `token-spec` rounds, the most:
+    /// a round drafts as far as pays by the acceptance and costs measured, [`crate::pace::Costs::draft_length`]).
     pub token_spec_tokens: usize,
     /// Let the target write alone while speculation writes tokens more slowly than the target would at the current
-    /// load ([`Pace`]): greedy `token-spec` rounds and whole PARSE rounds. In `token-spec` it changes how the
+    /// load ([`Pace`]): greedy `token-spec` rounds and whole PARSE rounds; and draft only as far as pays in greedy
+    /// `token-spec` rounds (above). In `token-spec` it changes how the
     /// target's tokens are found, never which (greedy token-level speculation is lossless). In the PARSE modes the
     /// tokens written in a pause are the target's own greedy tokens where a PARSE round might have kept draft
     /// segments the verdict judged good: the output then depends on measured times, so it can differ run to run and
@@ -793,7 +795,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 .wrote_alone(self.spent(round), self.out.len() - before);
             return Ok(0);
         }
-        let (draft, bs, _) = self.draft(None, self.req.window.token_spec_tokens)?;
+        // How far to draft: with `adaptive`, the length that writes the most per unit of measured cost (the chance
+        // of each position being accepted, the price of a verification's rows: `Costs::draft_length`); the
+        // request's own `token_spec_tokens` is the most it drafts. Greedy, so the output is the target's whatever
+        // the length.
+        let max = self.req.window.token_spec_tokens;
+        let want = if adaptive {
+            self.pace.draft_length(max)
+        } else {
+            max
+        };
+        let (draft, bs, _) = self.draft(None, want)?;
         if draft.is_empty() {
             let m = self.mark();
             self.extend(1, None)?;
@@ -802,11 +814,20 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             return Ok(0);
         }
         let m = self.mark();
-        self.verify(&draft, &bs, true, true)?;
+        let (accepted, _) = self.verify(&draft, &bs, true, true)?;
         if adaptive {
             let this_verify = self.spent(m);
             let spent = self.spent_round(round);
             let setup = self.setup(round);
+            let drafting = Spent {
+                wall_ms: (spent.wall_ms - this_verify.wall_ms).max(0.0),
+                charged_ms: spent
+                    .charged_ms
+                    .zip(this_verify.charged_ms)
+                    .map(|(a, b)| (a - b).max(0.0)),
+            };
+            self.pace
+                .token_round(draft.len(), accepted, this_verify, drafting);
             self.pace
                 .speculated(spent, self.out.len() - before, &[this_verify], setup);
         }

@@ -68,6 +68,116 @@ struct SpecFigure {
     reports: usize,
     /// A request is making a first round here with no figure to judge it by (see [`Pace::advise`]).
     measuring: bool,
+    /// What token-level rounds' verifications and drafts cost here ([`Costs::draft_length`]).
+    passes: Passes,
+}
+
+/// Token-level rounds at one load: their verification passes (milliseconds against rows, rows being the pending token
+/// and the drafted ones) and their drafting (milliseconds and tokens drafted), as sums that fade by [`Passes::KEEP`]
+/// per round.
+#[derive(Debug, Clone, Copy, Default)]
+struct Passes {
+    weight: f64,
+    rows: f64,
+    rows2: f64,
+    verify_ms: f64,
+    rows_ms: f64,
+    draft_ms: f64,
+    drafted: f64,
+    /// Rounds reported (unfaded): every [`Passes::SPREAD_EVERY`]th drafts half as far while the rows have no spread.
+    rounds: usize,
+}
+
+impl Passes {
+    const KEEP: f64 = 0.9;
+    const SPREAD_EVERY: usize = 4;
+
+    fn add(&mut self, verify_ms: f64, rows: usize, draft_ms: f64, drafted: usize) {
+        let (k, r) = (Self::KEEP, rows as f64);
+        self.weight = self.weight * k + 1.0;
+        self.rows = self.rows * k + r;
+        self.rows2 = self.rows2 * k + r * r;
+        self.verify_ms = self.verify_ms * k + verify_ms;
+        self.rows_ms = self.rows_ms * k + r * verify_ms;
+        self.draft_ms = self.draft_ms * k + draft_ms;
+        self.drafted = self.drafted * k + drafted as f64;
+        self.rounds += 1;
+    }
+
+    /// A verification's time as a line in its rows, fitted by least squares: (fixed ms, ms per row). `None` while
+    /// the rows spread less than half a row either way (a line through one point).
+    fn line(&self) -> Option<(f64, f64)> {
+        let w = self.weight;
+        let spread = w * self.rows2 - self.rows * self.rows;
+        if w <= 0.0 || spread < 0.25 * w * w {
+            return None;
+        }
+        let per_row = ((w * self.rows_ms - self.rows * self.verify_ms) / spread).max(0.0);
+        Some((
+            ((self.verify_ms - per_row * self.rows) / w).max(0.0),
+            per_row,
+        ))
+    }
+
+    /// Milliseconds per drafted token.
+    fn draft_ms(&self) -> f64 {
+        if self.drafted > 0.0 {
+            (self.draft_ms / self.drafted).max(0.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// How often each position of a kind's token-level drafts is accepted, given the ones before it were: per position,
+/// the drafts that reached it with every earlier token accepted, and those of them whose token was accepted, as sums
+/// that fade by [`Reach::KEEP`] per round (at every position, so that a position the drafts no longer reach drifts
+/// back to the prior and gets tried again).
+#[derive(Debug, Clone, Default)]
+struct Reach {
+    offered: Vec<f64>,
+    accepted: Vec<f64>,
+}
+
+impl Reach {
+    const KEEP: f64 = 0.97;
+    /// Weight of the prior of a position's rate: the rate of the position before it (the first position's, 1: a
+    /// kind with no rounds yet drafts as far as it may, which measures it).
+    const PRIOR: f64 = 2.0;
+
+    fn add(&mut self, drafted: usize, accepted: usize) {
+        if self.offered.len() < drafted {
+            self.offered.resize(drafted, 0.0);
+            self.accepted.resize(drafted, 0.0);
+        }
+        for j in 0..self.offered.len() {
+            self.offered[j] *= Self::KEEP;
+            self.accepted[j] *= Self::KEEP;
+            if j < drafted && j <= accepted {
+                self.offered[j] += 1.0;
+                if j < accepted {
+                    self.accepted[j] += 1.0;
+                }
+            }
+        }
+    }
+
+    /// The chance that a draft's token at each position up to `max` is accepted with every one before it.
+    fn reach(&self, max: usize) -> Vec<f64> {
+        let (mut prior, mut all) = (1.0, 1.0);
+        (0..max)
+            .map(|j| {
+                let (o, a) = (
+                    self.offered.get(j).copied().unwrap_or(0.0),
+                    self.accepted.get(j).copied().unwrap_or(0.0),
+                );
+                let p = (a + Self::PRIOR * prior) / (o + Self::PRIOR);
+                prior = p;
+                all *= p;
+                all
+            })
+            .collect()
+    }
 }
 
 impl Default for SpecFigure {
@@ -78,6 +188,7 @@ impl Default for SpecFigure {
             gap: Costs::MIN_GAP,
             reports: 0,
             measuring: false,
+            passes: Passes::default(),
         }
     }
 }
@@ -103,6 +214,7 @@ pub struct CostFigure {
 pub struct Costs {
     levels: Mutex<HashMap<u32, Level>>,
     activity: Mutex<Activity>,
+    reach: Mutex<HashMap<String, Reach>>,
 }
 
 /// The speculative rounds of a pool's requests: how many run now, and when the last ended.
@@ -275,6 +387,91 @@ impl Costs {
         })
     }
 
+    /// A token-level round of `kind` at `level` drafted `drafted` tokens in `draft_ms` and the target kept `accepted`
+    /// of them, verifying in `verify_ms`.
+    pub fn record_token_round(
+        &self,
+        kind: &str,
+        level: u32,
+        drafted: usize,
+        accepted: usize,
+        verify_ms: f64,
+        draft_ms: f64,
+    ) {
+        if drafted == 0 {
+            return;
+        }
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            s.passes.add(verify_ms, drafted + 1, draft_ms, drafted);
+        });
+        let mut reach = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+        reach
+            .entry(kind.to_string())
+            .or_default()
+            .add(drafted, accepted.min(drafted));
+    }
+
+    /// How many tokens (1 to `max`) a token-level round of `kind` at `level` should draft: the length that writes
+    /// the most tokens per millisecond, by the measured chance of each position being accepted and the measured
+    /// costs here: a verification's time as a line in its rows ([`Passes::line`], where the drafts' lengths spread;
+    /// otherwise a row is the verifications' mean time less the target's one-token step, over their mean rows less
+    /// one), and a drafted token's time. A round of `k` tokens is taken to write `1 + P1 + ... + Pk` tokens (`Pj`:
+    /// its first `j` accepted; the 1 is the target's own token after them) in the time of a verification of `k + 1`
+    /// rows and `k` drafted tokens.
+    ///
+    /// A row's cost is the multi-row kernels' price and differs by machine and load (a 7-row verification cost
+    /// 4-5 one-token steps with the AVX2 kernels and about 1.9 with the AMX tiles: docs/figures.md), and how far a
+    /// drafter is right differs by task (prompt lookup copying a quote, then nothing), so neither is a constant here.
+    /// `max` where nothing is measured yet; while the rows have no spread and the target's step is not known, every
+    /// [`Passes::SPREAD_EVERY`]th round drafts half as far, which gives the line its second point.
+    pub fn draft_length(&self, kind: &str, level: u32, max: usize) -> usize {
+        let passes = self
+            .with(level, |l| l.spec.get(kind).map(|s| s.passes))
+            .unwrap_or_default();
+        if passes.weight <= 0.0 {
+            return max;
+        }
+        let step = self.alone_ms(level).or_else(|| self.alone_near(level));
+        // A pass's time for `rows` rows.
+        let pass: Box<dyn Fn(f64) -> f64> = match (passes.line(), step) {
+            (Some((fixed, per_row)), _) => Box::new(move |rows| fixed + per_row * rows),
+            (None, Some(step)) if passes.rows > passes.weight => {
+                let per_row = ((passes.verify_ms - step * passes.weight)
+                    / (passes.rows - passes.weight))
+                    .max(0.0);
+                Box::new(move |rows| step + per_row * (rows - 1.0))
+            }
+            _ => {
+                let spread_round = passes.rounds % Passes::SPREAD_EVERY == Passes::SPREAD_EVERY - 1;
+                return if spread_round { max.div_ceil(2) } else { max };
+            }
+        };
+        let draft = passes.draft_ms();
+        let reach = {
+            let r = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+            r.get(kind).cloned().unwrap_or_default().reach(max)
+        };
+        let (mut best, mut best_rate, mut tokens) = (max, f64::MIN, 1.0);
+        for (j, pj) in reach.iter().enumerate() {
+            let k = (j + 1) as f64;
+            tokens += pj;
+            let rate = tokens / (pass(k + 1.0) + k * draft).max(1e-9);
+            if rate > best_rate {
+                (best, best_rate) = (j + 1, rate);
+            }
+        }
+        best
+    }
+
+    /// What a one-row pass of the target costs at `level` by the line of [`Costs::draft_length`] (token-level rounds
+    /// of `kind` whose drafts' lengths spread): a stand-in for the target's step where it has not written alone at
+    /// that load yet.
+    pub fn one_row_ms(&self, kind: &str, level: u32) -> Option<f64> {
+        self.with(level, |l| l.spec.get(kind).and_then(|s| s.passes.line()))
+            .map(|(fixed, per_row)| fixed + per_row)
+    }
+
     /// Every figure measured so far, by level then path.
     pub fn snapshot(&self) -> Vec<CostFigure> {
         let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
@@ -379,8 +576,10 @@ pub enum Advice {
 /// judged). While it loses, the target writes alone, and every so many tokens written
 /// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
 /// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
-/// which measures it again. Before the target's own speed at a load is known, the cheapest verification the request
-/// has seen stands in for it (a one-token step costs no more) and the first pause is short, which measures it. Where
+/// which measures it again. Before the target's own speed at a load is known, a one-row pass by the line fitted to
+/// token-level verifications of its kind ([`Costs::one_row_ms`]) stands in for it, or where there is none, the
+/// cheapest verification the request has seen (a one-token step costs no more), and the first pause is short, which
+/// measures it. Where
 /// no request has reported a round of its kind at its load yet, one request at a time makes the first, and the
 /// others write alone in short pauses until its figure is in.
 /// Greedy only: a pause in a sampled request would change which random draws it uses.
@@ -479,6 +678,7 @@ impl Pace {
         let known_alone = costs.alone_ms(self.level);
         let alone = known_alone
             .or_else(|| costs.alone_near(self.level))
+            .or_else(|| costs.one_row_ms(kind, self.level))
             .or(self.cheapest_verify_ms);
         let estimate = self.estimate();
         let speculate = match (estimate, alone) {
@@ -590,6 +790,27 @@ impl Pace {
     /// again (most likely a pause of whole 16-token calls).
     pub fn end_pause(&mut self) {
         self.paused = 0;
+    }
+
+    /// How many tokens this request's next token-level round should draft, at most `max` ([`Costs::draft_length`],
+    /// at the load of the last advice).
+    pub fn draft_length(&self, max: usize) -> usize {
+        self.pacing
+            .costs
+            .draft_length(&self.pacing.kind, self.level, max)
+    }
+
+    /// A token-level round drafted `drafted` tokens for `draft` and the target kept `accepted` of them, verifying
+    /// for `verify` ([`Costs::record_token_round`]).
+    pub fn token_round(&self, drafted: usize, accepted: usize, verify: Spent, draft: Spent) {
+        self.pacing.costs.record_token_round(
+            &self.pacing.kind,
+            self.level,
+            drafted,
+            accepted,
+            verify.at(self.level),
+            draft.at(self.level),
+        );
     }
 
     /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
@@ -1020,5 +1241,98 @@ mod tests {
         }
         let at_one = pacing.costs.spec_ms(&pacing.kind, 0).unwrap();
         assert!((at_one - 300.0).abs() < 1e-9, "{at_one}");
+    }
+
+    /// Token-level rounds of `kind` at level 0, each drafting `drafted` with `accepted` kept, verification costing a
+    /// 10 ms step and `row` ms per drafted row, drafting `draft` ms per token.
+    fn rounds(costs: &Costs, n: usize, drafted: usize, accepted: usize, row: f64, draft: f64) {
+        for _ in 0..n {
+            let verify = 10.0 + row * drafted as f64;
+            costs.record_token_round("k", 0, drafted, accepted, verify, draft * drafted as f64);
+        }
+    }
+
+    #[test]
+    fn a_round_drafts_as_far_as_pays_by_measured_acceptance_and_row_costs() {
+        let costs = Costs::default();
+        // No figure yet: as far as the request allows (which measures the positions).
+        assert_eq!(costs.draft_length("k", 0, 6), 6);
+        costs.record_alone(None, 0, 10.0, 1);
+        assert_eq!(costs.draft_length("k", 0, 6), 6, "no verification measured");
+        // Drafts whose first two tokens are kept and never the third, rows at half a step: two pays, more does not.
+        rounds(&costs, 40, 6, 2, 5.0, 0.0);
+        assert_eq!(costs.draft_length("k", 0, 6), 2);
+        // Every draft kept whole, rows at a twentieth of a step: as far as the request allows.
+        let cheap = Costs::default();
+        cheap.record_alone(None, 0, 10.0, 1);
+        rounds(&cheap, 40, 6, 6, 0.5, 0.0);
+        assert_eq!(cheap.draft_length("k", 0, 6), 6);
+        assert_eq!(
+            cheap.draft_length("k", 0, 3),
+            3,
+            "never past the request's own most"
+        );
+        // The same acceptance with a dear drafter (a model at 8 ms a token against a 10 ms step): shorter.
+        let dear = Costs::default();
+        dear.record_alone(None, 0, 10.0, 1);
+        for _ in 0..40 {
+            for kept in [6, 1, 3, 0] {
+                dear.record_token_round("k", 0, 6, kept, 10.0 + 0.5 * 6.0, 8.0 * 6.0);
+            }
+        }
+        let long = dear.draft_length("k", 0, 6);
+        let free = Costs::default();
+        free.record_alone(None, 0, 10.0, 1);
+        for _ in 0..40 {
+            for kept in [6, 1, 3, 0] {
+                free.record_token_round("k", 0, 6, kept, 10.0 + 0.5 * 6.0, 0.0);
+            }
+        }
+        assert!(long < free.draft_length("k", 0, 6), "{long}");
+        // Another kind, or another load's costs, are not this one's.
+        assert_eq!(costs.draft_length("other", 0, 6), 6);
+    }
+
+    #[test]
+    fn a_position_no_longer_reached_drifts_back_and_is_tried_again() {
+        let costs = Costs::default();
+        costs.record_alone(None, 0, 10.0, 1);
+        // Only the first token kept for a while: one token per round.
+        rounds(&costs, 40, 4, 1, 5.0, 0.0);
+        assert_eq!(costs.draft_length("k", 0, 4), 1);
+        // Then one-token drafts, all kept: position 2's figure fades towards position 1's, and longer drafts return.
+        rounds(&costs, 200, 1, 1, 5.0, 0.0);
+        assert!(costs.draft_length("k", 0, 4) > 1);
+    }
+
+    #[test]
+    fn with_no_step_measured_some_rounds_draft_half_as_far_and_the_line_through_them_prices_a_step()
+    {
+        let costs = Costs::default();
+        // Verifications at 10 ms plus 5 per drafted row, every draft kept; nothing written alone.
+        let mut lengths = Vec::new();
+        for _ in 0..8 {
+            let k = costs.draft_length("k", 0, 6);
+            lengths.push(k);
+            costs.record_token_round("k", 0, k, k, 10.0 + 5.0 * k as f64, 0.0);
+        }
+        assert_eq!(&lengths[..4], [6, 6, 6, 3], "{lengths:?}");
+        // With two lengths seen, the line prices a one-row pass: 5 ms fixed and 5 per row (the pending token's
+        // included), 10.
+        let one = costs.one_row_ms("k", 0).unwrap();
+        assert!((one - 10.0).abs() < 1e-6, "{one}");
+        // A pace with no figure of the target alone judges speculation against that pass: rounds writing a token
+        // per 20 ms lose to it and the request pauses.
+        let pacing = Pacing {
+            costs: Arc::new(costs),
+            kind: "k".into(),
+            load: Arc::new(|| 1),
+        };
+        let mut p = Pace::new(pacing);
+        for _ in 0..Pace::PROBE {
+            assert_eq!(p.advise(), Advice::Speculate);
+            p.speculated(Spent::wall(40.0), 2, &[Spent::wall(40.0)], Spent::wall(0.0));
+        }
+        assert!(matches!(p.advise(), Advice::Alone(_)));
     }
 }
