@@ -579,9 +579,8 @@ pub enum Advice {
 /// which measures it again. Before the target's own speed at a load is known, a one-row pass by the line fitted to
 /// token-level verifications of its kind ([`Costs::one_row_ms`]) stands in for it, or where there is none, the
 /// cheapest verification the request has seen (a one-token step costs no more), and the first pause is short, which
-/// measures it. Where
-/// no request has reported a round of its kind at its load yet, one request at a time makes the first, and the
-/// others write alone in short pauses until its figure is in.
+/// measures it. Where no request has reported a round of its kind at its load yet, one request at a time makes the
+/// first, and the others write alone in short pauses until its figure is in.
 /// Greedy only: a pause in a sampled request would change which random draws it uses.
 #[derive(Debug)]
 pub struct Pace {
