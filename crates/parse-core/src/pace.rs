@@ -120,7 +120,7 @@ impl Passes {
     }
 
     /// Milliseconds per drafted token.
-    fn draft_ms(&self) -> f64 {
+    fn ms_per_drafted(&self) -> f64 {
         if self.drafted > 0.0 {
             (self.draft_ms / self.drafted).max(0.0)
         } else {
@@ -433,21 +433,21 @@ impl Costs {
             return max;
         }
         let step = self.alone_ms(level).or_else(|| self.alone_near(level));
-        // A pass's time for `rows` rows.
-        let pass: Box<dyn Fn(f64) -> f64> = match (passes.line(), step) {
-            (Some((fixed, per_row)), _) => Box::new(move |rows| fixed + per_row * rows),
+        // A pass's time as a line in its rows: (fixed ms, ms per row).
+        let (fixed, per_row) = match (passes.line(), step) {
+            (Some(line), _) => line,
             (None, Some(step)) if passes.rows > passes.weight => {
                 let per_row = ((passes.verify_ms - step * passes.weight)
                     / (passes.rows - passes.weight))
                     .max(0.0);
-                Box::new(move |rows| step + per_row * (rows - 1.0))
+                (step - per_row, per_row)
             }
             _ => {
                 let spread_round = passes.rounds % Passes::SPREAD_EVERY == Passes::SPREAD_EVERY - 1;
                 return if spread_round { max.div_ceil(2) } else { max };
             }
         };
-        let draft = passes.draft_ms();
+        let draft = passes.ms_per_drafted();
         let reach = {
             let r = self.reach.lock().unwrap_or_else(|e| e.into_inner());
             r.get(kind).cloned().unwrap_or_default().reach(max)
@@ -456,7 +456,7 @@ impl Costs {
         for (j, pj) in reach.iter().enumerate() {
             let k = (j + 1) as f64;
             tokens += pj;
-            let rate = tokens / (pass(k + 1.0) + k * draft).max(1e-9);
+            let rate = tokens / (fixed + per_row * (k + 1.0) + k * draft).max(1e-9);
             if rate > best_rate {
                 (best, best_rate) = (j + 1, rate);
             }
