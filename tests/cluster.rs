@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use parse_client::{Client, ClientError, Event, GenerateRequest, Sampling, Stats};
 use parse_core::{
-    AcceptPolicy, DraftWindow, GenerationRequest, Mode, SamplingParams, SegmenterConfig,
+    AcceptPolicy, CopyConfig, CopyFirst, DraftWindow, GenerationRequest, Mode, SamplingParams,
+    SegmenterConfig,
 };
 use parse_discovery::Role;
 use parse_draft_worker::DraftWorkerConfig;
@@ -66,6 +67,17 @@ fn req(mode: &str, max: u32) -> GenerateRequest {
 }
 
 fn in_process(mode: Mode, max: usize, sampling: SamplingParams) -> Vec<u32> {
+    in_process_drafts(mode, max, sampling, false).0
+}
+
+/// The output in process, and how many tokens were copied: with `copy_first` the draft model is wrapped in
+/// [`CopyFirst`] as the router wraps its draft workers for `drafter: "model+ngram"`.
+fn in_process_drafts(
+    mode: Mode,
+    max: usize,
+    sampling: SamplingParams,
+    copy_first: bool,
+) -> (Vec<u32>, usize) {
     let (mut target, mut draft) = (tiny_engine(TARGET_SEED), tiny_engine(DRAFT_SEED));
     let tok = target.tokenizer().clone();
     let r = GenerationRequest {
@@ -81,10 +93,15 @@ fn in_process(mode: Mode, max: usize, sampling: SamplingParams) -> Vec<u32> {
         judge_suffix: tok.judge_suffix().unwrap(),
     };
     let mut v = EngineVerifier::new(&mut target);
-    let mut d = EngineDrafter::new(&mut draft);
-    parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true)
-        .unwrap()
-        .tokens
+    let d = EngineDrafter::new(&mut draft);
+    if copy_first {
+        let mut d = CopyFirst::new(d, CopyConfig::default(), tok.eos_ids().to_vec()).unwrap();
+        let out = parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
+        return (out.tokens, d.copied);
+    }
+    let mut d = d;
+    let out = parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
+    (out.tokens, 0)
 }
 
 /// The counters of two runs' stats (timings differ run to run).
@@ -165,6 +182,42 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     assert_eq!(c.targets[0].worker.open_sessions(), 0);
 }
 
+/// `drafter: "model+ngram"`: the router copies from long prompt-lookup matches and asks the draft worker for the
+/// rest; its output is the in-process drafter's, and greedy token-level speculation keeps the target's tokens.
+#[test]
+fn copies_first_through_the_router_as_in_process() {
+    let c = cluster(1, 1, 8);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let want = client.generate(req("target", 60)).await.unwrap();
+        let mut copied = 0;
+        for (mode, m) in [
+            ("token-spec", Mode::TokenSpec),
+            ("parse+token-spec", Mode::ParseTokenSpec),
+        ] {
+            let got = client
+                .generate(GenerateRequest {
+                    drafter: "model+ngram".into(),
+                    ..req(mode, 60)
+                })
+                .await
+                .unwrap();
+            let (local, n) = in_process_drafts(m, 60, SamplingParams::default(), true);
+            copied += n;
+            assert_eq!(got.token_ids, local, "{mode}: router and in process");
+            if m == Mode::TokenSpec {
+                assert_eq!(got.token_ids, want.token_ids, "{mode}: lossless");
+            }
+        }
+        // The tiny models repeat themselves: some of the drafts were copies.
+        assert!(copied > 0);
+    });
+    assert_eq!(c.drafts[0].worker.open_sessions(), 0);
+    assert_eq!(c.targets[0].worker.open_sessions(), 0);
+}
+
 #[test]
 fn without_draft_workers_prompt_lookup_drafts_and_greedy_output_equals_target() {
     let c = cluster(0, 1, 8);
@@ -223,6 +276,10 @@ fn without_draft_workers_prompt_lookup_drafts_and_greedy_output_equals_target() 
             },
             GenerateRequest {
                 drafter: "eagle".into(),
+                ..req("token-spec", 8)
+            },
+            GenerateRequest {
+                drafter: "model+ngram".into(),
                 ..req("token-spec", 8)
             },
         ] {

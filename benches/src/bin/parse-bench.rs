@@ -40,7 +40,7 @@ use parse_bench::model_dir;
 use parse_bench::plot::{Series, scatter_svg};
 use parse_core::pace::{Costs, Pacing};
 use parse_core::{
-    AcceptPolicy, DraftWindow, DrafterKind, GenerationRequest, Mode, NgramConfig, NgramDrafter,
+    AcceptPolicy, CopyConfig, CopyFirst, DraftWindow, DrafterKind, GenerationRequest, Mode, NgramConfig, NgramDrafter,
     SegmenterConfig, Source, Stats, Verdict,
 };
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
@@ -86,8 +86,8 @@ struct Args {
     /// Reuse per-prompt results of an earlier (interrupted) run with the same settings.
     #[arg(long)]
     resume: bool,
-    /// Drafters for the speculative modes, each run with every one: `model` (the draft model) and `ngram` (prompt
-    /// lookup, no model).
+    /// Drafters for the speculative modes, each run with every one: `model` (the draft model), `ngram` (prompt
+    /// lookup, no model) and `model+ngram` (copies from long prompt-lookup matches, the draft model for the rest).
     #[arg(long, value_delimiter = ',', default_value = "model")]
     drafters: Vec<String>,
     /// Letting the target write alone where speculation does not pay (`DraftWindow::adaptive`, the router's
@@ -331,7 +331,7 @@ fn through_router(
         verdict: format!("{:?}", cfg.verdict).to_lowercase(),
         tau: Some(cfg.tau),
         exact_floor: Some(true),
-        drafter: if cfg.ngram { "ngram" } else { "model" }.into(),
+        drafter: cfg.drafter.as_str().into(),
         adaptive: Some(cfg.adaptive),
         ..Default::default()
     };
@@ -453,7 +453,7 @@ struct RunCfg {
     verdict: Verdict,
     tau: f32,
     /// Prompt lookup in place of the draft model.
-    ngram: bool,
+    drafter: DrafterKind,
     adaptive: bool,
 }
 
@@ -464,7 +464,10 @@ fn label(c: &RunCfg) -> String {
         }
         m => m.as_str().to_string(),
     };
-    let l = if c.ngram { format!("{l} ngram") } else { l };
+    let l = match c.drafter {
+        DrafterKind::Model => l,
+        other => format!("{l} {}", other.as_str()),
+    };
     if c.adaptive {
         format!("{l} adaptive")
     } else {
@@ -485,14 +488,14 @@ fn main() -> Result<()> {
         mode: Mode::Target,
         verdict: Verdict::Likelihood,
         tau: 0.0,
-        ngram: false,
+        drafter: DrafterKind::Model,
         adaptive: false,
     }];
     let kinds = args
         .drafters
         .iter()
-        .map(|d| Ok(d.parse::<DrafterKind>()? == DrafterKind::Ngram))
-        .collect::<Result<Vec<bool>, parse_core::Error>>()
+        .map(|d| d.parse::<DrafterKind>())
+        .collect::<Result<Vec<DrafterKind>, parse_core::Error>>()
         .map_err(|e| anyhow::anyhow!(e.message))?;
     for m in &args.modes {
         let mode: Mode = m
@@ -506,13 +509,13 @@ fn main() -> Result<()> {
                         .parse()
                         .map_err(|e: parse_core::Error| anyhow::anyhow!(e.message))?;
                     for &tau in &args.tau {
-                        for &ngram in &kinds {
+                        for &drafter in &kinds {
                             for &adaptive in &args.adaptive {
                                 runs.push(RunCfg {
                                     mode,
                                     verdict,
                                     tau,
-                                    ngram,
+                                    drafter,
                                     adaptive,
                                 });
                             }
@@ -525,17 +528,17 @@ fn main() -> Result<()> {
                 mode,
                 verdict: Verdict::Likelihood,
                 tau: 0.0,
-                ngram: false,
+                drafter: DrafterKind::Model,
                 adaptive: false,
             }),
             _ => {
-                for &ngram in &kinds {
+                for &drafter in &kinds {
                     for &adaptive in &args.adaptive {
                         runs.push(RunCfg {
                             mode,
                             verdict: Verdict::Likelihood,
                             tau: 0.0,
-                            ngram,
+                            drafter,
                             adaptive,
                         });
                     }
@@ -637,17 +640,25 @@ fn main() -> Result<()> {
                 (_, None, None) => bail!("no models loaded"),
                 (_, None, Some((target, draft))) => {
                     let mut v = EngineVerifier::new(target);
-                    let mut model = EngineDrafter::new(draft);
-                    let mut lookup = NgramDrafter::new(
-                        NgramConfig::default(),
-                        tok.piece_fn(),
-                        tok.eos_ids().to_vec(),
-                    )?;
-                    let d: &mut dyn parse_core::Drafter =
-                        if cfg.ngram { &mut lookup } else { &mut model };
+                    let lookup = || {
+                        NgramDrafter::new(
+                            NgramConfig::default(),
+                            tok.piece_fn(),
+                            tok.eos_ids().to_vec(),
+                        )
+                    };
+                    let mut d: Box<dyn parse_core::Drafter + '_> = match cfg.drafter {
+                        DrafterKind::Model => Box::new(EngineDrafter::new(draft)),
+                        DrafterKind::Ngram => Box::new(lookup()?),
+                        DrafterKind::ModelNgram => Box::new(CopyFirst::new(
+                            EngineDrafter::new(draft),
+                            CopyConfig::default(),
+                            tok.eos_ids().to_vec(),
+                        )?),
+                    };
                     let mut end = AnswerEnd::new(&tok, &args.suite);
                     let o = parse_core::generate_paced(
-                        d,
+                        d.as_mut(),
                         &mut v,
                         &req,
                         &mut |t, s| end.push(t, s),

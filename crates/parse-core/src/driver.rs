@@ -259,6 +259,47 @@ pub trait Drafter {
     fn charged_ms(&self) -> Option<f64> {
         None
     }
+    /// Whether a draft continuing `context` would cost next to nothing and be right nearly always (a copy of a long
+    /// earlier match, [`CopyFirst`](crate::CopyFirst)): an adaptive request drafts it even while its pace lets the
+    /// target write, and leaves it out of the pace's figures, which price the drafts that cost.
+    fn free_draft(&self, _context: &[u32]) -> bool {
+        false
+    }
+}
+
+/// A borrowed drafter drafts as the one it points to, so a wrapper ([`CopyFirst`](crate::CopyFirst)) can borrow a
+/// drafter whose own counters are read afterwards.
+impl<D: Drafter + ?Sized> Drafter for &mut D {
+    fn begin(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()> {
+        (**self).begin(session, context, sampling)
+    }
+    fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
+        (**self).next(session, max)
+    }
+    fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
+        (**self).distribution(session, index)
+    }
+    fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>> {
+        (**self).pieces(tokens)
+    }
+    fn release(&mut self, session: &str) -> Result<()> {
+        (**self).release(session)
+    }
+    fn prefetch(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+    ) -> Result<()> {
+        (**self).prefetch(session, context, sampling, tokens)
+    }
+    fn charged_ms(&self) -> Option<f64> {
+        (**self).charged_ms()
+    }
+    fn free_draft(&self, context: &[u32]) -> bool {
+        (**self).free_draft(context)
+    }
 }
 
 /// Tokens a verifier decoded on its own.
@@ -788,6 +829,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (round, before) = (self.mark(), self.out.len());
+        // A free draft (a copy) is drafted whatever the pace says, as far as the request allows, and not reported.
+        let free = adaptive && self.d.free_draft(&self.context());
+        let adaptive = adaptive && !free;
         if adaptive && let Advice::Alone(n) = self.pace.advise() {
             // At most 16 per call, as in `target` mode, so that text streams out as it is written.
             self.extend(n.min(16).min(self.remaining()), None)?;
@@ -849,7 +893,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let _round = span.enter();
             round += 1;
             let (mark, before) = (self.mark(), self.out.len());
-            if adaptive && let Advice::Alone(n) = self.pace.advise() {
+            // A free draft (a copy) is drafted whatever the pace says, and left out of its figures.
+            let free = adaptive && self.d.free_draft(&self.context());
+            if adaptive && !free && let Advice::Alone(n) = self.pace.advise() {
                 // The target writes alone, 16 tokens per call, and in the pause's last call to the end of the
                 // current segment at most, so that the next PARSE round drafts from a segment's start. (Stopping at
                 // every segment's end cost a call per line of code, each call a chance to miss a batched pass; at 8
@@ -883,7 +929,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // Nor after a probe of a speculation that was losing: a pause most likely follows, and the draft read
             // ahead would be thrown away after taking its share of the workers.
             let after = self.remaining().saturating_sub(draft.len());
-            let probe = adaptive && self.pace.probing();
+            let probe = adaptive && !free && self.pace.probing();
             if after > 0 && !probe && !draft.iter().any(|t| self.req.eos.contains(t)) {
                 let mut context = self.context();
                 context.extend(&draft);
@@ -909,7 +955,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                     self.extend_segment()?;
                 }
             }
-            if adaptive {
+            if adaptive && !free {
                 let spent = self.spent_round(mark);
                 let setup = self.setup(mark);
                 self.pace

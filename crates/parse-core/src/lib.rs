@@ -2,6 +2,7 @@
 //! policy, and the one generation loop over the [`Drafter`] / [`Verifier`] traits. No ML and no network code: the
 //! engines and the gRPC clients implement the traits.
 
+pub mod copy_first;
 pub mod driver;
 pub mod error;
 pub mod mask;
@@ -12,6 +13,7 @@ pub mod policy;
 pub mod segmenter;
 pub mod speculative;
 
+pub use copy_first::{CopyConfig, CopyFirst};
 pub use driver::{
     DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
     SamplingParams, Source, Stats, Verifier, generate, generate_paced, generate_with,

@@ -21,6 +21,9 @@ pub enum DrafterKind {
     Model,
     /// Prompt lookup ([`NgramDrafter`]): no model, no draft worker.
     Ngram,
+    /// Copies from long prompt-lookup matches first and the draft model for the rest
+    /// ([`CopyFirst`](crate::copy_first::CopyFirst)): a draft worker, asked less.
+    ModelNgram,
 }
 
 impl DrafterKind {
@@ -28,7 +31,13 @@ impl DrafterKind {
         match self {
             DrafterKind::Model => "model",
             DrafterKind::Ngram => "ngram",
+            DrafterKind::ModelNgram => "model+ngram",
         }
+    }
+
+    /// Whether drafts need the draft model (a draft worker).
+    pub fn uses_model(&self) -> bool {
+        *self != DrafterKind::Ngram
     }
 }
 
@@ -39,8 +48,9 @@ impl std::str::FromStr for DrafterKind {
         match s {
             "model" => Ok(DrafterKind::Model),
             "ngram" => Ok(DrafterKind::Ngram),
+            "model+ngram" => Ok(DrafterKind::ModelNgram),
             other => Err(Error::invalid(format!(
-                "unknown drafter `{other}` (model, ngram)"
+                "unknown drafter `{other}` (model, ngram, model+ngram)"
             ))),
         }
     }
@@ -79,6 +89,11 @@ impl NgramConfig {
 /// The token that followed the latest earlier occurrence of `context`'s longest matching suffix (sizes `max_n`
 /// down to `min_n`), if any.
 pub fn lookup(context: &[u32], cfg: &NgramConfig) -> Option<u32> {
+    lookup_match(context, cfg).map(|(t, _)| t)
+}
+
+/// [`lookup`]'s token and the size of the suffix that matched.
+pub fn lookup_match(context: &[u32], cfg: &NgramConfig) -> Option<(u32, usize)> {
     let len = context.len();
     for n in (cfg.min_n..=cfg.max_n).rev() {
         if len <= n {
@@ -87,7 +102,7 @@ pub fn lookup(context: &[u32], cfg: &NgramConfig) -> Option<u32> {
         let suffix = &context[len - n..];
         // Starts strictly before the suffix's own, so a token follows every match.
         if let Some(i) = (0..len - n).rev().find(|&i| &context[i..i + n] == suffix) {
-            return Some(context[i + n]);
+            return Some((context[i + n], n));
         }
     }
     None
@@ -219,6 +234,10 @@ mod tests {
         let cfg = NgramConfig::default();
         // "5 6" occurs twice; the latest is followed by 8. "4 5 6" once, followed by 7: the longer match wins.
         assert_eq!(lookup(&[4, 5, 6, 7, 1, 5, 6, 8, 2, 4, 5, 6], &cfg), Some(7));
+        assert_eq!(
+            lookup_match(&[4, 5, 6, 7, 1, 5, 6, 8, 2, 4, 5, 6], &cfg),
+            Some((7, 3))
+        );
         assert_eq!(lookup(&[1, 5, 6, 7, 2, 5, 6, 8, 3, 5, 6], &cfg), Some(8));
         // Single tokens are below min_n; an empty or short context has nothing.
         assert_eq!(lookup(&[1, 2, 3, 1], &cfg), None);
@@ -271,7 +290,11 @@ mod tests {
 
     #[test]
     fn drafter_kinds_parse_and_print() {
-        for k in [DrafterKind::Model, DrafterKind::Ngram] {
+        for k in [
+            DrafterKind::Model,
+            DrafterKind::Ngram,
+            DrafterKind::ModelNgram,
+        ] {
             assert_eq!(k.as_str().parse::<DrafterKind>().unwrap(), k);
         }
         assert_eq!(

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use parse_core::pace::{Costs, Pacing};
 use parse_core::{
-    AcceptPolicy, DrafterKind, Error as CoreError, ErrorKind, GenerationRequest, Mode, NgramConfig,
+    AcceptPolicy, CopyConfig, CopyFirst, DrafterKind, Error as CoreError, ErrorKind, GenerationRequest, Mode, NgramConfig,
     NgramDrafter, Source, Verdict, generate_paced,
 };
 use parse_discovery::{Discovery, EtcdDiscovery, Role, StaticDiscovery};
@@ -518,7 +518,7 @@ impl Router {
                 ));
             }
             Mode::Draft => true,
-            _ => drafter == DrafterKind::Model,
+            _ => drafter.uses_model(),
         };
         if model_drafts && self.drafts.is_empty() {
             return Err(CoreError::invalid(format!(
@@ -635,9 +635,10 @@ impl Router {
                     tok.piece_fn(),
                     tok.eos_ids().to_vec(),
                 )),
-                DrafterKind::Model => None,
+                DrafterKind::Model | DrafterKind::ModelNgram => None,
             }
             .transpose();
+            let eos = tok.eos_ids().to_vec();
             let mut verifier = RemoteVerifier::new(targets, ctx.clone());
             let mut text_sink = TextSink::new(tok, stop);
             let mut failure: Option<CoreError> = None;
@@ -669,6 +670,12 @@ impl Router {
             // Both stand ready; the loop uses the ones the request's mode needs.
             let result = match lookup.as_mut() {
                 Ok(Some(n)) => generate_paced(n, &mut verifier, &req, &mut sink, pacing.clone()),
+                Ok(None) if drafter_kind == DrafterKind::ModelNgram => {
+                    // Copies are made here; the remote drafter writes the rest (its counters read below).
+                    CopyFirst::new(&mut drafter, CopyConfig::default(), eos).and_then(|mut d| {
+                        generate_paced(&mut d, &mut verifier, &req, &mut sink, pacing.clone())
+                    })
+                }
                 Ok(None) => {
                     generate_paced(&mut drafter, &mut verifier, &req, &mut sink, pacing.clone())
                 }
