@@ -88,6 +88,12 @@ lookup = client.chat.completions.create(
     extra_body={"parse": {"mode": "token-spec", "drafter": "ngram"}})
 check(lookup.choices[0].message.content == target.choices[0].message.content,
       "token-spec with the ngram drafter writes target's text")
+# Copies of long matches in the router, the draft worker for the rest: still the target's own tokens.
+copy_first = client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0,
+    extra_body={"parse": {"mode": "token-spec", "drafter": "model+ngram"}})
+check(copy_first.choices[0].message.content == target.choices[0].message.content,
+      "token-spec with the model+ngram drafter writes target's text")
 
 for what, kwargs, error in [
     ("n = 2", {"n": 2}, openai.BadRequestError),

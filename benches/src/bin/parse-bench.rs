@@ -40,8 +40,8 @@ use parse_bench::model_dir;
 use parse_bench::plot::{Series, scatter_svg};
 use parse_core::pace::{Costs, Pacing};
 use parse_core::{
-    AcceptPolicy, CopyConfig, CopyFirst, DraftWindow, DrafterKind, GenerationRequest, Mode, NgramConfig, NgramDrafter,
-    SegmenterConfig, Source, Stats, Verdict,
+    AcceptPolicy, CopyConfig, CopyFirst, DraftWindow, DrafterKind, GenerationRequest, Mode,
+    NgramConfig, NgramDrafter, SegmenterConfig, Source, Stats, Verdict,
 };
 use parse_engine::backend::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message};

@@ -1,6 +1,7 @@
 //! Copies first, the draft model where nothing is copied: a drafter that writes a token by prompt lookup wherever the
-//! context's last `min_match` tokens or more occurred earlier (a reply that repeats the function it was given, quotes
-//! its article or its own earlier lines), and asks the wrapped drafter (the draft model) for the rest. A copied
+//! context's last tokens occurred earlier, at least `CopyConfig::lookup.min_n` of them (a reply that repeats the
+//! function it was given, quotes its article or its own earlier lines), and asks the wrapped drafter (the draft
+//! model) for the rest. A copied
 //! token costs a scan of the context; a model token costs a draft step. Where the model takes over after copied
 //! tokens, its `begin` is given the context with them, so it prefills them as one block (the draft's cache keeps the
 //! common prefix) instead of writing them a step each.
@@ -45,7 +46,10 @@ impl Default for CopyConfig {
 enum Origin {
     Copied,
     /// The wrapped drafter's `index`-th token since its `begin` number `begun`.
-    Model { begun: usize, index: usize },
+    Model {
+        begun: usize,
+        index: usize,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -163,7 +167,8 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
                 s.model_tokens = 0;
                 s.model_begins += 1;
             }
-            // One token at a time, so that a match the model's token completes is copied from the next on.
+            // One token at a time, so that a match the model's token completes is copied from the next on. (Through
+            // the router each model token is then a call to the draft worker, where a plain model draft asks for 8.)
             let c = self.inner.next(session, 1)?;
             let Some(&t) = c.tokens.first() else {
                 s.done = true;
@@ -213,9 +218,10 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
         let s = Self::session(&mut self.sessions, session)?;
         let n = s.origins.len();
-        let origin = *s.origins.get(index).ok_or_else(|| {
-            Error::invalid(format!("draft token {index} asked for, {n} drafted"))
-        })?;
+        let origin = *s
+            .origins
+            .get(index)
+            .ok_or_else(|| Error::invalid(format!("draft token {index} asked for, {n} drafted")))?;
         match origin {
             Origin::Copied => {
                 let t = s.context[s.context.len() - n + index];
@@ -256,12 +262,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     fn charged_ms(&self) -> Option<f64> {
         self.inner.charged_ms()
     }
-
-    fn free_draft(&self, context: &[u32]) -> bool {
-        lookup_match(context, &self.cfg.lookup).is_some()
-    }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -315,7 +316,13 @@ mod tests {
             Ok(())
         }
 
-        fn prefetch(&mut self, _: &str, context: &[u32], _: &SamplingParams, _: usize) -> Result<()> {
+        fn prefetch(
+            &mut self,
+            _: &str,
+            context: &[u32],
+            _: &SamplingParams,
+            _: usize,
+        ) -> Result<()> {
             self.prefetched.push(context.to_vec());
             Ok(())
         }
@@ -331,7 +338,8 @@ mod tests {
     }
 
     #[test]
-    fn the_model_writes_until_its_tokens_complete_a_long_match_and_the_copy_runs_to_the_drafts_end() {
+    fn the_model_writes_until_its_tokens_complete_a_long_match_and_the_copy_runs_to_the_drafts_end()
+    {
         let mut d = copy_first(3, &[3, 77, 78]);
         let greedy = SamplingParams::default();
         // "9 1 2" has not occurred before: the model writes 3, which makes "1 2 3", quoted at the start: copied

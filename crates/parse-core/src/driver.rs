@@ -259,12 +259,6 @@ pub trait Drafter {
     fn charged_ms(&self) -> Option<f64> {
         None
     }
-    /// Whether a draft continuing `context` would cost next to nothing and be right nearly always (a copy of a long
-    /// earlier match, [`CopyFirst`](crate::CopyFirst)): an adaptive request drafts it even while its pace lets the
-    /// target write, and leaves it out of the pace's figures, which price the drafts that cost.
-    fn free_draft(&self, _context: &[u32]) -> bool {
-        false
-    }
 }
 
 /// A borrowed drafter drafts as the one it points to, so a wrapper ([`CopyFirst`](crate::CopyFirst)) can borrow a
@@ -296,9 +290,6 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn charged_ms(&self) -> Option<f64> {
         (**self).charged_ms()
-    }
-    fn free_draft(&self, context: &[u32]) -> bool {
-        (**self).free_draft(context)
     }
 }
 
@@ -829,9 +820,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (round, before) = (self.mark(), self.out.len());
-        // A free draft (a copy) is drafted whatever the pace says, as far as the request allows, and not reported.
-        let free = adaptive && self.d.free_draft(&self.context());
-        let adaptive = adaptive && !free;
         if adaptive && let Advice::Alone(n) = self.pace.advise() {
             // At most 16 per call, as in `target` mode, so that text streams out as it is written.
             self.extend(n.min(16).min(self.remaining()), None)?;
@@ -893,9 +881,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let _round = span.enter();
             round += 1;
             let (mark, before) = (self.mark(), self.out.len());
-            // A free draft (a copy) is drafted whatever the pace says, and left out of its figures.
-            let free = adaptive && self.d.free_draft(&self.context());
-            if adaptive && !free && let Advice::Alone(n) = self.pace.advise() {
+            if adaptive && let Advice::Alone(n) = self.pace.advise() {
                 // The target writes alone, 16 tokens per call, and in the pause's last call to the end of the
                 // current segment at most, so that the next PARSE round drafts from a segment's start. (Stopping at
                 // every segment's end cost a call per line of code, each call a chance to miss a batched pass; at 8
@@ -929,7 +915,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // Nor after a probe of a speculation that was losing: a pause most likely follows, and the draft read
             // ahead would be thrown away after taking its share of the workers.
             let after = self.remaining().saturating_sub(draft.len());
-            let probe = adaptive && !free && self.pace.probing();
+            let probe = adaptive && self.pace.probing();
             if after > 0 && !probe && !draft.iter().any(|t| self.req.eos.contains(t)) {
                 let mut context = self.context();
                 context.extend(&draft);
@@ -955,7 +941,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                     self.extend_segment()?;
                 }
             }
-            if adaptive && !free {
+            if adaptive {
                 let spent = self.spent_round(mark);
                 let setup = self.setup(mark);
                 self.pace

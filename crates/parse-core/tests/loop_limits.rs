@@ -165,8 +165,6 @@ struct FakeDrafter {
     ctx: HashMap<String, Vec<u32>>,
     /// Hints to draft ahead ([`Drafter::prefetch`]) received.
     prefetches: usize,
-    /// Says every draft is free ([`Drafter::free_draft`]), as a copy of a long match is.
-    free: bool,
 }
 
 impl Drafter for FakeDrafter {
@@ -211,9 +209,6 @@ impl Drafter for FakeDrafter {
     ) -> parse_core::Result<()> {
         self.prefetches += 1;
         Ok(())
-    }
-    fn free_draft(&self, _: &[u32]) -> bool {
-        self.free
     }
 }
 
@@ -452,55 +447,5 @@ fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
         if w[0].1 && w[0].2 < w[0].0 {
             assert!(!w[1].1, "{:?}", v.extends);
         }
-    }
-}
-
-/// A free draft (a copy) is drafted even while the pace lets the target write, and is left out of the pace's
-/// figures; the output is still the target's.
-#[test]
-fn a_free_draft_is_drafted_through_a_pause_and_left_out_of_the_figures() {
-    use parse_core::pace::{Costs, Pacing};
-    use std::sync::Arc;
-    let kind = "parse/model";
-    for mode in [Mode::Parse, Mode::ParseTokenSpec, Mode::TokenSpec] {
-        let mut r = request(mode, 0.5, Verdict::Likelihood, PROMPTS[2], 60);
-        r.window.adaptive = true;
-        // Speculation loses by far and its last probe was just made: every round that asks the pace pauses.
-        let costs = Arc::new(Costs::default());
-        costs.record_alone(None, 0, 16.0 * 100.0, 16);
-        costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
-        let before = costs.snapshot();
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(|| 1),
-        };
-        for free in [false, true] {
-            let (mut d, mut v) = (
-                FakeDrafter {
-                    free,
-                    ..Default::default()
-                },
-                FakeVerifier::default(),
-            );
-            let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing.clone())
-                .unwrap();
-            assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60), "{mode:?}");
-            let s = &out.stats;
-            if free {
-                assert_eq!(s.paused_tokens, 0, "{mode:?} {s:?}");
-                assert!(s.draft_tokens_accepted > 0, "{mode:?} {s:?}");
-            } else {
-                assert_eq!(s.paused_tokens, out.tokens.len(), "{mode:?} {s:?}");
-            }
-        }
-        let after = costs.snapshot();
-        let spec = |f: &[parse_core::pace::CostFigure]| {
-            f.iter()
-                .filter(|c| c.path == kind)
-                .map(|c| c.ms_per_token)
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(spec(&after), spec(&before), "{mode:?}: no speculative round was reported");
     }
 }

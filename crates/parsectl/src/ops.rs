@@ -82,7 +82,7 @@ pub struct BenchArgs {
     /// default when not given.
     #[arg(long, value_delimiter = ',')]
     pub mode: Vec<String>,
-    /// Drafter: model or ngram (the router's default when not given).
+    /// Drafter: model, ngram or model+ngram (the router's default when not given).
     #[arg(long)]
     pub drafter: Option<String>,
     /// Whether speculation adapts to load (`--adaptive false`: every round drafts, as a fault check that needs

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use parse_core::pace::{Costs, Pacing};
 use parse_core::{
-    AcceptPolicy, CopyConfig, CopyFirst, DrafterKind, Error as CoreError, ErrorKind, GenerationRequest, Mode, NgramConfig,
-    NgramDrafter, Source, Verdict, generate_paced,
+    AcceptPolicy, CopyConfig, CopyFirst, DrafterKind, Error as CoreError, ErrorKind,
+    GenerationRequest, Mode, NgramConfig, NgramDrafter, Source, Verdict, generate_paced,
 };
 use parse_discovery::{Discovery, EtcdDiscovery, Role, StaticDiscovery};
 use parse_proto::v1::generation_server::{Generation, GenerationServer};

@@ -76,8 +76,9 @@ struct Args {
     /// share one device).
     #[arg(long)]
     no_draft_ahead: bool,
-    /// Drafter of requests that name none: model (the draft workers) or ngram (prompt lookup in the router; with
-    /// it no draft worker is needed).
+    /// Drafter of requests that name none: model (the draft workers), ngram (prompt lookup in the router; with it
+    /// no draft worker is needed) or model+ngram (copies of long prompt-lookup matches, the draft workers for the
+    /// rest).
     #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model")]
     default_drafter: parse_core::DrafterKind,
     /// Keep speculating even where it writes more slowly than the target alone at the current load (by default the
