@@ -26,17 +26,32 @@ use crate::driver::{DraftChunk, Drafter, SamplingParams};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ngram::{NgramConfig, lookup_match};
 
-/// Which matches are copied.
+/// Which matches are copied, and how the model is asked for the rest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopyConfig {
     /// Suffix sizes looked up (longest first); a match shorter than `lookup.min_n` is not copied.
     pub lookup: NgramConfig,
+    /// Tokens asked of the model per call: 1 in process; a drafter behind a network call wants more per call
+    /// (tokens past the start of a copy are then dropped).
+    pub model_chunk: usize,
 }
 
 impl Default for CopyConfig {
     fn default() -> Self {
         CopyConfig {
             lookup: NgramConfig { min_n: 5, max_n: 8 },
+            model_chunk: 1,
+        }
+    }
+}
+
+impl CopyConfig {
+    /// For a drafter behind a network call (the router's draft-worker client): 8 model tokens per call, as a plain
+    /// model draft asks for.
+    pub fn remote() -> Self {
+        CopyConfig {
+            model_chunk: 8,
+            ..Default::default()
         }
     }
 }
@@ -167,30 +182,45 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
                 s.model_tokens = 0;
                 s.model_begins += 1;
             }
-            // One token at a time, so that a match the model's token completes is copied from the next on. (Through
-            // the router each model token is then a call to the draft worker, where a plain model draft asks for 8.)
-            let c = self.inner.next(session, 1)?;
-            let Some(&t) = c.tokens.first() else {
+            // `model_chunk` tokens per call (in process one: a token the model writes past the start of a copy is a
+            // step thrown away; through the router more, each call being a round trip to the draft worker). The
+            // model's tokens are taken up to the first that completes a match; the copy goes on from there.
+            let want = self.cfg.model_chunk.max(1).min(max - chunk.tokens.len());
+            let c = self.inner.next(session, want)?;
+            if c.tokens.is_empty() {
                 s.done = true;
                 break;
-            };
-            if sampled {
-                let p = c.probs.first().copied().ok_or_else(|| {
-                    Error::internal("the draft model returned no probability for a sampled token")
-                })?;
-                chunk.probs.push(p);
             }
-            s.context.push(t);
-            s.origins.push(Origin::Model {
-                begun: s.model_begins,
-                index: s.model_tokens,
-            });
-            s.model_tokens += 1;
-            s.model_at = Some(s.context.len());
-            chunk.tokens.push(t);
-            chunk.pieces.extend(c.pieces.into_iter().take(1));
-            self.modelled += 1;
-            s.done = c.done || self.end_tokens.contains(&t);
+            if sampled && c.probs.len() < c.tokens.len() {
+                return Err(Error::internal(
+                    "the draft model returned no probability for a sampled token",
+                ));
+            }
+            let n = c.tokens.len();
+            let mut pieces = c.pieces.into_iter();
+            for (i, &t) in c.tokens.iter().enumerate() {
+                if sampled {
+                    chunk.probs.push(c.probs[i]);
+                }
+                s.context.push(t);
+                s.origins.push(Origin::Model {
+                    begun: s.model_begins,
+                    index: s.model_tokens,
+                });
+                s.model_tokens += 1;
+                chunk.tokens.push(t);
+                chunk.pieces.push(pieces.next().ok_or_else(|| {
+                    Error::internal("a drafter returned fewer texts than tokens")
+                })?);
+                self.modelled += 1;
+                s.done = (c.done && i + 1 == n) || self.end_tokens.contains(&t);
+                if s.done || (i + 1 < n && lookup_match(&s.context, &self.cfg.lookup).is_some()) {
+                    // The model's tokens after this one are dropped: it is no longer where the context is.
+                    s.model_at = (i + 1 == n).then_some(s.context.len());
+                    break;
+                }
+                s.model_at = Some(s.context.len());
+            }
         }
         chunk.done = s.done;
         if !copied.is_empty() {
@@ -334,7 +364,11 @@ mod tests {
             ..Default::default()
         };
         let lookup = NgramConfig { min_n, max_n: 4 };
-        CopyFirst::new(model, CopyConfig { lookup }, vec![99]).unwrap()
+        let cfg = CopyConfig {
+            lookup,
+            model_chunk: 1,
+        };
+        CopyFirst::new(model, cfg, vec![99]).unwrap()
     }
 
     #[test]
@@ -358,6 +392,36 @@ mod tests {
         d.begin("s", &[1, 2, 3, 4, 1, 2, 3], &greedy).unwrap();
         assert_eq!(d.next("s", 3).unwrap().tokens, [4, 1, 2]);
         assert_eq!(d.inner().begins.len(), 1);
+    }
+
+    #[test]
+    fn asked_for_several_tokens_the_model_is_cut_where_its_token_completes_a_match() {
+        let model = Model {
+            script: vec![3, 77, 78],
+            ..Default::default()
+        };
+        let cfg = CopyConfig {
+            lookup: NgramConfig { min_n: 3, max_n: 4 },
+            model_chunk: 3,
+        };
+        let mut d = CopyFirst::new(model, cfg, vec![99]).unwrap();
+        d.begin("s", &[1, 2, 3, 4, 5, 9, 1, 2], &SamplingParams::default())
+            .unwrap();
+        // The same draft as one token per call: 77 and 78 are dropped, the copy starts after 3.
+        let c = d.next("s", 5).unwrap();
+        assert_eq!(c.tokens, [3, 4, 5, 9, 1]);
+        assert_eq!(c.pieces, ["m3", "c4", "c5", "c9", "c1"]);
+        assert_eq!((d.copied, d.modelled), (4, 1));
+        assert_eq!(d.inner().at, 3, "one call wrote all three");
+        // A chunk is never more than the call wants.
+        let model = Model {
+            script: vec![5, 6, 7, 8],
+            ..Default::default()
+        };
+        let mut d = CopyFirst::new(model, cfg, vec![99]).unwrap();
+        d.begin("t", &[10, 11], &SamplingParams::default()).unwrap();
+        assert_eq!(d.next("t", 2).unwrap().tokens, [5, 6]);
+        assert_eq!(d.inner().at, 2);
     }
 
     #[test]
@@ -426,7 +490,11 @@ mod tests {
         assert!(d.inner().released);
         assert_eq!(d.next("s", 1).unwrap_err().kind, ErrorKind::NotFound);
         assert!(d.begin("s", &[], &SamplingParams::default()).is_err());
-        let bad = NgramConfig { min_n: 0, max_n: 4 };
-        assert!(CopyFirst::new(Model::default(), CopyConfig { lookup: bad }, vec![]).is_err());
+        let lookup = NgramConfig { min_n: 0, max_n: 4 };
+        let bad = CopyConfig {
+            lookup,
+            ..Default::default()
+        };
+        assert!(CopyFirst::new(Model::default(), bad, vec![]).is_err());
     }
 }

@@ -672,7 +672,7 @@ impl Router {
                 Ok(Some(n)) => generate_paced(n, &mut verifier, &req, &mut sink, pacing.clone()),
                 Ok(None) if drafter_kind == DrafterKind::ModelNgram => {
                     // Copies are made here; the remote drafter writes the rest (its counters read below).
-                    CopyFirst::new(&mut drafter, CopyConfig::default(), eos).and_then(|mut d| {
+                    CopyFirst::new(&mut drafter, CopyConfig::remote(), eos).and_then(|mut d| {
                         generate_paced(&mut d, &mut verifier, &req, &mut sink, pacing.clone())
                     })
                 }
