@@ -23,8 +23,8 @@
 use std::collections::HashMap;
 
 use crate::driver::{DraftChunk, Drafter, SamplingParams};
-use crate::error::{Error, ErrorKind, Result};
-use crate::ngram::{NgramConfig, lookup_match};
+use crate::error::{Error, Result};
+use crate::ngram::{NgramConfig, draft_session, lookup_match};
 
 /// Which matches are copied, and how the model is asked for the rest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,19 +123,6 @@ impl<D: Drafter> CopyFirst<D> {
     pub fn inner(&self) -> &D {
         &self.inner
     }
-
-    pub fn inner_mut(&mut self) -> &mut D {
-        &mut self.inner
-    }
-
-    fn session<'a>(
-        sessions: &'a mut HashMap<String, CopyState>,
-        session: &str,
-    ) -> Result<&'a mut CopyState> {
-        sessions
-            .get_mut(session)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no draft session `{session}`")))
-    }
 }
 
 impl<D: Drafter> Drafter for CopyFirst<D> {
@@ -157,7 +144,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     }
 
     fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
-        let s = Self::session(&mut self.sessions, session)?;
+        let s = draft_session(&mut self.sessions, session)?;
         let sampled = !s.sampling.is_greedy();
         let mut chunk = DraftChunk::default();
         let mut copied = Vec::new();
@@ -246,7 +233,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     }
 
     fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
-        let s = Self::session(&mut self.sessions, session)?;
+        let s = draft_session(&mut self.sessions, session)?;
         let n = s.origins.len();
         let origin = *s
             .origins
@@ -297,6 +284,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ErrorKind;
     use crate::ngram::lookup;
 
     /// A draft model that writes the tokens of a script, one per step, and records its calls.

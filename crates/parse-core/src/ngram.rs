@@ -146,15 +146,16 @@ impl NgramDrafter {
             sessions: HashMap::new(),
         })
     }
+}
 
-    fn session<'a>(
-        sessions: &'a mut HashMap<String, Lookup>,
-        session: &str,
-    ) -> Result<&'a mut Lookup> {
-        sessions
-            .get_mut(session)
-            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no draft session `{session}`")))
-    }
+/// A drafter's state for `session`, or NOT_FOUND.
+pub(crate) fn draft_session<'a, S>(
+    sessions: &'a mut HashMap<String, S>,
+    session: &str,
+) -> Result<&'a mut S> {
+    sessions
+        .get_mut(session)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no draft session `{session}`")))
 }
 
 impl Drafter for NgramDrafter {
@@ -170,7 +171,7 @@ impl Drafter for NgramDrafter {
 
     fn next(&mut self, session: &str, max: usize) -> Result<DraftChunk> {
         let (cfg, end) = (self.cfg, &self.end_tokens);
-        let s = Self::session(&mut self.sessions, session)?;
+        let s = draft_session(&mut self.sessions, session)?;
         let mut tokens = Vec::new();
         while !s.done && tokens.len() < max {
             let Some(t) = lookup(&s.context, &cfg) else {
@@ -199,7 +200,7 @@ impl Drafter for NgramDrafter {
     }
 
     fn distribution(&mut self, session: &str, index: usize) -> Result<Vec<(u32, f32)>> {
-        let s = Self::session(&mut self.sessions, session)?;
+        let s = draft_session(&mut self.sessions, session)?;
         let t = s.drafted.get(index).ok_or_else(|| {
             Error::invalid(format!(
                 "draft token {index} asked for, {} drafted",
