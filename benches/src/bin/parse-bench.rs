@@ -452,7 +452,7 @@ struct RunCfg {
     mode: Mode,
     verdict: Verdict,
     tau: f32,
-    /// Prompt lookup in place of the draft model.
+    /// Where drafts come from.
     drafter: DrafterKind,
     adaptive: bool,
 }
@@ -640,16 +640,13 @@ fn main() -> Result<()> {
                 (_, None, None) => bail!("no models loaded"),
                 (_, None, Some((target, draft))) => {
                     let mut v = EngineVerifier::new(target);
-                    let lookup = || {
-                        NgramDrafter::new(
+                    let mut d: Box<dyn parse_core::Drafter + '_> = match cfg.drafter {
+                        DrafterKind::Model => Box::new(EngineDrafter::new(draft)),
+                        DrafterKind::Ngram => Box::new(NgramDrafter::new(
                             NgramConfig::default(),
                             tok.piece_fn(),
                             tok.eos_ids().to_vec(),
-                        )
-                    };
-                    let mut d: Box<dyn parse_core::Drafter + '_> = match cfg.drafter {
-                        DrafterKind::Model => Box::new(EngineDrafter::new(draft)),
-                        DrafterKind::Ngram => Box::new(lookup()?),
+                        )?),
                         DrafterKind::ModelNgram => Box::new(CopyFirst::new(
                             EngineDrafter::new(draft),
                             CopyConfig::default(),

@@ -89,7 +89,7 @@ pub struct CopyFirst<D> {
     cfg: CopyConfig,
     end_tokens: Vec<u32>,
     sessions: HashMap<String, CopyState>,
-    /// Tokens copied and tokens asked of the wrapped drafter, over every session (stats, tests).
+    /// Tokens copied, and the wrapped drafter's tokens kept in drafts, over every session (stats, tests).
     pub copied: usize,
     pub modelled: usize,
 }
