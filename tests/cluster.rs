@@ -93,13 +93,12 @@ fn in_process_drafts(
         judge_suffix: tok.judge_suffix().unwrap(),
     };
     let mut v = EngineVerifier::new(&mut target);
-    let d = EngineDrafter::new(&mut draft);
+    let mut d = EngineDrafter::new(&mut draft);
     if copy_first {
         let mut d = CopyFirst::new(d, CopyConfig::default(), tok.eos_ids().to_vec()).unwrap();
         let out = parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
         return (out.tokens, d.copied);
     }
-    let mut d = d;
     let out = parse_core::generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
     (out.tokens, 0)
 }

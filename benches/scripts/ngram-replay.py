@@ -2,11 +2,14 @@
 """Replays a parse-bench `target` run through prompt lookup: how many target steps greedy token-level speculation
 with `NgramDrafter`'s rule (latest earlier occurrence of the longest matching suffix, sizes max..min) would need,
 with a verification of r rows costing 1 + c * (r - 1) one-token steps, for several per-row costs c and draft
-lengths k. Prints the speed-up over the target alone (steps / speculative cost) for each. Needs `pip install
-tokenizers`; the prompt is rebuilt from shared/eval the way parse-bench builds it (XSum only), inside a Qwen chat
-layout (the system line does not change what matches in the article).
+lengths k. Prints the speed-up over the target alone (steps / speculative cost) for each, then how often the
+lookup's next token is the target's, by the size of the longest match (1 to 8 tokens) at each output position:
+the figures behind `CopyFirst`'s 5-token minimum. Needs `pip install tokenizers`; the prompt is rebuilt from
+shared/eval the way parse-bench builds it (XSum, HumanEval, ASDiv), inside a Qwen chat layout (the system line does
+not change what matches in the prompt).
 
-    benches/scripts/ngram-replay.py RUN_DIR [--n 20]   # RUN_DIR: <out-dir>/xsum-runs/target-b96-la3-r2
+    benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20]
+    # RUN_DIR: <out-dir>/<suite>-runs/target-b<budget>-la3-r2 of `parse-bench --suite <suite> --modes target`
 """
 
 import argparse
@@ -20,15 +23,28 @@ SHARED = REPO.parent / "shared"
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")
+ap.add_argument("--suite", default="xsum", choices=["xsum", "humaneval", "asdiv"])
 ap.add_argument("--n", type=int, default=20)
 args = ap.parse_args()
 
 tok = Tokenizer.from_file(str(SHARED / "models" / "qwen2.5-tokenizer.json"))
-recs = [json.loads(line) for line in open(SHARED / "eval" / "xsum-dev.jsonl") if line.strip()][: args.n]
+recs = [json.loads(line) for line in open(SHARED / "eval" / f"{args.suite}-dev.jsonl") if line.strip()][: args.n]
+
+
+def user_text(r):
+    # As parse-bench's `load_records` words each suite's prompt.
+    if args.suite == "xsum":
+        return "Summarize the following article in one sentence.\n\n" + r["document"][:2000]
+    if args.suite == "humaneval":
+        return ("Complete the following Python function. Reply with the whole function in one ```python code "
+                "block.\n\n```python\n" + r["prompt"] + "```")
+    return (r.get("passage", "") + " " + r["question"]
+            + "\nSolve it step by step, then give the final number on the last line as 'Answer: <number>'.")
+
+
 data = []
 for i, r in enumerate(recs):
-    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-              "Summarize the following article in one sentence.\n\n" + r["document"][:2000]
+    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + user_text(r)
               + "<|im_end|>\n<|im_start|>assistant\n")
     x = tok.encode(prompt, add_special_tokens=False).ids
     y = json.load(open(pathlib.Path(args.run_dir) / f"{i}.json"))["tokens"]
@@ -72,3 +88,30 @@ def speedup(lo, hi, k, c_row):
 
 for c_row in (0.6, 0.2, 0.1, 0.05):
     print(f"per-row cost {c_row}: " + "  ".join(f"k={k}: {speedup(2, 4, k, c_row):.2f}x" for k in (2, 4, 6)))
+
+
+def lookup_size(ctx, hi):
+    """The next token by the longest earlier match of size 1..hi, and that size (None, 0 without a match)."""
+    n_ctx = len(ctx)
+    for n in range(hi, 0, -1):
+        if n_ctx <= n:
+            continue
+        suffix = ctx[n_ctx - n:]
+        for i in range(n_ctx - n - 1, -1, -1):
+            if ctx[i:i + n] == suffix:
+                return ctx[i + n], n
+    return None, 0
+
+
+proposed, right, positions = [0] * 9, [0] * 9, 0
+for x, y in data:
+    for i in range(len(y)):
+        t, n = lookup_size(x + y[:i], 8)
+        positions += 1
+        if t is not None:
+            proposed[n] += 1
+            right[n] += t == y[i]
+print(f"{positions} output positions; the lookup's token against the target's, by the longest match (8: 8 or more)")
+for n in range(1, 9):
+    if proposed[n]:
+        print(f"  match {n}: {proposed[n]} proposed, {right[n]} right ({right[n] / proposed[n]:.2f})")
