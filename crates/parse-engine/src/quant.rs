@@ -357,6 +357,50 @@ fn matmul_k_amx<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     );
 }
 
+/// The row-group function of a K-quant format ([`kernels::groups`]).
+#[cfg(target_arch = "x86_64")]
+type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
+
+/// K-quant matmul of a block of rows through the row-group kernels: 16-column groups there, any remaining columns
+/// of a chunk through the panels (the same arithmetic).
+#[cfg(target_arch = "x86_64")]
+fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    groups: RowGroups<T>,
+    panel: Panel<T, &'a [BlockQ8K]>,
+) {
+    let (n, m) = (mat.rows, input.m);
+    let kb = mat.blocks_per_row();
+    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(kb).collect();
+    let w = &mat.blocks;
+    let kern = kernels::active();
+    let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
+    drive(
+        n,
+        m,
+        chunk,
+        |c0, dst| {
+            let cw = dst.len() / m;
+            let full = cw / 16 * 16;
+            if full > 0 {
+                #[allow(unsafe_code)]
+                // SAFETY: use_groups only lets an AVX-512 VNNI variant through; every activation row has kb blocks;
+                // a row of kb blocks is far below 2^31 / 16 bytes.
+                unsafe {
+                    groups(&w[c0 * kb..(c0 + full) * kb], kb, &rows, dst, cw)
+                };
+            }
+            if full < cw {
+                let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
+                run_panels(panel, kern, wc, kb, &rows, &mut dst[full..], cw);
+            }
+        },
+        out,
+    );
+}
+
 /// The input rows of one or more matmuls, quantized on first use for each activation format and shared by every
 /// matrix that reads them (the query, key and value projections read the same rows; so do gate and up).
 pub struct Input<'a> {
@@ -799,6 +843,22 @@ impl QMatrix {
                 input,
                 out,
                 kernels::amx::q6k_groups,
+                kernels::q6k_panel,
+            ),
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q4K(mat) if kernels::use_groups(m) => matmul_k_groups(
+                mat,
+                input,
+                out,
+                kernels::groups::q4k_groups,
+                kernels::q4k_panel,
+            ),
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q6K(mat) if kernels::use_groups(m) => matmul_k_groups(
+                mat,
+                input,
+                out,
+                kernels::groups::q6k_groups,
                 kernels::q6k_panel,
             ),
             QMatrix::Q4K(mat) => matmul_k(mat, input, out, kernels::q4k_panel),

@@ -31,6 +31,8 @@ pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+pub mod groups;
+#[cfg(target_arch = "x86_64")]
 mod vnni;
 
 /// Activation rows processed per call (8 measured fastest on the 2-core development machine: 4 and 6 were 10-20%
@@ -475,6 +477,24 @@ pub fn use_amx(m: usize) -> bool {
     }
 }
 
+/// Whether a block of `m` rows of a Q4_K or Q6_K matrix goes to the row-group kernels of [`groups`] (an AVX-512
+/// VNNI variant is active, the block is large enough, and it does not go to the AMX tiles).
+/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two).
+pub fn use_groups(m: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF
+            .get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"));
+        !off && m >= groups::MIN_ROWS && active() >= Kernels::Vnni && !use_amx(m)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = m;
+        false
+    }
+}
+
 /// Switches every later matmul of this process to `k` (tests and benchmarks compare variants in one process).
 pub fn set_active(k: Kernels) -> Result<(), String> {
     if !k.supported() {
@@ -766,6 +786,88 @@ mod tests {
                 q5_0_panel,
                 q5_0_dot_scalar,
             );
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn row_groups_equal_the_scalar_definition_bit_for_bit() {
+        if !Kernels::Vnni.supported() {
+            eprintln!("skipping the row-group kernels: this CPU lacks AVX-512 VNNI");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        let (kb, cols) = (3, 48);
+        let k = kb * QK_K;
+        let wf = random(&mut rng, cols * k, 1.0);
+        let mut w = blocks::<BlockQ4K>(&wf);
+        // The first super-block of the first 16 Q4_K rows at the extremes: every nibble 15, every scale and min 63
+        // (the 6-bit fields all ones), and d, dmin of both signs.
+        for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ4K and RawQ4K have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ4K).cast::<RawQ4K>() };
+            raw.qs = [if n % 2 == 0 { 0xFF } else { 0x0F }; 128];
+            raw.scales = [0xFF; 12];
+            if n % 3 == 0 {
+                raw.d = f16::from_f32(-0.01).to_bits();
+                raw.dmin = f16::from_f32(0.02).to_bits();
+            }
+        }
+        let mut w6 = blocks::<BlockQ6K>(&wf);
+        // As in the AMX test: the first 16 Q6_K rows' first super-block at the extremes (weights -32 or 31, group
+        // scales -128 or 127).
+        for (n, b) in w6.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ6K and RawQ6K have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ6K).cast::<RawQ6K>() };
+            let q: u8 = if n % 2 == 0 { 0 } else { 63 };
+            raw.ql = [(q & 0xF) | ((q & 0xF) << 4); 128];
+            let h = q >> 4;
+            raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
+            raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
+        }
+        for m in [1, 2, groups::MIN_ROWS, 8, 17, 33] {
+            let mut xf = random(&mut rng, m * k, 3.0);
+            // One row at the activations' extreme: every value the block's largest (quantized to -127).
+            xf[..k].fill(2.5);
+            let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&xf);
+            let xs: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+            let stride = cols + 5;
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: checked above that the VNNI variant is supported; the rows are short.
+            unsafe {
+                groups::q4k_groups(&w, kb, &xs, &mut out, stride)
+            };
+            for r in 0..m {
+                for c in 0..cols {
+                    let want = q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r]);
+                    let got = out[r * stride + c];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "q4k m {m}, row {r}, col {c}: {got} vs {want}"
+                    );
+                }
+            }
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: as above.
+            unsafe {
+                groups::q6k_groups(&w6, kb, &xs, &mut out, stride)
+            };
+            for r in 0..m {
+                for c in 0..cols {
+                    let want = q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r]);
+                    let got = out[r * stride + c];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "q6k m {m}, row {r}, col {c}: {got} vs {want}"
+                    );
+                }
+            }
         }
     }
 

@@ -1,0 +1,346 @@
+//! AVX-512 VNNI block kernels for Q4_K and Q6_K weights: 16 weight rows at once, one weight row per 32-bit lane,
+//! against every activation row of the block.
+//!
+//! The panels of [`super::vnni`] compute one weight row against up to 8 activation rows: per 64 products and row they
+//! spend a multiply of pairs and a scaled accumulate, then reduce the lanes of every row, so a block of rows costs
+//! about a third of a one-token step per row on a CPU without AMX. Here the 16 lanes of a vector are 16 weight rows:
+//! four consecutive weights of each row go to one 32-bit lane (16-byte runs of the 16 rows loaded and transposed 4 x 4
+//! words at a time), so one `vpdpbusd` with
+//! four activation bytes broadcast to every lane accumulates 4 products for each of the 16 rows, and a sub-block's
+//! scale is one `vpmulld` by the 16 rows' scales. The weights of a super-block are transposed and unpacked once and
+//! serve every activation row; nothing is reduced across lanes.
+//!
+//! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: the super-block integers
+//! (`S`, and for Q4_K the min term `M`) are exact however their products are grouped, and the float chains are the
+//! definitions' (`fma(d_x * d_w, S, acc)` per super-block, one row per lane).
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::*;
+
+/// Blocks with fewer activation rows use the panels: transposing and unpacking 16 weight rows costs about what a
+/// panel spends on a few activation rows. Measured with `engine-bench --models target --blocks 2,3,4,6,8` on a 2-core
+/// AVX-512 VNNI machine (docs/figures.md, "Weight rows in lanes").
+pub const MIN_ROWS: usize = 4;
+
+/// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
+const Q4K_QS: usize = 16;
+
+/// Words `off / 4 .. off / 4 + 4` of 16 weight rows `row_bytes` apart from `base`, one vector per word with row `n`
+/// in lane `n`: the rows' 16-byte runs are loaded four to a vector (rows `a`, `a + 4`, `a + 8`, `a + 12` in its
+/// 128-bit lanes) and each lane's 4 x 4 words transposed.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] {
+    // SAFETY: the caller guarantees 16 readable bytes at `off` in each of the 16 rows.
+    let load = |n: usize| unsafe { _mm_loadu_si128(base.add(n * row_bytes + off).cast()) };
+    let z: [__m512i; 4] = std::array::from_fn(|a| {
+        let v = _mm512_castsi128_si512(load(a));
+        let v = _mm512_inserti32x4::<1>(v, load(a + 4));
+        let v = _mm512_inserti32x4::<2>(v, load(a + 8));
+        _mm512_inserti32x4::<3>(v, load(a + 12))
+    });
+    let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+    let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+    let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    [
+        _mm512_unpacklo_epi64(t0, t2),
+        _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1, t3),
+        _mm512_unpackhi_epi64(t1, t3),
+    ]
+}
+
+/// Per activation row and super-block, the sums of its sub-blocks' Q8_K sums (`bsums[2s] + bsums[2s + 1]`, at most
+/// 2 x 16 x 128 in magnitude) packed in pairs of i16: word `i` holds sub-blocks `2i` (low half) and `2i + 1`.
+fn bsum_pairs(xs: &[&[RawQ8K]], kb: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(xs.len() * kb * 4);
+    for x in xs {
+        for xb in &x[..kb] {
+            let s = |g: usize| (xb.bsums[2 * g] as i32 + xb.bsums[2 * g + 1] as i32) as i16 as u16;
+            for i in 0..4 {
+                out.push((s(2 * i) as u32 | ((s(2 * i + 1) as u32) << 16)) as i32);
+            }
+        }
+    }
+    out
+}
+
+/// Four activation bytes at `p`, in every lane.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn bcast(p: *const i8) -> __m512i {
+    // SAFETY: the caller guarantees 4 readable bytes at p.
+    _mm512_set1_epi32(unsafe { p.cast::<i32>().read_unaligned() })
+}
+
+/// Byte `k` (0..4) of every lane, as an i32.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn byte_of(v: __m512i, k: u32) -> __m512i {
+    _mm512_and_si512(
+        _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * k as i32)),
+        _mm512_set1_epi32(0xFF),
+    )
+}
+
+/// The f16 in the low (`high = false`) or high half of every lane, as f32 (exact).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn half_to_f32(v: __m512i, high: bool) -> __m512 {
+    let v = if high { _mm512_srli_epi32::<16>(v) } else { v };
+    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+}
+
+/// `out[r * stride + c] = q4k_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
+/// super-blocks) and every activation row `r`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and VNNI; `xs` rows must hold at least `kb` blocks; the byte offset of the last
+/// row of `w` must be addressable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q4k_groups(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let w = raw_q4k(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let m = xs.len();
+    let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
+    let bsp = bsum_pairs(&xs, kb);
+    let row_bytes = kb * std::mem::size_of::<RawQ4K>();
+    let nib = _mm512_set1_epi8(0xF);
+    let (mask6, mask4, mask2) = (
+        _mm512_set1_epi32(0x3f3f_3f3f),
+        _mm512_set1_epi32(0x0f0f_0f0f),
+        _mm512_set1_epi32(0x0303_0303),
+    );
+    let mut acc = vec![_mm512_setzero_ps(); m];
+    let mut acc_m = vec![_mm512_setzero_ps(); m];
+    let mut s = vec![_mm512_setzero_si512(); m];
+    for g in 0..cols / 16 {
+        acc.fill(_mm512_setzero_ps());
+        acc_m.fill(_mm512_setzero_ps());
+        for b in 0..kb {
+            let base = (&w[g * 16 * kb + b] as *const RawQ4K).cast::<u8>();
+            // SAFETY: lane n reads row g * 16 + n's super-block b (the caller's bounds): d and dmin, then the 12
+            // scale bytes.
+            let [dd, u0, u1, u2] = unsafe { words4(base, row_bytes, 0) };
+            // The 6-bit scales and mins of `scales_mins`, one row per lane: bytes 0..4 of sc_lo are sub-blocks
+            // 0..4, of sc_hi 4..8 (and the same for the mins).
+            let sc_lo = _mm512_and_si512(u0, mask6);
+            let sc_hi = _mm512_or_si512(
+                _mm512_and_si512(u2, mask4),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), mask2)),
+            );
+            let m_lo = _mm512_and_si512(u1, mask6);
+            let m_hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32::<4>(u2), mask4),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), mask2)),
+            );
+            let scale: [__m512i; 8] =
+                std::array::from_fn(|t| byte_of(if t < 4 { sc_lo } else { sc_hi }, t as u32 % 4));
+            // Mins of sub-blocks 2i and 2i + 1 as a pair of i16 per lane, for `vpdpwssd` with `bsum_pairs`.
+            let mins: [__m512i; 4] = std::array::from_fn(|i| {
+                let src = if i < 2 { m_lo } else { m_hi };
+                let k = 2 * (i as u32 % 2);
+                _mm512_or_si512(
+                    byte_of(src, k),
+                    _mm512_slli_epi32::<16>(byte_of(src, k + 1)),
+                )
+            });
+            let wd = half_to_f32(dd, false);
+            let wdm = half_to_f32(dd, true);
+            for j in 0..4 {
+                // Word t of chunk j: its low nibbles are values 64j + 4t..+4 (sub-block 2j), its high nibbles
+                // values 64j + 32 + 4t..+4 (sub-block 2j + 1).
+                let mut lo = [_mm512_setzero_si512(); 8];
+                let mut hi = [_mm512_setzero_si512(); 8];
+                for h in 0..2 {
+                    // SAFETY: as above; words 8j + 4h..+4 of qs.
+                    let q = unsafe { words4(base, row_bytes, Q4K_QS + 32 * j + 16 * h) };
+                    for (k, qk) in q.into_iter().enumerate() {
+                        lo[4 * h + k] = _mm512_and_si512(qk, nib);
+                        hi[4 * h + k] = _mm512_and_si512(_mm512_srli_epi32::<4>(qk), nib);
+                    }
+                }
+                for (r, x) in xs.iter().enumerate() {
+                    let q8 = x[b].qs.as_ptr();
+                    let mut a_lo = _mm512_setzero_si512();
+                    let mut a_hi = _mm512_setzero_si512();
+                    for t in 0..8 {
+                        // SAFETY: qs has 256 bytes; the words span 64j..64j + 64.
+                        unsafe {
+                            a_lo = _mm512_dpbusd_epi32(a_lo, lo[t], bcast(q8.add(64 * j + 4 * t)));
+                            a_hi = _mm512_dpbusd_epi32(
+                                a_hi,
+                                hi[t],
+                                bcast(q8.add(64 * j + 32 + 4 * t)),
+                            );
+                        }
+                    }
+                    let v = _mm512_add_epi32(
+                        _mm512_mullo_epi32(a_lo, scale[2 * j]),
+                        _mm512_mullo_epi32(a_hi, scale[2 * j + 1]),
+                    );
+                    s[r] = if j == 0 { v } else { _mm512_add_epi32(s[r], v) };
+                }
+            }
+            for (r, x) in xs.iter().enumerate() {
+                let p = &bsp[(r * kb + b) * 4..(r * kb + b) * 4 + 4];
+                let mut mn = _mm512_setzero_si512();
+                for (i, &pair) in p.iter().enumerate() {
+                    mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(pair));
+                }
+                let dx = _mm512_set1_ps(x[b].d);
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, wd), _mm512_cvtepi32_ps(s[r]), acc[r]);
+                acc_m[r] =
+                    _mm512_fmadd_ps(_mm512_mul_ps(dx, wdm), _mm512_cvtepi32_ps(mn), acc_m[r]);
+            }
+        }
+        for r in 0..m {
+            let v = _mm512_sub_ps(acc[r], acc_m[r]);
+            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
+            unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), v) };
+        }
+    }
+}
+
+/// Byte offsets inside a Q6_K super-block (ggml's `block_q6_K`): low nibbles, high bits, group scales, `d`.
+const Q6K_QH: usize = 128;
+const Q6K_SCALES: usize = 192;
+
+/// `out[r * stride + c] = q6k_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
+/// super-blocks) and every activation row `r`. Per 16-value group `g` the unsigned 6-bit values `u` (the weight is
+/// `u - 32`) give `P_g = sum u x` through `vpdpbusd`; `S = sum_g sc_g P_g - 32 sum_g sc_g bsums_g`, the second sum by
+/// `vpdpwssd` over pairs of groups (the activations' Q8_K group sums are stored as pairs of i16 already).
+///
+/// # Safety
+/// As [`q4k_groups`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q6k_groups(
+    w: &[BlockQ6K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let w = raw_q6k(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let m = xs.len();
+    let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
+    let row_bytes = kb * std::mem::size_of::<RawQ6K>();
+    let (m4, m2) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(3));
+    let lo16 = _mm512_set1_epi32(0xFFFF);
+    let mut acc = vec![_mm512_setzero_ps(); m];
+    let mut s = vec![_mm512_setzero_si512(); m];
+    for g in 0..cols / 16 {
+        acc.fill(_mm512_setzero_ps());
+        for b in 0..kb {
+            let first = g * 16 * kb + b;
+            let base = (&w[first] as *const RawQ6K).cast::<u8>();
+            let wd = {
+                let d: [u16; 16] = std::array::from_fn(|n| w[first + n * kb].d);
+                // SAFETY: 16 u16 make the 256 bits loaded.
+                _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(d.as_ptr().cast()) })
+            };
+            // SAFETY: lane n reads row g * 16 + n's super-block b: its 16 group scales.
+            let sc_words = unsafe { words4(base, row_bytes, Q6K_SCALES) };
+            // Group scale `i` (i8, sign-extended) of every row.
+            let sc = |i: usize| {
+                let v = sc_words[i / 4];
+                _mm512_srai_epi32::<24>(_mm512_sllv_epi32(
+                    v,
+                    _mm512_set1_epi32(24 - 8 * (i % 4) as i32),
+                ))
+            };
+            let scale: [__m512i; 16] = std::array::from_fn(sc);
+            // Scales of groups 2i and 2i + 1 as a pair of i16, for `vpdpwssd` with the group sums.
+            let pairs: [__m512i; 8] = std::array::from_fn(|i| {
+                _mm512_or_si512(
+                    _mm512_and_si512(scale[2 * i], lo16),
+                    _mm512_slli_epi32::<16>(scale[2 * i + 1]),
+                )
+            });
+            let mut first_part = true;
+            for n in 0..2 {
+                for h in 0..2 {
+                    // Words t = 4h..4h + 4 of half n: `ql` at 64n + 4t (A, parts 0 and 2) and 64n + 32 + 4t (B,
+                    // parts 1 and 3), `qh` at 32n + 4t (2 bits per part); part p of word t holds values
+                    // 128n + 32p + 4t..+4, of group 8n + 2p + h.
+                    // SAFETY: as above; the runs lie inside ql and qh.
+                    let (a, bq, hb) = unsafe {
+                        (
+                            words4(base, row_bytes, 64 * n + 16 * h),
+                            words4(base, row_bytes, 64 * n + 32 + 16 * h),
+                            words4(base, row_bytes, Q6K_QH + 32 * n + 16 * h),
+                        )
+                    };
+                    let high = |k: usize, p: u32| {
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(
+                            _mm512_srlv_epi32(hb[k], _mm512_set1_epi32(2 * p as i32)),
+                            m2,
+                        ))
+                    };
+                    let u: [[__m512i; 4]; 4] = std::array::from_fn(|p| {
+                        std::array::from_fn(|k| {
+                            let src = if p % 2 == 0 { a[k] } else { bq[k] };
+                            let low = if p < 2 {
+                                _mm512_and_si512(src, m4)
+                            } else {
+                                _mm512_and_si512(_mm512_srli_epi32::<4>(src), m4)
+                            };
+                            _mm512_or_si512(low, high(k, p as u32))
+                        })
+                    });
+                    for (r, x) in xs.iter().enumerate() {
+                        let q8 = x[b].qs.as_ptr();
+                        let mut v = _mm512_setzero_si512();
+                        for (p, up) in u.iter().enumerate() {
+                            let at = 128 * n + 32 * p + 16 * h;
+                            let mut pg = _mm512_setzero_si512();
+                            for (k, uk) in up.iter().enumerate() {
+                                // SAFETY: qs has 256 bytes; the word spans at + 4k..+4 < 256.
+                                pg = _mm512_dpbusd_epi32(pg, *uk, unsafe {
+                                    bcast(q8.add(at + 4 * k))
+                                });
+                            }
+                            let grp = 8 * n + 2 * p + h;
+                            v = _mm512_add_epi32(v, _mm512_mullo_epi32(pg, scale[grp]));
+                        }
+                        s[r] = if first_part {
+                            v
+                        } else {
+                            _mm512_add_epi32(s[r], v)
+                        };
+                    }
+                    first_part = false;
+                }
+            }
+            for (r, x) in xs.iter().enumerate() {
+                let bs = x[b].bsums.as_ptr();
+                let mut o = _mm512_setzero_si512();
+                for (i, pair) in pairs.iter().enumerate() {
+                    // SAFETY: bsums has 16 i16; the pair spans 2i..2i + 2.
+                    let sums = unsafe { bs.add(2 * i).cast::<i32>().read_unaligned() };
+                    o = _mm512_dpwssd_epi32(o, *pair, _mm512_set1_epi32(sums));
+                }
+                let si = _mm512_sub_epi32(s[r], _mm512_slli_epi32::<5>(o));
+                let d = _mm512_mul_ps(_mm512_set1_ps(x[b].d), wd);
+                acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(si), acc[r]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
+            unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), *a) };
+        }
+    }
+}
