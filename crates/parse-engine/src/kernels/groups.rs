@@ -21,9 +21,11 @@ use std::arch::x86_64::*;
 use super::*;
 
 /// Blocks with fewer activation rows use the panels: transposing and unpacking 16 weight rows costs about what a
-/// panel spends on a few activation rows. Measured with `engine-bench --models target --blocks 2,3,4,6,8` on a 2-core
-/// AVX-512 VNNI machine (docs/figures.md, "Weight rows in lanes").
-pub const MIN_ROWS: usize = 4;
+/// panel spends on a few activation rows. Measured with `engine-bench --models target --blocks 4,8,24`, alternating
+/// `PARSE_CPU_ROW_GROUPS=off` and on, on a 2-core AVX-512 VNNI machine (AMD EPYC): 4 rows 88-93 ms on the panels
+/// against 112 here (logits at every row), 8 rows 139-162 against 145-147, 24 rows 387-392 against 263-272.
+/// Software prefetching of the 16 rows' next super-blocks was tried and changed nothing.
+pub const MIN_ROWS: usize = 8;
 
 /// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
 const Q4K_QS: usize = 16;

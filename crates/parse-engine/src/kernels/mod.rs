@@ -827,7 +827,7 @@ mod tests {
             raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
             raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
         }
-        for m in [1, 2, groups::MIN_ROWS, 8, 17, 33] {
+        for m in [1, 2, 5, groups::MIN_ROWS, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
             xf[..k].fill(2.5);
