@@ -386,8 +386,8 @@ fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
             let full = cw / 16 * 16;
             if full > 0 {
                 #[allow(unsafe_code)]
-                // SAFETY: use_groups only lets an AVX-512 VNNI variant through; every activation row has kb blocks;
-                // a row of kb blocks is far below 2^31 / 16 bytes.
+                // SAFETY: use_groups only lets an AVX-512 VNNI variant through (F16C is in the build's baseline);
+                // the weights are `full` (a multiple of 16) whole rows; every activation row has kb blocks.
                 unsafe {
                     groups(&w[c0 * kb..(c0 + full) * kb], kb, &rows, dst, cw)
                 };

@@ -101,8 +101,8 @@ fn half_to_f32(v: __m512i, high: bool) -> __m512 {
 /// super-blocks) and every activation row `r`.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F/BW/VL and VNNI; `xs` rows must hold at least `kb` blocks; the byte offset of the last
-/// row of `w` must be addressable.
+/// The CPU must have AVX-512 F/BW/VL, VNNI and F16C; `w` must be whole rows of `kb` blocks, a multiple of 16 rows
+/// (the loads of each super-block stay inside it); `xs` rows must hold at least `kb` blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4k_groups(
     w: &[BlockQ4K],
