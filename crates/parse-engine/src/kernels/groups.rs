@@ -1,7 +1,7 @@
 //! AVX-512 VNNI block kernels for Q4_K and Q6_K weights: 16 weight rows at once, one weight row per 32-bit lane,
 //! against every activation row of the block.
 //!
-//! The panels of [`super::vnni`] compute one weight row against up to 8 activation rows: per 64 products and row they
+//! The panels of the `vnni` variant compute one weight row against up to 8 activation rows: per 64 products and row they
 //! spend a multiply of pairs and a scaled accumulate, then reduce the lanes of every row, so a block of rows costs
 //! about a third of a one-token step per row on a CPU without AMX. Here the 16 lanes of a vector are 16 weight rows:
 //! four consecutive weights of each row go to one 32-bit lane (16-byte runs of the 16 rows loaded and transposed 4 x 4
