@@ -1,14 +1,13 @@
 //! AVX-512 VNNI block kernels for Q4_K and Q6_K weights: 16 weight rows at once, one weight row per 32-bit lane,
 //! against every activation row of the block.
 //!
-//! The panels of the `vnni` variant compute one weight row against up to 8 activation rows: per 64 products and row they
-//! spend a multiply of pairs and a scaled accumulate, then reduce the lanes of every row, so a block of rows costs
+//! The panels of the `vnni` variant compute one weight row against up to 8 activation rows: per 64 products and row
+//! they spend a multiply of pairs and a scaled accumulate, then reduce the lanes of every row, so a block of rows costs
 //! about a third of a one-token step per row on a CPU without AMX. Here the 16 lanes of a vector are 16 weight rows:
 //! four consecutive weights of each row go to one 32-bit lane (16-byte runs of the 16 rows loaded and transposed 4 x 4
-//! words at a time), so one `vpdpbusd` with
-//! four activation bytes broadcast to every lane accumulates 4 products for each of the 16 rows, and a sub-block's
-//! scale is one `vpmulld` by the 16 rows' scales. The weights of a super-block are transposed and unpacked once and
-//! serve every activation row; nothing is reduced across lanes.
+//! words at a time), so one `vpdpbusd` with four activation bytes broadcast to every lane accumulates 4 products for
+//! each of the 16 rows, and a sub-block's scale is one `vpmulld` by the 16 rows' scales. The weights of a super-block
+//! are transposed and unpacked once and serve every activation row; nothing is reduced across lanes.
 //!
 //! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: the super-block integers
 //! (`S`, and for Q4_K the min term `M`) are exact however their products are grouped, and the float chains are the

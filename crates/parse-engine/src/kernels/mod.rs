@@ -19,7 +19,7 @@
 //! A call computes one weight row against up to [`TILE_ROWS`] activation rows (each weight block is unpacked once
 //! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
 //! Blocks of many rows take other paths with the same arithmetic: the AMX tiles ([`amx`]), and without AMX on
-//! AVX-512 VNNI the row groups ([`groups`]: 16 weight rows in the lanes of a vector, every activation row of the block).
+//! AVX-512 VNNI the row groups ([`groups`]: 16 weight rows in the lanes of a vector, every row of the block).
 //! `PARSE_CPU_KERNELS=scalar|avx2|vnni|amx` forces a variant (tests, benchmarks); by default the best one the CPU
 //! supports is used, and the engine logs it.
 
