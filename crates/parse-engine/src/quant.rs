@@ -310,72 +310,26 @@ fn matmul_32<'a, T: GgmlType>(
 #[cfg(target_arch = "x86_64")]
 type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usize);
 
-/// K-quant matmul of a block of rows through AMX tiles: 16-column groups on the tiles, any remaining columns of a
-/// chunk through the panels (the same arithmetic).
-#[cfg(target_arch = "x86_64")]
-fn matmul_k_amx<'a, T: GgmlType<VecDotType = BlockQ8K>>(
-    mat: &Mat<T>,
-    input: &'a Input<'_>,
-    out: &mut [f32],
-    groups: AmxGroups<T>,
-    panel: Panel<T, &'a [BlockQ8K]>,
-) {
-    let (n, m) = (mat.rows, input.m);
-    let kb = mat.blocks_per_row();
-    let acts = input.amx_acts();
-    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(kb).collect();
-    let w = &mat.blocks;
-    let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
-    drive(
-        n,
-        m,
-        chunk,
-        |c0, dst| {
-            let cw = dst.len() / m;
-            let full = cw / 16 * 16;
-            if full > 0 {
-                #[allow(unsafe_code)]
-                // SAFETY: the active variant is Amx, which is only handed out when the CPU and the OS allow it.
-                unsafe {
-                    groups(&w[c0 * kb..(c0 + full) * kb], kb, acts, dst, cw)
-                };
-            }
-            if full < cw {
-                let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
-                run_panels(
-                    panel,
-                    kernels::Kernels::Amx,
-                    wc,
-                    kb,
-                    &rows,
-                    &mut dst[full..],
-                    cw,
-                );
-            }
-        },
-        out,
-    );
-}
-
 /// The row-group function of a K-quant format ([`kernels::groups`]).
 #[cfg(target_arch = "x86_64")]
 type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 
-/// K-quant matmul of a block of rows through the row-group kernels: 16-column groups there, any remaining columns
-/// of a chunk through the panels (the same arithmetic).
+/// K-quant matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)`
+/// takes whole 16-row groups of a chunk's columns (`rows`: the Q8_K activation rows), the panels (the same
+/// arithmetic) any remaining columns.
 #[cfg(target_arch = "x86_64")]
-fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     mat: &Mat<T>,
     input: &'a Input<'_>,
     out: &mut [f32],
-    groups: RowGroups<T>,
+    kern: kernels::Kernels,
+    groups: impl Fn(&[T], &[&[BlockQ8K]], &mut [f32], usize) + Sync,
     panel: Panel<T, &'a [BlockQ8K]>,
 ) {
     let (n, m) = (mat.rows, input.m);
     let kb = mat.blocks_per_row();
     let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(kb).collect();
     let w = &mat.blocks;
-    let kern = kernels::active();
     let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
     drive(
         n,
@@ -385,12 +339,7 @@ fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
             let cw = dst.len() / m;
             let full = cw / 16 * 16;
             if full > 0 {
-                #[allow(unsafe_code)]
-                // SAFETY: use_groups only lets an AVX-512 VNNI variant through (F16C is in the build's baseline);
-                // the weights are `full` (a multiple of 16) whole rows; every activation row has kb blocks.
-                unsafe {
-                    groups(&w[c0 * kb..(c0 + full) * kb], kb, &rows, dst, cw)
-                };
+                groups(&w[c0 * kb..(c0 + full) * kb], &rows, dst, cw);
             }
             if full < cw {
                 let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
@@ -399,6 +348,48 @@ fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
         },
         out,
     );
+}
+
+/// K-quant matmul of a block of rows through AMX tiles ([`matmul_k_16`]).
+#[cfg(target_arch = "x86_64")]
+fn matmul_k_amx<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    groups: AmxGroups<T>,
+    panel: Panel<T, &'a [BlockQ8K]>,
+) {
+    let kb = mat.blocks_per_row();
+    let acts = input.amx_acts();
+    let tiles = |w: &[T], _: &[&[BlockQ8K]], dst: &mut [f32], stride: usize| {
+        #[allow(unsafe_code)]
+        // SAFETY: the active variant is Amx, which is only handed out when the CPU and the OS allow it.
+        unsafe {
+            groups(w, kb, acts, dst, stride)
+        }
+    };
+    matmul_k_16(mat, input, out, kernels::Kernels::Amx, tiles, panel);
+}
+
+/// K-quant matmul of a block of rows through the row-group kernels ([`matmul_k_16`]).
+#[cfg(target_arch = "x86_64")]
+fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    groups: RowGroups<T>,
+    panel: Panel<T, &'a [BlockQ8K]>,
+) {
+    let kb = mat.blocks_per_row();
+    let lanes = |w: &[T], rows: &[&[BlockQ8K]], dst: &mut [f32], stride: usize| {
+        #[allow(unsafe_code)]
+        // SAFETY: use_groups only lets an AVX-512 VNNI variant through (F16C is in the build's baseline); `w` is
+        // whole 16-row groups; every activation row has kb blocks.
+        unsafe {
+            groups(w, kb, rows, dst, stride)
+        }
+    };
+    matmul_k_16(mat, input, out, kernels::active(), lanes, panel);
 }
 
 /// The input rows of one or more matmuls, quantized on first use for each activation format and shared by every

@@ -791,6 +791,42 @@ mod tests {
         }
     }
 
+    /// Sets the first super-block of the first 16 Q6_K rows (`kb` blocks each) at the extremes of the scaled weights:
+    /// every weight -32 or 31, every group scale -128 or 127 (products -4064..=4096).
+    fn q6k_extremes(w6: &mut [BlockQ6K], kb: usize) {
+        for (n, b) in w6.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ6K and RawQ6K have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ6K).cast::<RawQ6K>() };
+            let q: u8 = if n % 2 == 0 { 0 } else { 63 };
+            raw.ql = [(q & 0xF) | ((q & 0xF) << 4); 128];
+            let h = q >> 4;
+            raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
+            raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
+        }
+    }
+
+    /// Checks `out[r * stride + c]` against `want(r, c)` bit for bit for `m` rows and `cols` columns.
+    fn check_block(
+        name: &str,
+        out: &[f32],
+        stride: usize,
+        m: usize,
+        cols: usize,
+        want: impl Fn(usize, usize) -> f32,
+    ) {
+        for r in 0..m {
+            for c in 0..cols {
+                let (got, want) = (out[r * stride + c], want(r, c));
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{name} m {m}, row {r}, col {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn row_groups_equal_the_scalar_definition_bit_for_bit() {
@@ -817,18 +853,7 @@ mod tests {
             }
         }
         let mut w6 = blocks::<BlockQ6K>(&wf);
-        // As in the AMX test: the first 16 Q6_K rows' first super-block at the extremes (weights -32 or 31, group
-        // scales -128 or 127).
-        for (n, b) in w6.iter_mut().step_by(kb).take(16).enumerate() {
-            #[allow(unsafe_code)]
-            // SAFETY: BlockQ6K and RawQ6K have the same layout (asserted at compile time above).
-            let raw = unsafe { &mut *(b as *mut BlockQ6K).cast::<RawQ6K>() };
-            let q: u8 = if n % 2 == 0 { 0 } else { 63 };
-            raw.ql = [(q & 0xF) | ((q & 0xF) << 4); 128];
-            let h = q >> 4;
-            raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
-            raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
-        }
+        q6k_extremes(&mut w6, kb);
         for m in [1, 2, 5, groups::MIN_ROWS, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
@@ -842,34 +867,18 @@ mod tests {
             unsafe {
                 groups::q4k_groups(&w, kb, &xs, &mut out, stride)
             };
-            for r in 0..m {
-                for c in 0..cols {
-                    let want = q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r]);
-                    let got = out[r * stride + c];
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "q4k m {m}, row {r}, col {c}: {got} vs {want}"
-                    );
-                }
-            }
+            check_block("q4k", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+            });
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: as above.
             unsafe {
                 groups::q6k_groups(&w6, kb, &xs, &mut out, stride)
             };
-            for r in 0..m {
-                for c in 0..cols {
-                    let want = q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r]);
-                    let got = out[r * stride + c];
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "q6k m {m}, row {r}, col {c}: {got} vs {want}"
-                    );
-                }
-            }
+            check_block("q6k", &out, stride, m, cols, |r, c| {
+                q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r])
+            });
         }
     }
 
@@ -885,18 +894,8 @@ mod tests {
         let k = kb * QK_K;
         let wf = random(&mut rng, cols * k, 1.0);
         let (w, mut w6) = (blocks::<BlockQ4K>(&wf), blocks::<BlockQ6K>(&wf));
-        // The first super-block of the first 16 Q6_K rows at the extremes of the scaled weights the tiles split into
-        // two bytes: every weight -32 or 31, every group scale -128 or 127 (products -4064..=4096).
-        for (n, b) in w6.iter_mut().step_by(kb).take(16).enumerate() {
-            #[allow(unsafe_code)]
-            // SAFETY: BlockQ6K and RawQ6K have the same layout (asserted at compile time above).
-            let raw = unsafe { &mut *(b as *mut BlockQ6K).cast::<RawQ6K>() };
-            let q: u8 = if n % 2 == 0 { 0 } else { 63 };
-            raw.ql = [(q & 0xF) | ((q & 0xF) << 4); 128];
-            let h = q >> 4;
-            raw.qh = [h | (h << 2) | (h << 4) | (h << 6); 64];
-            raw.scales = [if n % 4 < 2 { -128 } else { 127 }; 16];
-        }
+        // The scaled weights the tiles split into two bytes at their extremes.
+        q6k_extremes(&mut w6, kb);
         for m in [amx::MIN_ROWS, 8, 16, 21] {
             let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&random(&mut rng, m * k, 3.0));
             let acts = amx::Acts::new(&xq, kb, m);
@@ -907,34 +906,18 @@ mod tests {
             unsafe {
                 amx::q4k_groups(&w, kb, &acts, &mut out, stride)
             };
-            for r in 0..m {
-                for c in 0..cols {
-                    let want = q4k_dot_scalar(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
-                    let got = out[r * stride + c];
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "q4k m {m}, row {r}, col {c}: {got} vs {want}"
-                    );
-                }
-            }
+            check_block("q4k", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb])
+            });
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: checked above that the AMX variant is supported.
             unsafe {
                 amx::q6k_groups(&w6, kb, &acts, &mut out, stride)
             };
-            for r in 0..m {
-                for c in 0..cols {
-                    let want = q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb]);
-                    let got = out[r * stride + c];
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "q6k m {m}, row {r}, col {c}: {got} vs {want}"
-                    );
-                }
-            }
+            check_block("q6k", &out, stride, m, cols, |r, c| {
+                q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb])
+            });
         }
     }
 
