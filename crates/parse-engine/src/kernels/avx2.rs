@@ -112,6 +112,58 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
     std::array::from_fn(|r| acc[r] - acc_m[r])
 }
 
+/// `R` (2..=8) activation rows against one Q4_K weight row: the products as in [`q4k_tile`], then the rows' integer
+/// sums `S` and min terms `M` reduced together ([`sum_rows8`]) and the two float chains run with one row per lane.
+/// Every lane computes `fma(d_x * d_w, S, acc)` and `fma(d_x * dmin_w, M, acc_m)` as the definition does, so the bits
+/// are those of [`q4k_dot_scalar`]; what it saves is the per-row horizontal sums of every super-block.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q4k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm256_setzero_ps();
+    for (b, wb) in w.iter().enumerate() {
+        let (sc, m) = scales_mins(&wb.scales);
+        let mins = q4k_mins_paired(&m);
+        let mut sumi = [_mm256_setzero_si256(); 8];
+        for j in 0..4 {
+            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
+            let bits = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
+            let lo = _mm256_and_si256(bits, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            let sl = _mm256_set1_epi16(sc[2 * j] as i16);
+            let sh = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                // SAFETY: qs has 256 bytes; the loads span 64j..64j+64.
+                let (al, ah) = unsafe {
+                    (
+                        _mm256_loadu_si256(q8.add(64 * j).cast()),
+                        _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
+                    )
+                };
+                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), sl);
+                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), sh);
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        let mt = sum_rows8(std::array::from_fn(|r| {
+            if r >= R {
+                return _mm256_setzero_si256();
+            }
+            // SAFETY: bsums has 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(xs[r][b].bsums.as_ptr().cast()) };
+            _mm256_madd_epi16(bs, mins)
+        }));
+        let dx = row_scales(&xs, b);
+        acc = fma_rows(acc, dx, f16::from_bits(wb.d).to_f32(), sum_rows8(sumi));
+        acc_m = fma_rows(acc_m, dx, f16::from_bits(wb.dmin).to_f32(), mt);
+    }
+    first_lanes(_mm256_sub_ps(acc, acc_m))
+}
+
 /// The exact integer min term `M` of a Q4_K super-block: sub-block mins (`mins`, 8 x i16) times the activations'
 /// sub-block sums (pairs of `bsums`).
 #[target_feature(enable = "avx2")]
@@ -135,71 +187,143 @@ pub(super) fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
+/// Each row's 8 lanes of scaled products with one Q6_K super-block (block `b` of the rows; the offset of 32 is not
+/// yet taken off), in the first `R` of `N` (>= `R`) vectors: lane sums are exact integers.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q6k_sums<const R: usize, const N: usize>(
+    wb: &RawQ6K,
+    xs: &[&[RawQ8K]; R],
+    b: usize,
+) -> [__m256i; N] {
+    let m4 = _mm256_set1_epi8(0xF);
+    let m2 = _mm256_set1_epi8(3);
+    let mut sumi = [_mm256_setzero_si256(); N];
+    for n in 0..2 {
+        // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
+        let (ql0, ql1, qh) = unsafe {
+            (
+                _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n).cast()),
+                _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n + 32).cast()),
+                _mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast()),
+            )
+        };
+        let high = |shift: i32| -> __m256i {
+            let h = match shift {
+                0 => qh,
+                2 => _mm256_srli_epi16(qh, 2),
+                4 => _mm256_srli_epi16(qh, 4),
+                _ => _mm256_srli_epi16(qh, 6),
+            };
+            _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)
+        };
+        let q = [
+            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
+            _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+        ];
+        let scale: [__m256i; 4] = std::array::from_fn(|j| {
+            let g = 8 * n + 2 * j;
+            _mm256_set_m128i(
+                _mm_set1_epi16(wb.scales[g + 1] as i16),
+                _mm_set1_epi16(wb.scales[g] as i16),
+            )
+        });
+        for r in 0..R {
+            let q8 = xs[r][b].qs.as_ptr();
+            for j in 0..4 {
+                // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
+                let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
+                sumi[r] = _mm256_add_epi32(sumi[r], p);
+            }
+        }
+    }
+    sumi
+}
+
+/// The offset term of a Q6_K super-block in 8 lanes: `32 * scale * bsum` over the 16 sub-blocks.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q6k_offset(sc16: __m256i, bsums: &[i16; 16]) -> __m256i {
+    // SAFETY: bsums has 16 i16 (32 bytes).
+    let bs = unsafe { _mm256_loadu_si256(bsums.as_ptr().cast()) };
+    _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5)
+}
+
 /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
     let w = raw_q6k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
-    let m4 = _mm256_set1_epi8(0xF);
-    let m2 = _mm256_set1_epi8(3);
     let mut acc = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for n in 0..2 {
-            // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
-            let (ql0, ql1, qh) = unsafe {
-                (
-                    _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n).cast()),
-                    _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n + 32).cast()),
-                    _mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast()),
-                )
-            };
-            let high = |shift: i32| -> __m256i {
-                let h = match shift {
-                    0 => qh,
-                    2 => _mm256_srli_epi16(qh, 2),
-                    4 => _mm256_srli_epi16(qh, 4),
-                    _ => _mm256_srli_epi16(qh, 6),
-                };
-                _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)
-            };
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
-            ];
-            let scale: [__m256i; 4] = std::array::from_fn(|j| {
-                let g = 8 * n + 2 * j;
-                _mm256_set_m128i(
-                    _mm_set1_epi16(wb.scales[g + 1] as i16),
-                    _mm_set1_epi16(wb.scales[g] as i16),
-                )
-            });
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                for j in 0..4 {
-                    // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
-                    let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
-                    sumi[r] = _mm256_add_epi32(sumi[r], p);
-                }
-            }
-        }
+        let sumi: [__m256i; R] = q6k_sums(wb, &xs, b);
         let wd = f16::from_bits(wb.d).to_f32();
         for r in 0..R {
             let xb = &xs[r][b];
-            // SAFETY: bsums has 16 i16 (32 bytes).
-            let bs = unsafe { _mm256_loadu_si256(xb.bsums.as_ptr().cast()) };
-            let offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            let s = hsum_i32(_mm256_sub_epi32(sumi[r], offset));
+            let s = hsum_i32(_mm256_sub_epi32(sumi[r], q6k_offset(sc16, &xb.bsums)));
             acc[r] = (xb.d * wd).mul_add(s as f32, acc[r]);
         }
     }
     acc
+}
+
+/// `R` (2..=8) activation rows against one Q6_K weight row: the products as in [`q6k_tile`], the rows' integer sums
+/// reduced together ([`sum_rows8`]) and the float chain run with one row per lane, bit for bit [`q6k_dot_scalar`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    let w = raw_q6k(w);
+    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
+    let mut acc = _mm256_setzero_ps();
+    for (b, wb) in w.iter().enumerate() {
+        // SAFETY: scales has 16 bytes.
+        let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
+        let mut sumi: [__m256i; 8] = q6k_sums(wb, &xs, b);
+        for r in 0..R {
+            sumi[r] = _mm256_sub_epi32(sumi[r], q6k_offset(sc16, &xs[r][b].bsums));
+        }
+        acc = fma_rows(
+            acc,
+            row_scales(&xs, b),
+            f16::from_bits(wb.d).to_f32(),
+            sum_rows8(sumi),
+        );
+    }
+    first_lanes(acc)
+}
+
+/// A Q4_K tile: [`q4k_tile`] for one row, [`q4k_tile_rows`] for more.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q4k_tile_any<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    // SAFETY: the caller's CPU has this function's features, which both tiles need.
+    unsafe {
+        if R == 1 {
+            q4k_tile(w, xs)
+        } else {
+            q4k_tile_rows(w, xs)
+        }
+    }
+}
+
+/// A Q6_K tile: as [`q4k_tile_any`], with [`q6k_tile`] and [`q6k_tile_rows`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_any<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+    // SAFETY: as in q4k_tile_any.
+    unsafe {
+        if R == 1 {
+            q6k_tile(w, xs)
+        } else {
+            q6k_tile_rows(w, xs)
+        }
+    }
 }
 
 /// Folds the even-block and odd-block lane accumulators as in `lane_tree16`.
@@ -296,7 +420,7 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
     std::array::from_fn(|r| fold16(acc[r][0], acc[r][1]))
 }
 
-panel_fn!(q4k_panel, q4k_tile, "avx2,fma", BlockQ4K, &[BlockQ8K]);
-panel_fn!(q6k_panel, q6k_tile, "avx2,fma", BlockQ6K, &[BlockQ8K]);
+panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
+panel_fn!(q6k_panel, q6k_tile_any, "avx2,fma", BlockQ6K, &[BlockQ8K]);
 panel_fn!(q8_0_panel, q8_0_tile, "avx2,fma", BlockQ8_0, Act32Row<'_>);
 panel_fn!(q5_0_panel, q5_0_tile, "avx2,fma", BlockQ5_0, Act32Row<'_>);
