@@ -64,15 +64,50 @@ pub(super) fn first_lanes<const R: usize>(v: __m256) -> [f32; R] {
     std::array::from_fn(|r| out[r])
 }
 
-/// `R` activation rows against one Q4_K weight row: `maddubs` pairs bytes, `madd` multiplies the pairs by the
-/// sub-block scale; the 8 lanes are summed into the super-block's exact integer `S` of [`q4k_dot_scalar`], and the
-/// min term `M` likewise.
+/// Each row's 8 lanes of scaled products with one Q4_K super-block (block `b` of the rows, `sc` its sub-block scales;
+/// the min term not yet taken off), in the first `R` of `N` (>= `R`) vectors: `maddubs` pairs bytes, `madd`
+/// multiplies the pairs by the sub-block scale; lane sums are exact integers.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q4k_sums<const R: usize, const N: usize>(
+    wb: &RawQ4K,
+    sc: &[u8; 8],
+    xs: &[&[RawQ8K]; R],
+    b: usize,
+) -> [__m256i; N] {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut sumi = [_mm256_setzero_si256(); N];
+    for j in 0..4 {
+        // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
+        let bits = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
+        let lo = _mm256_and_si256(bits, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        let sl = _mm256_set1_epi16(sc[2 * j] as i16);
+        let sh = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+        for r in 0..R {
+            let q8 = xs[r][b].qs.as_ptr();
+            // SAFETY: qs has 256 bytes; the loads span 64j..64j+64.
+            let (al, ah) = unsafe {
+                (
+                    _mm256_loadu_si256(q8.add(64 * j).cast()),
+                    _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
+                )
+            };
+            let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), sl);
+            let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), sh);
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+        }
+    }
+    sumi
+}
+
+/// `R` activation rows against one Q4_K weight row: the products of [`q4k_sums`]; each row's 8 lanes are summed into
+/// the super-block's exact integer `S` of [`q4k_dot_scalar`], and the min term `M` likewise.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
     let w = raw_q4k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
-    let m4 = _mm256_set1_epi8(0xF);
     let mut acc = [0f32; R];
     let mut acc_m = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
@@ -80,28 +115,7 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
         let mins = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(m)));
         let wd = f16::from_bits(wb.d).to_f32();
         let wdmin = f16::from_bits(wb.dmin).to_f32();
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for j in 0..4 {
-            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
-            let bits = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
-            let lo = _mm256_and_si256(bits, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            let sl = _mm256_set1_epi16(sc[2 * j] as i16);
-            let sh = _mm256_set1_epi16(sc[2 * j + 1] as i16);
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                // SAFETY: qs has 256 bytes; the loads span 64j..64j+64.
-                let (al, ah) = unsafe {
-                    (
-                        _mm256_loadu_si256(q8.add(64 * j).cast()),
-                        _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
-                    )
-                };
-                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), sl);
-                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), sh);
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
-        }
+        let sumi: [__m256i; R] = q4k_sums(wb, &sc, &xs, b);
         for r in 0..R {
             let xb = &xs[r][b];
             let s = hsum_i32(sumi[r]);
@@ -121,34 +135,12 @@ unsafe fn q4k_tile<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f3
 unsafe fn q4k_tile_rows<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
     let w = raw_q4k(w);
     let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
-    let m4 = _mm256_set1_epi8(0xF);
     let mut acc = _mm256_setzero_ps();
     let mut acc_m = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
         let (sc, m) = scales_mins(&wb.scales);
         let mins = q4k_mins_paired(&m);
-        let mut sumi = [_mm256_setzero_si256(); 8];
-        for j in 0..4 {
-            // SAFETY: qs has 128 bytes; chunk j spans bytes 32j..32j+32.
-            let bits = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().add(32 * j).cast()) };
-            let lo = _mm256_and_si256(bits, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            let sl = _mm256_set1_epi16(sc[2 * j] as i16);
-            let sh = _mm256_set1_epi16(sc[2 * j + 1] as i16);
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                // SAFETY: qs has 256 bytes; the loads span 64j..64j+64.
-                let (al, ah) = unsafe {
-                    (
-                        _mm256_loadu_si256(q8.add(64 * j).cast()),
-                        _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
-                    )
-                };
-                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), sl);
-                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), sh);
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
-        }
+        let sumi: [__m256i; 8] = q4k_sums(wb, &sc, &xs, b);
         let mt = sum_rows8(std::array::from_fn(|r| {
             if r >= R {
                 return _mm256_setzero_si256();
