@@ -290,33 +290,8 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
     first_lanes(acc)
 }
 
-/// A Q4_K tile: [`q4k_tile`] for one row, [`q4k_tile_rows`] for more.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q4k_tile_any<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
-    // SAFETY: the caller's CPU has this function's features, which both tiles need.
-    unsafe {
-        if R == 1 {
-            q4k_tile(w, xs)
-        } else {
-            q4k_tile_rows(w, xs)
-        }
-    }
-}
-
-/// A Q6_K tile: as [`q4k_tile_any`], with [`q6k_tile`] and [`q6k_tile_rows`].
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q6k_tile_any<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
-    // SAFETY: as in q4k_tile_any.
-    unsafe {
-        if R == 1 {
-            q6k_tile(w, xs)
-        } else {
-            q6k_tile_rows(w, xs)
-        }
-    }
-}
+tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
+tile_any_fn!(q6k_tile_any, q6k_tile, q6k_tile_rows, "avx2,fma", BlockQ6K);
 
 /// Folds the even-block and odd-block lane accumulators as in `lane_tree16`.
 #[target_feature(enable = "avx2")]

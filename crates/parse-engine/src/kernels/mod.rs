@@ -671,6 +671,20 @@ macro_rules! panel_fn {
 }
 use panel_fn;
 
+/// Defines `$name::<R>`, a tile that runs `$one` (horizontal sums per super-block) for one activation row and
+/// `$rows` (the rows' sums reduced together) for several; `R` is a constant, so the branch goes at compile time.
+macro_rules! tile_any_fn {
+    ($name:ident, $one:ident, $rows:ident, $feat:literal, $w:ty) => {
+        #[target_feature(enable = $feat)]
+        #[inline]
+        unsafe fn $name<const R: usize>(w: &[$w], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+            // SAFETY: the caller's CPU has this function's features, which both tiles need.
+            unsafe { if R == 1 { $one(w, xs) } else { $rows(w, xs) } }
+        }
+    };
+}
+use tile_any_fn;
+
 #[cfg(test)]
 mod tests {
     use super::*;

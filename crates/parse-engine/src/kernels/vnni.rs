@@ -500,34 +500,20 @@ pub(super) fn quantize_q8k_avx512(xs: &[f32], ys: &mut [BlockQ8K]) {
     }
 }
 
-/// Q4_K tile: one activation row runs [`q4k_tile`] (horizontal sums per super-block), several run
-/// [`q4k_tile_rows`] (the rows' sums reduced together); `R` is a constant, so the branch is resolved at compile time.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[inline]
-unsafe fn q4k_tile_any<const R: usize>(w: &[BlockQ4K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
-    // SAFETY: the caller's CPU has this function's features, which both tiles need.
-    unsafe {
-        if R == 1 {
-            q4k_tile(w, xs)
-        } else {
-            q4k_tile_rows(w, xs)
-        }
-    }
-}
-
-/// Q6_K tile: as [`q4k_tile_any`], with [`q6k_tile`] and [`q6k_tile_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[inline]
-unsafe fn q6k_tile_any<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
-    // SAFETY: as in q4k_tile_any.
-    unsafe {
-        if R == 1 {
-            q6k_tile(w, xs)
-        } else {
-            q6k_tile_rows(w, xs)
-        }
-    }
-}
+tile_any_fn!(
+    q4k_tile_any,
+    q4k_tile,
+    q4k_tile_rows,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+    BlockQ4K
+);
+tile_any_fn!(
+    q6k_tile_any,
+    q6k_tile,
+    q6k_tile_rows,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+    BlockQ6K
+);
 
 panel_fn!(
     q4k_panel,
