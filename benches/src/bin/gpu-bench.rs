@@ -5,7 +5,9 @@
 //! model's, at least 90% of the rows with the same argmax; truncate and re-append gives the logits the first
 //! append gave. Timings (each shape, a session holding `--context` tokens): one decode step, verification blocks
 //! of `--blocks` rows with logits at every row (what a PARSE verification reads), a `--prefill`-token prefill; each
-//! block's cost is reported as a multiple of a decode step and per token as a fraction of one.
+//! block's cost is reported as a multiple of a decode step and per token as a fraction of one. Batched passes
+//! (continuous batching's shape): `--sessions` sessions at `--context` tokens each bring `--batch-rows` rows to one
+//! pass; their rows per second against one session's.
 //!
 //! Built with `--features cuda` (deploy/gpu/build-cuda.sh) and run on the GPU host by deploy/gpu/run-on-gpu.sh.
 //! On a build without CUDA, `--device cpu` runs the same program on candle's CPU backend (CI runs it that way on
@@ -22,6 +24,7 @@ use candle_core::quantized::GgmlDType;
 use clap::Parser;
 use parse_engine::candle::TensorCache;
 use parse_engine::mask::BlockMask;
+use parse_engine::model::Packed;
 use parse_engine::ops::RopeStyle;
 use parse_engine::{Arch, CandleModel, DeviceSpec, KvCache, Logits, Model, ModelConfig};
 use serde_json::json;
@@ -52,6 +55,13 @@ struct Args {
     /// Timed repetitions of each step (after 2 warm-ups); the median is reported.
     #[arg(long, default_value_t = 10)]
     reps: usize,
+    /// Sessions packed into one pass for the batched timings (continuous batching: each session holds `--context`
+    /// tokens and brings `--batch-rows` rows); 1 is the baseline the others are compared with. Empty: none.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    sessions: Vec<usize>,
+    /// Rows each session brings to a batched pass: 1 is a decode step, more a verification block.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batch_rows: Vec<usize>,
     /// Skip the comparison with the CPU kernel model (timings only).
     #[arg(long)]
     no_check: bool,
@@ -265,6 +275,7 @@ fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serd
             json!({"rows": r, "ms": ms, "x_step": ms / step, "per_token": ms / step / r as f64}),
         );
     }
+    let batched = bench_batched(args, &model, &ctx)?;
     let prompt = tokens(args.prefill, vocab, 5);
     let prefill = time(args.reps.min(3), || {
         let mut c = model.new_cache();
@@ -279,8 +290,66 @@ fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serd
         "check": check,
         "ok": ok,
         "steps": rows,
+        "batched": batched,
         "prefill": {"tokens": args.prefill, "ms": prefill, "tok_per_s": args.prefill as f64 / prefill * 1e3},
     }))
+}
+
+/// Continuous batching's shape: `n` sessions, each holding the same `ctx`, one pass with `r` rows of each (a
+/// decode step at 1 row, a verification block with logits at every row above), for every `n` in `--sessions` and
+/// `r` in `--batch-rows`. Reported per pass and as rows per second, against one session's rows per second.
+fn bench_batched(args: &Args, model: &CandleModel, ctx: &[u32]) -> Result<Vec<serde_json::Value>> {
+    let most = args.sessions.iter().copied().max().unwrap_or(0);
+    if most == 0 || args.batch_rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let vocab = model.config().vocab_size;
+    let mut caches = Vec::with_capacity(most);
+    for _ in 0..most {
+        let mut c = model.new_cache();
+        for chunk in ctx.chunks(512) {
+            run(model, &mut c, chunk, &[chunk.len() - 1])?;
+        }
+        caches.push(c);
+    }
+    let base = ctx.len();
+    let mut out = Vec::new();
+    for &r in &args.batch_rows {
+        let block = tokens(r, vocab, 6);
+        let pos: Vec<u32> = (base..base + r).map(|p| p as u32).collect();
+        let mask = BlockMask::causal(base, r);
+        let all: Vec<usize> = (0..r).collect();
+        let mut one = None;
+        for &n in &args.sessions {
+            let ms = time(args.reps, || {
+                let mut items: Vec<Packed<'_, TensorCache>> = caches[..n]
+                    .iter_mut()
+                    .map(|cache| Packed {
+                        cache,
+                        tokens: &block,
+                        positions: &pos,
+                        mask: &mask,
+                        readout: &all,
+                    })
+                    .collect();
+                model.forward_packed(&mut items)?;
+                for c in &mut caches[..n] {
+                    c.truncate(base);
+                }
+                Ok(())
+            })?;
+            let rows_per_s = (n * r) as f64 / ms * 1e3;
+            let base_rate = *one.get_or_insert(rows_per_s / n as f64);
+            out.push(json!({
+                "sessions": n,
+                "rows": r,
+                "ms": ms,
+                "rows_per_s": rows_per_s,
+                "x_one_session": rows_per_s / base_rate,
+            }));
+        }
+    }
+    Ok(out)
 }
 
 fn main() -> Result<()> {
@@ -289,6 +358,9 @@ fn main() -> Result<()> {
     let dev = spec.open()?;
     if args.reps == 0 || args.prefill == 0 || args.context == 0 {
         bail!("--reps, --prefill and --context must be at least 1");
+    }
+    if args.sessions.contains(&0) || args.batch_rows.contains(&0) {
+        bail!("--sessions and --batch-rows take counts of at least 1");
     }
     let shapes = args
         .shapes
@@ -323,6 +395,32 @@ fn main() -> Result<()> {
             r["prefill"]["ms"].as_f64().unwrap_or(f64::NAN),
             r["prefill"]["tok_per_s"].as_f64().unwrap_or(f64::NAN)
         );
+    }
+    if results
+        .iter()
+        .any(|r| r["batched"].as_array().is_some_and(|b| !b.is_empty()))
+    {
+        println!(
+            "\nbatched passes: n sessions, each holding {} tokens, r rows each",
+            args.context
+        );
+        println!(
+            "| shape | sessions | rows each | ms per pass | rows/s | x one session's rows/s |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|");
+        for r in &results {
+            for b in r["batched"].as_array().into_iter().flatten() {
+                println!(
+                    "| {} | {} | {} | {:.2} | {:.0} | {:.2} |",
+                    r["shape"].as_str().unwrap_or("?"),
+                    b["sessions"],
+                    b["rows"],
+                    b["ms"].as_f64().unwrap_or(f64::NAN),
+                    b["rows_per_s"].as_f64().unwrap_or(f64::NAN),
+                    b["x_one_session"].as_f64().unwrap_or(f64::NAN)
+                );
+            }
+        }
     }
     let all_ok = results.iter().all(|r| r["ok"].as_bool() == Some(true));
     let out = json!({"device": spec.to_string(), "results": results, "ok": all_ok});
