@@ -258,6 +258,97 @@ fn sessions_packed_in_one_pass_match_each_alone() {
     }
 }
 
+/// A decode pass of several sessions (one row each, different lengths) attends in one batch, padded to the longest
+/// session (the CUDA default, forced here on the CPU): each session's logits are those of its row alone on the
+/// per-session path, and its cache takes in exactly its row. One row sees only part of what it holds, so the
+/// padding's mask and the rows' own masks both count.
+#[test]
+fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
+    use parse_engine::model::Packed;
+    let kernels = model(Arch::Qwen2, GgmlDType::F32, 12);
+    let mut batched = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
+    batched.set_batched_decode(true);
+    let single = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
+    let prompts: [&[u32]; 4] = [&[3, 4, 5, 6, 7], &[9, 8], &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[]];
+    let fill = |m: &CandleModel| -> Vec<_> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut c = m.new_cache();
+                if !p.is_empty() {
+                    let pos: Vec<u32> = (0..p.len() as u32).collect();
+                    m.forward(
+                        &mut c,
+                        p,
+                        &pos,
+                        &BlockMask::causal(0, p.len()),
+                        &[p.len() - 1],
+                    )
+                    .unwrap();
+                }
+                c
+            })
+            .collect()
+    };
+    let masks: Vec<BlockMask> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match i {
+            // The third session's row sees the first 4 of its 9 tokens and itself.
+            2 => BlockMask::from_rows(vec![MaskRow {
+                cached: 4,
+                spans: vec![0..1],
+            }]),
+            _ => BlockMask::causal(p.len(), 1),
+        })
+        .collect();
+    let next = [42u32, 17, 5, 99];
+    let positions: Vec<[u32; 1]> = prompts.iter().map(|p| [p.len() as u32]).collect();
+    let mut alone_caches = fill(&single);
+    let alone: Vec<Logits> = alone_caches
+        .iter_mut()
+        .enumerate()
+        .map(|(i, c)| {
+            single
+                .forward(c, &next[i..i + 1], &positions[i], &masks[i], &[0])
+                .unwrap()
+        })
+        .collect();
+    // Each session's one row, read out, in one pass.
+    let pass = |m: &CandleModel, caches: &mut Vec<_>| -> Vec<Logits> {
+        let mut items: Vec<Packed<'_, _>> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(i, cache)| Packed {
+                cache,
+                tokens: &next[i..i + 1],
+                positions: &positions[i],
+                mask: &masks[i],
+                readout: &[0],
+            })
+            .collect();
+        m.forward_packed(&mut items).unwrap()
+    };
+    let mut caches = fill(&batched);
+    let packed = pass(&batched, &mut caches);
+    for (i, (p, a)) in packed.iter().zip(&alone).enumerate() {
+        let d = rel_diff(a, p);
+        assert!(d < 1e-4, "session {i}: {d}");
+    }
+    for (c, p) in caches.iter().zip(prompts) {
+        assert_eq!(c.len(), p.len() + 1);
+    }
+    // The same pass on the per-session path gives the same logits too (the two paths agree to rounding).
+    let mut caches = fill(&single);
+    for (i, (p, a)) in pass(&single, &mut caches).iter().zip(&packed).enumerate() {
+        let d = rel_diff(a, p);
+        assert!(
+            d < 1e-4,
+            "session {i}, per-session path against the batch: {d}"
+        );
+    }
+}
+
 #[test]
 fn truncate_then_reappend_equals_never_appending() {
     let kernels = model(Arch::Qwen2, GgmlDType::Q6K, 3);

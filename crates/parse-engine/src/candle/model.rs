@@ -24,6 +24,9 @@ pub struct CandleModel {
     inv_freq: Vec<f32>,
     neox: bool,
     weight_bytes: usize,
+    /// Passes in which every session brings one row attend in one batch ([`layer::decode_attention`]); else
+    /// session by session. On by default on CUDA devices, where per-session attention is bound by kernel launches.
+    batched_decode: bool,
 }
 
 impl std::fmt::Debug for CandleModel {
@@ -71,7 +74,14 @@ impl CandleModel {
             layers,
             lm_head,
             inv_freq,
+            batched_decode: device.is_cuda(),
         })
+    }
+
+    /// Whether decode passes of several sessions attend in one batch (the default on CUDA) or session by session
+    /// (the default elsewhere). The results agree to rounding either way.
+    pub fn set_batched_decode(&mut self, on: bool) {
+        self.batched_decode = on;
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -162,6 +172,13 @@ impl CandleModel {
             sin,
             neox: self.neox,
         };
+        let decode =
+            (self.batched_decode && items.len() > 1 && items.iter().all(|it| it.tokens.len() == 1))
+                .then(|| {
+                    let rows: Vec<_> = items.iter().map(|it| (it.mask, it.cache.len())).collect();
+                    layer::decode_mask(&rows, dev)
+                })
+                .transpose()?;
         let mut sessions = Vec::with_capacity(items.len());
         let mut start = 0;
         for it in items.iter() {
@@ -170,12 +187,15 @@ impl CandleModel {
                 start,
                 rows,
                 cache: it.cache,
-                mask: layer::dense_mask(it.mask, it.cache.len(), dev)?,
+                mask: match decode {
+                    Some(_) => None,
+                    None => Some(layer::dense_mask(it.mask, it.cache.len(), dev)?),
+                },
             });
             start += rows;
         }
         for (li, l) in self.layers.iter().enumerate() {
-            x = l.forward(&self.cfg, li, &x, &rotary, &sessions)?;
+            x = l.forward(&self.cfg, li, &x, &rotary, &sessions, decode.as_ref())?;
         }
         let mut readout = Vec::new();
         let mut offset = 0;
