@@ -61,18 +61,17 @@ for s, r in ours.items():
     t = torch.get(s)
     print(f"| {s} | {step:.2f} | {t['step_ms']:.2f} | {step / t['step_ms']:.2f} | "
           f"{b64['x_step'] if b64 else float('nan'):.2f} | {t['block_x_step']:.2f} |" if t else f"| {s} | {step:.2f} | | | | |")
-print("\nDecode steps of n sessions in one pass (continuous batching), rows/s and x one session's rows/s")
-print("| shape | sessions | engine ms | engine rows/s | engine x one | torch ms | torch rows/s | torch x one |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|")
+print("\nDecode steps of n sessions in one pass (continuous batching): ms per pass, rows/s (x one session's)")
+print("| shape | sessions | engine, attention per session | engine, attention batched | torch eager |")
+print("|---|---:|---|---|---|")
 for s, r in ours.items():
     tb = {b["sessions"]: b for b in torch.get(s, {}).get("batched", [])}
     t1 = tb.get(1)
-    for b in r.get("batched", []):
-        if b["rows"] != 1:
-            continue
-        t = tb.get(b["sessions"])
-        tcols = (f"{t['ms']:.2f} | {t['rows_per_s']:.0f} | {t['rows_per_s'] / t1['rows_per_s']:.2f}"
-                 if t and t1 else " | | ")
-        print(f"| {s} | {b['sessions']} | {b['ms']:.2f} | {b['rows_per_s']:.0f} | {b['x_one_session']:.2f} | {tcols} |")
+    eng = {(b["sessions"], b.get("attention", "sessions")): b for b in r.get("batched", []) if b.get("rows") == 1}
+    cell = lambda b: f"{b['ms']:.2f} ms, {b['rows_per_s']:.0f} ({b['x_one_session']:.2f}x)" if b else ""
+    for n in sorted({k[0] for k in eng}):
+        t = tb.get(n)
+        tcell = f"{t['ms']:.2f} ms, {t['rows_per_s']:.0f} ({t['rows_per_s'] / t1['rows_per_s']:.2f}x)" if t and t1 else ""
+        print(f"| {s} | {n} | {cell(eng.get((n, 'sessions')))} | {cell(eng.get((n, 'batch')))} | {tcell} |")
 EOF
 exit $status
