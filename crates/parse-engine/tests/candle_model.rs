@@ -261,7 +261,7 @@ fn sessions_packed_in_one_pass_match_each_alone() {
 /// A decode pass of several sessions (one row each, different lengths) attends in one batch, padded to the longest
 /// session (the CUDA default, forced here on the CPU): each session's logits are those of its row alone on the
 /// per-session path, and its cache takes in exactly its row. One row sees only part of what it holds, so the
-/// padding's mask and the rows' own masks both count.
+/// padding's mask and the rows' own masks both count (with `decode_mask` broken this test fails: the batch ran).
 #[test]
 fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
     use parse_engine::model::Packed;
@@ -269,7 +269,16 @@ fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
     let mut batched = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
     batched.set_batched_decode(true);
     let single = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
-    let prompts: [&[u32]; 4] = [&[3, 4, 5, 6, 7], &[9, 8], &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[]];
+    // Lengths 5, 2, 9, 0, 8 and 9: padded to the longest, the pass stacks 60 rows of keys for 39 held, within
+    // the twice that the batched path takes.
+    let prompts: [&[u32]; 6] = [
+        &[3, 4, 5, 6, 7],
+        &[9, 8],
+        &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+        &[],
+        &[2, 2, 2, 2, 2, 2, 2, 2],
+        &[11, 12, 13, 14, 15, 16, 17, 18, 19],
+    ];
     let fill = |m: &CandleModel| -> Vec<_> {
         prompts
             .iter()
@@ -302,7 +311,7 @@ fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
             _ => BlockMask::causal(p.len(), 1),
         })
         .collect();
-    let next = [42u32, 17, 5, 99];
+    let next = [42u32, 17, 5, 99, 7, 64];
     let positions: Vec<[u32; 1]> = prompts.iter().map(|p| [p.len() as u32]).collect();
     let mut alone_caches = fill(&single);
     let alone: Vec<Logits> = alone_caches

@@ -172,13 +172,20 @@ impl CandleModel {
             sin,
             neox: self.neox,
         };
-        let decode =
-            (self.batched_decode && items.len() > 1 && items.iter().all(|it| it.tokens.len() == 1))
-                .then(|| {
-                    let rows: Vec<_> = items.iter().map(|it| (it.mask, it.cache.len())).collect();
-                    layer::decode_mask(&rows, dev)
-                })
-                .transpose()?;
+        // Decode rows attend in one batch where their sessions' lengths are close enough that padding them to the
+        // longest at most doubles the keys and values stacked (a layer's transient copy then stays within twice
+        // what the sessions hold in that layer); else session by session.
+        let held: usize = items.iter().map(|it| it.cache.len() + 1).sum();
+        let longest = items.iter().map(|it| it.cache.len() + 1).max().unwrap_or(0);
+        let decode = (self.batched_decode
+            && items.len() > 1
+            && items.iter().all(|it| it.tokens.len() == 1)
+            && items.len() * longest <= 2 * held)
+            .then(|| {
+                let rows: Vec<_> = items.iter().map(|it| (it.mask, it.cache.len())).collect();
+                layer::decode_mask(&rows, dev)
+            })
+            .transpose()?;
         let mut sessions = Vec::with_capacity(items.len());
         let mut start = 0;
         for it in items.iter() {
