@@ -615,6 +615,9 @@ fn main() -> Result<()> {
     if args.sessions.contains(&0) || args.batch_rows.contains(&0) || args.format_rows.contains(&0) {
         bail!("--sessions, --batch-rows and --format-rows take counts of at least 1");
     }
+    if args.sessions.first().is_some_and(|&n| n != 1) {
+        bail!("--sessions starts with 1: the batched passes are compared with one session's");
+    }
     let shapes = args
         .shapes
         .iter()
