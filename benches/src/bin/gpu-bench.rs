@@ -680,9 +680,9 @@ fn main() -> Result<()> {
             args.context
         );
         println!(
-            "| shape | sessions | rows each | ms per pass | rows/s | x one session's rows/s |"
+            "| shape | sessions | rows each | attention | ms per pass | rows/s | x one session's rows/s |"
         );
-        println!("|---|---:|---:|---:|---:|---:|");
+        println!("|---|---:|---:|---|---:|---:|---:|");
         for r in &results {
             for b in r["batched"].as_array().into_iter().flatten() {
                 println!(
