@@ -470,13 +470,27 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
 pub fn use_amx(m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        m >= amx::MIN_ROWS && active() == Kernels::Amx
+        m >= amx_min_rows() && active() == Kernels::Amx
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = m;
         false
     }
+}
+
+/// The fewest rows a block sends to the AMX tiles: [`amx::MIN_ROWS`], or `PARSE_CPU_AMX_MIN_ROWS` where set to a
+/// number (benchmarks compare thresholds in one build; an unreadable value is logged and ignored).
+#[cfg(target_arch = "x86_64")]
+fn amx_min_rows() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| match std::env::var("PARSE_CPU_AMX_MIN_ROWS") {
+        Ok(v) => v.trim().parse::<usize>().unwrap_or_else(|e| {
+            tracing::warn!(value = %v, "PARSE_CPU_AMX_MIN_ROWS: {e}");
+            amx::MIN_ROWS
+        }),
+        Err(_) => amx::MIN_ROWS,
+    })
 }
 
 /// Whether a block of `m` rows of a Q4_K or Q6_K matrix goes to the row-group kernels of [`groups`] (an AVX-512
