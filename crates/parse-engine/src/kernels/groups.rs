@@ -26,6 +26,14 @@ use super::*;
 /// Software prefetching of the 16 rows' next super-blocks was tried and changed nothing.
 pub const MIN_ROWS: usize = 8;
 
+/// [`MIN_ROWS`] where the `amx` variant is active (an Intel CPU with AMX): there the row groups beat the panels from
+/// 4 rows. Measured on a 2-core AMX machine, `engine-bench --models target --blocks 2,3,4,5,6,7`, alternating
+/// `PARSE_CPU_ROW_GROUPS=off` and on (a build with the groups from 2 and from 4 rows), ms with logits at every row,
+/// panels against row groups: 2 rows 78-83 against 75-82, 3 rows 85-88 against 84-87, 4 rows 97-104 against 87-98,
+/// 5 rows 123 against 94-99, 6 rows 130-135 against 98-107, 7 rows 143-149 against 103-112; and 8 rows 153-165
+/// against 118-119 (the groups from 8).
+pub const MIN_ROWS_WITH_AMX: usize = 4;
+
 /// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
 const Q4K_QS: usize = 16;
 

@@ -495,14 +495,27 @@ fn amx_min_rows() -> usize {
 
 /// Whether a block of `m` rows of a Q4_K or Q6_K matrix goes to the row-group kernels of [`groups`] (an AVX-512
 /// VNNI variant is active, the block is large enough, and it does not go to the AMX tiles).
-/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two).
+/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two);
+/// `PARSE_CPU_GROUPS_MIN_ROWS=N` moves the threshold ([`groups::MIN_ROWS`], [`groups::MIN_ROWS_WITH_AMX`] with AMX).
 pub fn use_groups(m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let off = *OFF
             .get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"));
-        !off && m >= groups::MIN_ROWS && active() >= Kernels::Vnni && !use_amx(m)
+        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let set = *MIN.get_or_init(|| {
+            let v = std::env::var("PARSE_CPU_GROUPS_MIN_ROWS").ok()?;
+            v.trim()
+                .parse::<usize>()
+                .map_err(|e| tracing::warn!(value = %v, "PARSE_CPU_GROUPS_MIN_ROWS: {e}"))
+                .ok()
+        });
+        let min = set.unwrap_or(match active() {
+            Kernels::Amx => groups::MIN_ROWS_WITH_AMX,
+            _ => groups::MIN_ROWS,
+        });
+        !off && m >= min && active() >= Kernels::Vnni && !use_amx(m)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
