@@ -937,7 +937,7 @@ mod tests {
         let (w, mut w6) = (blocks::<BlockQ4K>(&wf), blocks::<BlockQ6K>(&wf));
         // The scaled weights the tiles split into two bytes at their extremes.
         q6k_extremes(&mut w6, kb);
-        for m in [amx::MIN_ROWS, 8, 16, 21] {
+        for m in [1, 3, amx::MIN_ROWS, 8, 16, 21] {
             let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&random(&mut rng, m * k, 3.0));
             let acts = amx::Acts::new(&xq, kb, m);
             let stride = cols + 5;
