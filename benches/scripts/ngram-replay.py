@@ -9,9 +9,9 @@ shared/eval the way parse-bench builds it (XSum, HumanEval, ASDiv), inside a Qwe
 not change what matches in the prompt).
 
     benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20]
+    # RUN_DIR: <out-dir>/<suite>-runs/target-b<budget>-la3-r2 of `parse-bench --suite <suite> --modes target`
 
 It also replays rounds whose first token waits for a longer match (3+ tokens) and shorter rounds (3 tokens).
-    # RUN_DIR: <out-dir>/<suite>-runs/target-b<budget>-la3-r2 of `parse-bench --suite <suite> --modes target`
 """
 
 import argparse
@@ -65,7 +65,9 @@ def lookup(ctx, lo, hi):
     return None
 
 
-def speedup(lo, hi, k, c_row):
+def speedup(lo, hi, k, c_row, first=None):
+    """Target steps over speculative cost; with `first`, a round's first token is drafted only from a match of at
+    least `first` tokens (sizes max(hi, first)..first), later ones from matches of lo..hi as before."""
     cost, steps = 0.0, 0
     for x, y in data:
         steps += len(y) + 1
@@ -73,7 +75,10 @@ def speedup(lo, hi, k, c_row):
         while i < len(y):
             ctx, draft = x + y[:i], []
             while len(draft) < k:
-                t = lookup(ctx + draft, lo, hi)
+                if first is not None and not draft:
+                    t = lookup(ctx, first, max(hi, first))
+                else:
+                    t = lookup(ctx + draft, lo, hi)
                 if t is None:
                     break
                 draft.append(t)
@@ -92,35 +97,10 @@ for c_row in (0.6, 0.2, 0.1, 0.05):
     print(f"per-row cost {c_row}: " + "  ".join(f"k={k}: {speedup(2, 4, k, c_row):.2f}x" for k in (2, 4, 6)))
 
 
-def gated(first, hi, k, c_row):
-    """`speedup` with a round's first token drafted only from a match of at least `first` tokens (later ones from
-    matches of 2 or more, sizes hi..2): would waiting for longer matches pay?"""
-    cost, steps = 0.0, 0
-    for x, y in data:
-        steps += len(y) + 1
-        i = 0
-        while i < len(y):
-            ctx, draft = x + y[:i], []
-            while len(draft) < k:
-                t = lookup(ctx + draft, first if not draft else 2, max(hi, first))
-                if t is None:
-                    break
-                draft.append(t)
-            if not draft:
-                cost, i = cost + 1, i + 1
-                continue
-            a = 0
-            while a < len(draft) and i + a < len(y) and draft[a] == y[i + a]:
-                a += 1
-            cost += 1 + c_row * len(draft)
-            i += a + 1
-    return steps / cost
-
-
 print("a round's first token only from a match of 2 (as shipped) or 3+ tokens (sizes up to 8), k draft tokens:")
 for c_row in (0.6, 0.23, 0.1):
     print(f"per-row cost {c_row}: " + "  ".join(
-        f"first>={f} k={k}: {gated(f, 8, k, c_row):.2f}x" for f in (2, 3) for k in (3, 6)))
+        f"first>={f} k={k}: {speedup(2, 8, k, c_row, first=f):.2f}x" for f in (2, 3) for k in (3, 6)))
 
 
 def lookup_size(ctx, hi):
