@@ -479,18 +479,22 @@ pub fn use_amx(m: usize) -> bool {
     }
 }
 
-/// The fewest rows a block sends to the AMX tiles: [`amx::MIN_ROWS`], or `PARSE_CPU_AMX_MIN_ROWS` where set to a
-/// number (benchmarks compare thresholds in one build; an unreadable value is logged and ignored).
+/// A row count from the environment variable `name` (benchmarks compare kernel thresholds in one build); `None`
+/// where unset, and where unreadable (logged).
+#[cfg(target_arch = "x86_64")]
+fn rows_from_env(name: &str) -> Option<usize> {
+    let v = std::env::var(name).ok()?;
+    v.trim()
+        .parse::<usize>()
+        .map_err(|e| tracing::warn!(value = %v, "{name}: {e}"))
+        .ok()
+}
+
+/// The fewest rows a block sends to the AMX tiles: [`amx::MIN_ROWS`], or `PARSE_CPU_AMX_MIN_ROWS`.
 #[cfg(target_arch = "x86_64")]
 fn amx_min_rows() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| match std::env::var("PARSE_CPU_AMX_MIN_ROWS") {
-        Ok(v) => v.trim().parse::<usize>().unwrap_or_else(|e| {
-            tracing::warn!(value = %v, "PARSE_CPU_AMX_MIN_ROWS: {e}");
-            amx::MIN_ROWS
-        }),
-        Err(_) => amx::MIN_ROWS,
-    })
+    *MIN.get_or_init(|| rows_from_env("PARSE_CPU_AMX_MIN_ROWS").unwrap_or(amx::MIN_ROWS))
 }
 
 /// Whether a block of `m` rows of a Q4_K or Q6_K matrix goes to the row-group kernels of [`groups`] (an AVX-512
@@ -504,13 +508,7 @@ pub fn use_groups(m: usize) -> bool {
         let off = *OFF
             .get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"));
         static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let set = *MIN.get_or_init(|| {
-            let v = std::env::var("PARSE_CPU_GROUPS_MIN_ROWS").ok()?;
-            v.trim()
-                .parse::<usize>()
-                .map_err(|e| tracing::warn!(value = %v, "PARSE_CPU_GROUPS_MIN_ROWS: {e}"))
-                .ok()
-        });
+        let set = *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS_MIN_ROWS"));
         let min = set.unwrap_or(match active() {
             Kernels::Amx => groups::MIN_ROWS_WITH_AMX,
             _ => groups::MIN_ROWS,
