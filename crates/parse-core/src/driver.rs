@@ -385,6 +385,9 @@ pub struct Stats {
     /// that wrote them ([`DraftWindow::adaptive`]).
     pub paused_tokens: usize,
     pub pauses: usize,
+    /// Times speculation paid per token at the moment but not for the drafter's catching up first, so the target
+    /// went on alone ([`crate::pace::Pace::position`]).
+    pub entries_declined: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -436,6 +439,8 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     draft_prefill_charged: f64,
     /// The draft's charge (less its prefill) already counted in a speculative round's cost.
     draft_booked: f64,
+    /// Context tokens the drafter has processed, as of its last draft (0 before it is opened).
+    draft_synced: usize,
 }
 
 /// Where a measurement of cost starts (see [`Run::spent`]).
@@ -587,12 +592,29 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let (t, charged) = (Instant::now(), self.d.charged_ms());
         self.d
             .begin(&self.req.session, &self.req.prompt, sampling)?;
-        self.stats.prefill_ms += ms(t);
-        if let (Some(a), Some(b)) = (charged, self.d.charged_ms()) {
-            self.draft_prefill_charged += b - a;
+        let wall_ms = ms(t);
+        self.stats.prefill_ms += wall_ms;
+        let charged_ms = charged.zip(self.d.charged_ms()).map(|(a, b)| b - a);
+        if let Some(c) = charged_ms {
+            self.draft_prefill_charged += c;
         }
         self.draft_open = true;
+        self.draft_synced = self.req.prompt.len();
+        self.pace.draft_opened(
+            Spent {
+                wall_ms,
+                charged_ms,
+            },
+            self.req.prompt.len(),
+        );
         Ok(())
+    }
+
+    /// The pace's advice, given where the request stands ([`Pace::position`]).
+    fn advise(&mut self) -> Advice {
+        let lag = (self.req.prompt.len() + self.out.len()).saturating_sub(self.draft_synced);
+        self.pace.position(self.out.len(), self.remaining(), lag);
+        self.pace.advise()
     }
 
     /// How the draft samples in speculative modes: like the request in stochastic token-spec, greedily otherwise.
@@ -640,6 +662,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let t = Instant::now();
         let context = self.context();
         self.d.begin(&self.req.session, &context, &sampling)?;
+        self.draft_synced = context.len();
         let mut draft = Vec::new();
         let mut pieces: Vec<String> = Vec::new();
         let mut probs: Vec<f32> = Vec::new();
@@ -820,7 +843,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (round, before) = (self.mark(), self.out.len());
-        if adaptive && let Advice::Alone(n) = self.pace.advise() {
+        if adaptive && let Advice::Alone(n) = self.advise() {
             // At most 16 per call, as in `target` mode, so that text streams out as it is written.
             self.extend(n.min(16).min(self.remaining()), None)?;
             self.pace
@@ -881,7 +904,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let _round = span.enter();
             round += 1;
             let (mark, before) = (self.mark(), self.out.len());
-            if adaptive && let Advice::Alone(n) = self.pace.advise() {
+            if adaptive && let Advice::Alone(n) = self.advise() {
                 // The target writes alone, 16 tokens per call, and in the pause's last call to the end of the
                 // current segment at most, so that the next PARSE round drafts from a segment's start. (Stopping at
                 // every segment's end cost a call per line of code, each call a chance to miss a batched pass; at 8
@@ -1030,6 +1053,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         draft_open: false,
         draft_prefill_charged: 0.0,
         draft_booked: 0.0,
+        draft_synced: 0,
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),
@@ -1052,8 +1076,10 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
     result?;
     released_v?;
     released_d?;
+    run.pace.finished(run.out.len());
     let mut stats = run.stats;
     stats.paused_tokens = run.pace.paused_tokens;
+    stats.entries_declined = run.pace.entries_declined;
     stats.pauses = run.pace.pauses;
     stats.output_tokens = run.out.len();
     stats.target_passes = stats.verify_passes + stats.extend_passes;

@@ -70,6 +70,9 @@ struct SpecFigure {
     measuring: bool,
     /// What token-level rounds' verifications and drafts cost here ([`Costs::draft_length`]).
     passes: Passes,
+    /// What the drafter's prefill costs here per context token (its first prefill of a request's prompt): the price
+    /// of the tokens a request's draft has to catch up on before speculating again ([`Pace::position`]).
+    entry: Rate,
 }
 
 /// Token-level rounds at one load: their verification passes (milliseconds against rows, rows being the pending token
@@ -189,6 +192,7 @@ impl Default for SpecFigure {
             reports: 0,
             measuring: false,
             passes: Passes::default(),
+            entry: Rate::default(),
         }
     }
 }
@@ -215,6 +219,8 @@ pub struct Costs {
     levels: Mutex<HashMap<u32, Level>>,
     activity: Mutex<Activity>,
     reach: Mutex<HashMap<String, Reach>>,
+    /// Output lengths of the pool's last [`Costs::LENGTHS`] finished requests, newest last.
+    lengths: Mutex<std::collections::VecDeque<usize>>,
 }
 
 /// The speculative rounds of a pool's requests: how many run now, and when the last ended.
@@ -236,6 +242,10 @@ impl Costs {
     /// now (docs/figures.md, "Speculation that adapts to load"). The price is a slower return to speculating where it
     /// starts to pay at that load: up to 4096 tokens written alone at that load by the requests of that kind.
     pub const PROBE_SHARE: f64 = 32.0;
+    /// Finished requests' lengths kept for [`Costs::expected_left`].
+    pub const LENGTHS: usize = 256;
+    /// Fewer past requests than this that wrote as far as a request has: its tokens so far stand for what is left.
+    const MIN_LENGTHS: usize = 4;
 
     fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
         let mut levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
@@ -251,8 +261,14 @@ impl Costs {
     /// Loads just above a power of two (9 requests at 8 clients, while one request ends as the next begins) are
     /// otherwise judged against a verification's cost until a pause there measures the target.
     pub fn alone_near(&self, level: u32) -> Option<f64> {
+        self.near(level, |l| l.alone.get())
+    }
+
+    /// `figure` at `level`, or at the nearest level that has it among those measured the same way (see
+    /// [`Costs::alone_near`]).
+    fn near(&self, level: u32, figure: impl Fn(&Level) -> Option<f64>) -> Option<f64> {
         let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
-        let figure = |l: u32| levels.get(&l).and_then(|x| x.alone.get());
+        let figure = |l: u32| levels.get(&l).and_then(&figure);
         if level == 0 {
             return figure(0);
         }
@@ -264,6 +280,54 @@ impl Costs {
                 .filter(|&l| l >= 1)
                 .find_map(figure)
         })
+    }
+
+    /// A request of `kind` opened its drafter at `level`: the prefill of `rows` context tokens cost `ms`.
+    pub fn record_entry(&self, kind: &str, level: u32, ms: f64, rows: usize) {
+        self.with(level, |l| {
+            l.spec
+                .entry(kind.to_string())
+                .or_default()
+                .entry
+                .add(ms, rows)
+        })
+    }
+
+    /// What `kind`'s drafter costs per context token it catches up on, at `level` or the nearest level measured the
+    /// same way.
+    pub fn entry_ms(&self, kind: &str, level: u32) -> Option<f64> {
+        self.near(level, |l| l.spec.get(kind).and_then(|s| s.entry.get()))
+    }
+
+    /// A request of the pool finished with `tokens` of output.
+    pub fn record_length(&self, tokens: usize) {
+        let mut l = self.lengths.lock().unwrap_or_else(|e| e.into_inner());
+        if l.len() == Self::LENGTHS {
+            l.pop_front();
+        }
+        l.push_back(tokens);
+    }
+
+    /// How many more tokens a request that has written `written` and may write `left` more is expected to write:
+    /// the mean of what the pool's past requests that wrote more than `written` wrote beyond it (each at most
+    /// `left`). Where fewer than [`Costs::MIN_LENGTHS`] got that far, `written` itself (the median of what is left
+    /// when nothing is known of where in its length a request is), and while the pool has finished fewer than
+    /// [`Costs::MIN_LENGTHS`] requests, `left` (no history: judged over the whole budget, as a fresh request always
+    /// was).
+    pub fn expected_left(&self, written: usize, left: usize) -> usize {
+        let l = self.lengths.lock().unwrap_or_else(|e| e.into_inner());
+        if l.len() < Self::MIN_LENGTHS {
+            return left;
+        }
+        let beyond: Vec<usize> = l
+            .iter()
+            .filter(|&&n| n > written)
+            .map(|&n| (n - written).min(left))
+            .collect();
+        if beyond.len() < Self::MIN_LENGTHS {
+            return written.min(left);
+        }
+        beyond.iter().sum::<usize>() / beyond.len()
     }
 
     pub fn spec_ms(&self, kind: &str, level: u32) -> Option<f64> {
@@ -607,9 +671,16 @@ pub struct Pace {
     round_ended: Option<std::time::Instant>,
     /// The level where this request makes the first round of its kind, with no figure there yet.
     measuring: Option<u32>,
+    /// Where the request is ([`Pace::position`]): tokens written, tokens it may still write, and context tokens its
+    /// drafter has not processed yet.
+    written: usize,
+    left: usize,
+    lag: usize,
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
+    /// Times speculation would have paid per token but not for what its drafter had to catch up on first.
+    pub entries_declined: usize,
 }
 
 impl Pace {
@@ -635,9 +706,58 @@ impl Pace {
             in_round: false,
             round_ended: None,
             measuring: None,
+            written: 0,
+            left: 0,
+            lag: 0,
             pauses: 0,
             paused_tokens: 0,
+            entries_declined: 0,
         }
+    }
+
+    /// Where the request stands before the next advice: it has written `written` tokens, may write `left` more, and
+    /// its drafter has `lag` context tokens to process before it can draft (the prompt, where it never drafted;
+    /// what the target wrote alone since its last round).
+    pub fn position(&mut self, written: usize, left: usize, lag: usize) {
+        (self.written, self.left, self.lag) = (written, left, lag);
+    }
+
+    /// Whether starting to speculate, where it pays `alone - spec` ms per token, pays for the drafter's catching up
+    /// first. A request that writes alone leaves its drafter behind, and its first round makes the drafter process
+    /// every token since (a whole context where it never drafted), at the drafter's prefill price per token
+    /// ([`Costs::entry_ms`]); the gain comes only over the tokens still to be written ([`Costs::expected_left`]).
+    /// On a router at 8 clients this was most of what speculation cost once it paused: the load falls as the run's
+    /// requests end, speculation paid per token at 1-2 requests, and the last requests, each hundreds of tokens in,
+    /// had the draft worker prefill their whole context (at about the target's price per token: a 64-token block
+    /// costs the 0.5B draft 0.7-1.1 s, the 1.5B target 0.8 s) for a few dozen tokens left (docs/figures.md,
+    /// "Speculation that pays for its entry"). Only checked where the request is not speculating already.
+    fn entry_pays(&self, spec: f64, alone: f64) -> bool {
+        if self.lag == 0 || !(self.alone_last || self.rounds == 0) {
+            return true;
+        }
+        let costs = &self.pacing.costs;
+        let Some(row) = costs.entry_ms(&self.pacing.kind, self.level) else {
+            return true;
+        };
+        let horizon = costs.expected_left(self.written, self.left);
+        (alone - spec) * horizon as f64 >= row * self.lag as f64
+    }
+
+    /// The drafter's first prefill, of `rows` context tokens, cost `spent` ([`Costs::record_entry`]).
+    pub fn draft_opened(&self, spent: Spent, rows: usize) {
+        if rows > 0 {
+            self.pacing.costs.record_entry(
+                &self.pacing.kind,
+                self.level,
+                spent.at(self.level),
+                rows,
+            );
+        }
+    }
+
+    /// The request finished with `tokens` of output ([`Costs::record_length`]).
+    pub fn finished(&self, tokens: usize) {
+        self.pacing.costs.record_length(tokens);
     }
 
     fn estimate(&self) -> Option<f64> {
@@ -680,6 +800,15 @@ impl Pace {
             .or_else(|| costs.one_row_ms(kind, self.level))
             .or(self.cheapest_verify_ms);
         let estimate = self.estimate();
+        if let (Some(spec), Some(alone)) = (estimate, alone)
+            && spec <= alone
+            && !self.entry_pays(spec, alone)
+        {
+            // Speculation pays per token, not for its entry: a full pause, after which the figures are read again
+            // (the lag will be longer and the tokens left fewer, unless the load has fallen).
+            self.entries_declined += 1;
+            return self.pause(Self::MAX_PAUSE);
+        }
         let speculate = match (estimate, alone) {
             (Some(spec), Some(alone)) => spec <= alone,
             // Nothing to judge by: a round measures. One request at a time makes the first round of a kind at a
@@ -705,13 +834,19 @@ impl Pace {
             costs.round_begins();
             return Advice::Speculate;
         }
-        self.paused = if known_alone.is_none() || estimate.is_none() {
+        let pause = if known_alone.is_none() || estimate.is_none() {
             Self::FIRST_PAUSE
         } else {
             costs
                 .until_probe(kind, self.level)
                 .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
         };
+        self.pause(pause)
+    }
+
+    /// Advice to write `tokens` alone, with the bookkeeping of a pause.
+    fn pause(&mut self, tokens: usize) -> Advice {
+        self.paused = tokens;
         if !self.alone_last {
             self.pauses += 1;
         }
@@ -836,6 +971,54 @@ impl Drop for Pace {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn speculation_that_pays_per_token_starts_only_where_it_pays_for_the_drafters_catching_up() {
+        let costs = Arc::new(Costs::default());
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: "parse/model".into(),
+            load: Arc::new(|| 1),
+        };
+        // At one request: the target alone 80 ms per token, speculation 50; the drafter prefills at 10 ms per token.
+        costs.record_alone(None, 0, 800.0, 10);
+        costs.record_spec("parse/model", 0, 500.0, 10, None);
+        costs.record_entry("parse/model", 0, 1000.0, 100);
+        let mut p = Pace::new(pacing.clone());
+        // Fewer than 4 finished requests: judged over its whole budget (300 tokens left pay 9,000 ms for 400 to
+        // catch up).
+        costs.record_length(190);
+        p.position(200, 300, 400);
+        assert_eq!(p.advise(), Advice::Speculate);
+        // The pool's requests ended at 220-260 tokens: 40 left on average, 1,200 ms of gain for 4,000 of prefill.
+        for n in [220, 240, 260, 240] {
+            costs.record_length(n);
+        }
+        // (The one that ended at 190 did not get that far.)
+        assert_eq!(costs.expected_left(200, 300), 40);
+        let mut p = Pace::new(pacing.clone());
+        p.position(200, 300, 400);
+        assert_eq!(p.advise(), Advice::Alone(Pace::MAX_PAUSE));
+        assert_eq!(p.entries_declined, 1);
+        // A drafter 30 tokens behind pays (900 ms against 1,200).
+        let mut p = Pace::new(pacing.clone());
+        p.position(200, 300, 30);
+        assert_eq!(p.advise(), Advice::Speculate);
+        // Past every finished request's length: its own length stands for what is left (300 of the 500, 9,000 ms).
+        assert_eq!(costs.expected_left(300, 100), 100);
+        let mut p = Pace::new(pacing);
+        p.position(300, 500, 400);
+        assert_eq!(p.advise(), Advice::Speculate);
+        // A request already speculating is not judged on its drafter's lag.
+        p.speculated(
+            Spent::wall(100.0),
+            2,
+            &[Spent::wall(60.0)],
+            Spent::wall(0.0),
+        );
+        p.position(302, 498, 5000);
+        assert_eq!(p.advise(), Advice::Speculate);
+    }
 
     #[test]
     fn load_levels_are_powers_of_two() {
