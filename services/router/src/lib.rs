@@ -704,6 +704,7 @@ impl Router {
                 segments_accepted: n(|s| s.segments_accepted),
                 target_passes: n(|s| s.target_passes),
                 paused_tokens: n(|s| s.paused_tokens),
+                entries_declined: n(|s| s.entries_declined),
                 draft_failovers: drafter.failovers as u64,
                 target_failovers: verifier.failovers as u64,
                 fell_back: drafter.fell_back,

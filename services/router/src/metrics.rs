@@ -3,8 +3,9 @@
 //!
 //! Per request (labels: `mode`, and `outcome` = ok | error on the request counter): requests, latency, time to
 //! first token, time per output token (after the first), output tokens, draft tokens proposed and accepted, segments
-//! proposed and accepted, target forward passes, tokens written while speculation was paused, failovers (by role)
-//! and fallbacks to the target alone; a gauge of
+//! proposed and accepted, target forward passes, tokens written while speculation was paused, entries into
+//! speculation declined (it would not have paid for the draft catching up), failovers (by role) and fallbacks to the
+//! target alone; a gauge of
 //! requests in flight; requests rejected before generating, by reason. Target passes per output token is `parse_target_passes_total / parse_output_tokens_total`.
 //!
 //! Per position of a verified draft (label `position`: 0 to 31, then `32+` for every deeper position):
@@ -51,6 +52,8 @@ pub struct RequestRecord<'a> {
     pub target_passes: u64,
     /// Tokens the target wrote alone while speculation was paused.
     pub paused_tokens: u64,
+    /// Times speculation paid per token but not for the draft's catching up first, so the target went on alone.
+    pub entries_declined: u64,
     pub draft_failovers: u64,
     pub target_failovers: u64,
     pub fell_back: bool,
@@ -86,6 +89,7 @@ pub struct Metrics {
     segments_accepted: IntCounterVec,
     target_passes: IntCounterVec,
     paused_tokens: IntCounterVec,
+    entries_declined: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
     rejected: IntCounterVec,
@@ -218,6 +222,11 @@ impl Metrics {
             "parse_paused_tokens_total",
             "Output tokens the target wrote alone because token-level speculation was not paying.",
         );
+        let entries_declined = by_mode(
+            "parse_entries_declined_total",
+            "Times speculation paid per output token at the load of the moment but not for the draft's catching up on \
+             the context first, so the target went on writing alone.",
+        );
         let failovers = counter(
             &r,
             "parse_failovers_total",
@@ -303,6 +312,7 @@ impl Metrics {
             segments_accepted,
             target_passes,
             paused_tokens,
+            entries_declined,
             failovers,
             fallbacks,
             rejected,
@@ -350,6 +360,9 @@ impl Metrics {
         self.paused_tokens
             .with_label_values(&m)
             .inc_by(r.paused_tokens);
+        self.entries_declined
+            .with_label_values(&m)
+            .inc_by(r.entries_declined);
         self.failovers
             .with_label_values(&["draft"])
             .inc_by(r.draft_failovers);
@@ -591,6 +604,7 @@ mod tests {
             segments_accepted: 4,
             target_passes: 5,
             paused_tokens: 7,
+            entries_declined: 2,
             draft_failovers: 1,
             ..Default::default()
         });
@@ -620,6 +634,10 @@ mod tests {
         );
         assert_eq!(value(&t, "parse_target_passes_total{mode=\"parse\"}"), 5.0);
         assert_eq!(value(&t, "parse_paused_tokens_total{mode=\"parse\"}"), 7.0);
+        assert_eq!(
+            value(&t, "parse_entries_declined_total{mode=\"parse\"}"),
+            2.0
+        );
         assert_eq!(value(&t, "parse_failovers_total{role=\"draft\"}"), 1.0);
         assert_eq!(
             value(&t, "parse_requests_rejected_total{reason=\"busy\"}"),
