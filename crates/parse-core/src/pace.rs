@@ -727,10 +727,11 @@ impl Pace {
     /// every token since (a whole context where it never drafted), at the drafter's prefill price per token
     /// ([`Costs::entry_ms`]); the gain comes only over the tokens still to be written ([`Costs::expected_left`]).
     /// On a router at 8 clients this was most of what speculation cost once it paused: the load falls as the run's
-    /// requests end, speculation paid per token at 1-2 requests, and the last requests, each hundreds of tokens in,
-    /// had the draft worker prefill their whole context (at about the target's price per token: a 64-token block
-    /// costs the 0.5B draft 0.7-1.1 s, the 1.5B target 0.8 s) for a few dozen tokens left (docs/figures.md,
-    /// "Speculation that pays for its entry"). Only checked where the request is not speculating already.
+    /// requests end, speculation paid per token at one request (it lost 4-5x at 2-8), and the last requests,
+    /// hundreds of tokens in, had the draft worker prefill their whole context (at about the target's price per
+    /// token: a 64-token block costs the 0.5B draft 0.7-1.1 s, the 1.5B target 0.8 s) for a few dozen tokens left
+    /// (docs/figures.md, "Speculation that pays for its entry"). Only checked where the request is not speculating
+    /// already.
     fn entry_pays(&self, spec: f64, alone: f64) -> bool {
         if self.lag == 0 || !(self.alone_last || self.rounds == 0) {
             return true;
