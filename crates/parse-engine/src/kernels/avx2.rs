@@ -303,30 +303,67 @@ fn fold16(even: __m256, odd: __m256) -> f32 {
     lane_tree(lanes)
 }
 
-/// `R` activation rows against one Q8_0 weight row: `maddubs(|w|, sign(x, w))` then `madd` with ones gives the 8
-/// exact lane sums of [`q8_0_dot_scalar`] (activations never hold -128, so the sign trick cannot overflow).
+/// Block `b` of a Q8_0 row against `R` activation rows, accumulated into `acc` (the even or the odd blocks' lanes):
+/// `maddubs(|w|, sign(x, w))` then `madd` with ones gives the block's 8 exact lane sums of [`q8_0_dot_scalar`]
+/// (activations never hold -128, so the sign trick cannot overflow).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q8_0_block<const R: usize>(
+    wb: &RawQ8_0,
+    b: usize,
+    xs: &[Act32Row<'_>; R],
+    acc: &mut [__m256; R],
+) {
+    // SAFETY: qs has 32 bytes.
+    let q = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().cast()) };
+    let aq = _mm256_sign_epi8(q, q);
+    let wd = f16::from_bits(wb.d).to_f32();
+    let ones = _mm256_set1_epi16(1);
+    for r in 0..R {
+        let x = &xs[r];
+        // SAFETY: a row has 32 values per block; block b spans 32b..32b+32.
+        let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()) };
+        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, q)), ones);
+        let d = _mm256_set1_ps(wd * x.d[b]);
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
+    }
+}
+
+/// Tiles of up to this many activation rows take two blocks per step ([`q8_0_tile`]); larger ones, whose two sets of
+/// accumulators do not fit in the 16 registers, one block per step.
+const PAIRED_ROWS: usize = 4;
+
+/// `R` activation rows against one Q8_0 weight row ([`q8_0_block`] per block). Up to [`PAIRED_ROWS`] rows, two blocks
+/// per step so that the even and the odd blocks' accumulators stay in registers: indexed by `b & 1`, they went
+/// through memory at every block, a store and a reload on each accumulation's chain (the draft's one-token step,
+/// mostly Q5_0 products, spent a tenth of its kernel time on that store).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
     let w = raw_q8_0(w);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for (b, wb) in w.iter().enumerate() {
-        // SAFETY: qs has 32 bytes.
-        let q = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().cast()) };
-        let aq = _mm256_sign_epi8(q, q);
-        let wd = f16::from_bits(wb.d).to_f32();
-        for r in 0..R {
-            let x = &xs[r];
-            // SAFETY: a row has 32 values per block; block b spans 32b..32b+32.
-            let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()) };
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, q)), ones);
-            let d = _mm256_set1_ps(wd * x.d[b]);
-            let h = b & 1;
-            acc[r][h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r][h]);
+    let mut even = [_mm256_setzero_ps(); R];
+    let mut odd = [_mm256_setzero_ps(); R];
+    if R > PAIRED_ROWS {
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        for (b, wb) in w.iter().enumerate() {
+            // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
+            unsafe { q8_0_block(wb, b, xs, &mut acc[b & 1]) };
+        }
+        return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
+    }
+    let mut pairs = w.chunks_exact(2);
+    for (p, pair) in pairs.by_ref().enumerate() {
+        // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
+        unsafe {
+            q8_0_block(&pair[0], 2 * p, xs, &mut even);
+            q8_0_block(&pair[1], 2 * p + 1, xs, &mut odd);
         }
     }
-    std::array::from_fn(|r| fold16(acc[r][0], acc[r][1]))
+    if let [last] = pairs.remainder() {
+        // SAFETY: as above, for the last (even) block.
+        unsafe { q8_0_block(last, w.len() - 1, xs, &mut even) };
+    }
+    std::array::from_fn(|r| fold16(even[r], odd[r]))
 }
 
 /// The 32 unsigned 5-bit values (`weight + 16`) of a Q5_0 block.
@@ -357,34 +394,65 @@ fn q5_0_unsigned(b: &RawQ5_0) -> __m256i {
     )
 }
 
-/// `R` activation rows against one Q5_0 weight row: `maddubs(q + 16, x)` then `madd` with ones, minus
-/// `16 * lane sum of x`, gives the 8 exact lane sums of [`q5_0_dot_scalar`].
+/// Block `b` of a Q5_0 row against `R` activation rows, accumulated into `acc` (the even or the odd blocks' lanes):
+/// `maddubs(q + 16, x)` then `madd` with ones, minus `16 * lane sum of x`, gives the block's 8 exact lane sums of
+/// [`q5_0_dot_scalar`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q5_0_block<const R: usize>(
+    wb: &RawQ5_0,
+    b: usize,
+    xs: &[Act32Row<'_>; R],
+    acc: &mut [__m256; R],
+) {
+    let q = q5_0_unsigned(wb);
+    let wd = f16::from_bits(wb.d).to_f32();
+    let ones = _mm256_set1_epi16(1);
+    for r in 0..R {
+        let x = &xs[r];
+        // SAFETY: a row has 32 values and 8 lane sums per block; block b spans 32b.. and 8b.. .
+        let (a, ls) = unsafe {
+            (
+                _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()),
+                _mm256_loadu_si256(x.lsum.as_ptr().add(8 * b).cast()),
+            )
+        };
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+        let s = _mm256_sub_epi32(p, _mm256_slli_epi32(ls, 4));
+        let d = _mm256_set1_ps(wd * x.d[b]);
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
+    }
+}
+
+/// `R` activation rows against one Q5_0 weight row ([`q5_0_block`] per block), two blocks per step as in
+/// [`q8_0_tile`].
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
     let w = raw_q5_0(w);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for (b, wb) in w.iter().enumerate() {
-        let q = q5_0_unsigned(wb);
-        let wd = f16::from_bits(wb.d).to_f32();
-        for r in 0..R {
-            let x = &xs[r];
-            // SAFETY: a row has 32 values and 8 lane sums per block; block b spans 32b.. and 8b.. .
-            let (a, ls) = unsafe {
-                (
-                    _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()),
-                    _mm256_loadu_si256(x.lsum.as_ptr().add(8 * b).cast()),
-                )
-            };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
-            let s = _mm256_sub_epi32(p, _mm256_slli_epi32(ls, 4));
-            let d = _mm256_set1_ps(wd * x.d[b]);
-            let h = b & 1;
-            acc[r][h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r][h]);
+    let mut even = [_mm256_setzero_ps(); R];
+    let mut odd = [_mm256_setzero_ps(); R];
+    if R > PAIRED_ROWS {
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        for (b, wb) in w.iter().enumerate() {
+            // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
+            unsafe { q5_0_block(wb, b, xs, &mut acc[b & 1]) };
+        }
+        return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
+    }
+    let mut pairs = w.chunks_exact(2);
+    for (p, pair) in pairs.by_ref().enumerate() {
+        // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
+        unsafe {
+            q5_0_block(&pair[0], 2 * p, xs, &mut even);
+            q5_0_block(&pair[1], 2 * p + 1, xs, &mut odd);
         }
     }
-    std::array::from_fn(|r| fold16(acc[r][0], acc[r][1]))
+    if let [last] = pairs.remainder() {
+        // SAFETY: as above, for the last (even) block.
+        unsafe { q5_0_block(last, w.len() - 1, xs, &mut even) };
+    }
+    std::array::from_fn(|r| fold16(even[r], odd[r]))
 }
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
