@@ -395,8 +395,7 @@ fn q5_0_unsigned(b: &RawQ5_0) -> __m256i {
 }
 
 /// Block `b` of a Q5_0 row against `R` activation rows, accumulated into `acc` (the even or the odd blocks' lanes):
-/// `maddubs(q + 16, x)` then `madd` with ones, plus the lane offsets (`-16 * lane sum of x`), gives the block's 8
-/// exact lane sums of
+/// `maddubs(q + 16, x)` then `madd` with ones, minus `16 * lane sum of x`, gives the block's 8 exact lane sums of
 /// [`q5_0_dot_scalar`].
 #[target_feature(enable = "avx2,fma")]
 #[inline]
@@ -411,15 +410,15 @@ unsafe fn q5_0_block<const R: usize>(
     let ones = _mm256_set1_epi16(1);
     for r in 0..R {
         let x = &xs[r];
-        // SAFETY: a row has 32 values and 8 lane offsets per block; block b spans 32b.. and 8b.. .
-        let (a, off) = unsafe {
+        // SAFETY: a row has 32 values and 8 lane sums per block; block b spans 32b.. and 8b.. .
+        let (a, ls) = unsafe {
             (
                 _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()),
-                _mm256_loadu_si256(x.q5_off.as_ptr().add(8 * b).cast()),
+                _mm256_loadu_si256(x.lsum.as_ptr().add(8 * b).cast()),
             )
         };
         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
-        let s = _mm256_add_epi32(p, off);
+        let s = _mm256_sub_epi32(p, _mm256_slli_epi32(ls, 4));
         let d = _mm256_set1_ps(wd * x.d[b]);
         acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
     }

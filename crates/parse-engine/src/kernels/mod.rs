@@ -224,15 +224,13 @@ fn raw_q5_0(xs: &[BlockQ5_0]) -> &[RawQ5_0] {
 }
 
 /// Activation rows quantized to 8 bits in blocks of 32 (ggml's Q8_0 rounding), laid out for the 32-wide kernels:
-/// per block its scale as f32, its 32 values, and the Q5_0 offsets of its 8 lanes: `-16` times the lane's sum of
-/// values (`q5_off[k]` for bytes `4k..4k+4`), which the Q5_0 kernels start from to turn their products with the
-/// unsigned `weight + 16` into the signed ones (computed once here, not per weight row).
+/// per block its scale as f32, its 32 values, and the 8 lane sums of its values (`lsum[k]` = bytes `4k..4k+4`).
 #[derive(Debug, Clone, Default)]
 pub struct Act32 {
     kb: usize,
     d: Vec<f32>,
     qs: Vec<i8>,
-    q5_off: Vec<i32>,
+    lsum: Vec<i32>,
 }
 
 /// One row of an [`Act32`].
@@ -240,7 +238,7 @@ pub struct Act32 {
 pub struct Act32Row<'a> {
     d: &'a [f32],
     qs: &'a [i8],
-    q5_off: &'a [i32],
+    lsum: &'a [i32],
 }
 
 impl Act32 {
@@ -253,16 +251,16 @@ impl Act32 {
             kb,
             d: Vec::with_capacity(m * kb),
             qs: Vec::with_capacity(m * k),
-            q5_off: Vec::with_capacity(m * kb * 8),
+            lsum: Vec::with_capacity(m * kb * 8),
         };
         for row in x.chunks(k).take(m) {
             BlockQ8_0::from_float(row, &mut blocks);
             for b in raw_q8_0(&blocks) {
                 a.d.push(f16::from_bits(b.d).to_f32());
                 a.qs.extend_from_slice(&b.qs);
-                a.q5_off.extend(
+                a.lsum.extend(
                     b.qs.chunks(4)
-                        .map(|c| -16 * c.iter().map(|&v| v as i32).sum::<i32>()),
+                        .map(|c| c.iter().map(|&v| v as i32).sum::<i32>()),
                 );
             }
         }
@@ -274,7 +272,7 @@ impl Act32 {
         Act32Row {
             d: &self.d[r * kb..(r + 1) * kb],
             qs: &self.qs[r * kb * 32..(r + 1) * kb * 32],
-            q5_off: &self.q5_off[r * kb * 8..(r + 1) * kb * 8],
+            lsum: &self.lsum[r * kb * 8..(r + 1) * kb * 8],
         }
     }
 }

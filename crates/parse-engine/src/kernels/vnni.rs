@@ -405,11 +405,12 @@ fn q5_0_unsigned(w: &[RawQ5_0], b: usize, pair: bool) -> __m512i {
 }
 
 /// `R` activation rows against one Q5_0 weight row, two blocks per step: `dpbusd(q + 16, x)` starting from
-/// the lane offsets (`-16 * lane sum of x`) gives the 8 exact lane sums of each block of [`q5_0_dot_scalar`].
+/// `-16 * lane sum of x` gives the 8 exact lane sums of each block of [`q5_0_dot_scalar`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
 #[inline]
 unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
     let w = raw_q5_0(w);
+    let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); R];
     for b in (0..w.len()).step_by(2) {
         let pair = b + 1 < w.len();
@@ -422,16 +423,17 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
         };
         for r in 0..R {
             let x = &xs[r];
-            let off = if pair {
-                // SAFETY: 16 lane offsets of blocks b and b + 1 from 8b.
-                unsafe { _mm512_loadu_si512(x.q5_off[8 * b..].as_ptr().cast()) }
+            let ls = if pair {
+                // SAFETY: 16 lane sums of blocks b and b + 1 from 8b.
+                unsafe { _mm512_loadu_si512(x.lsum[8 * b..].as_ptr().cast()) }
             } else {
-                // SAFETY: 8 lane offsets of block b from 8b.
+                // SAFETY: 8 lane sums of block b from 8b.
                 _mm512_castsi256_si512(unsafe {
-                    _mm256_loadu_si256(x.q5_off[8 * b..].as_ptr().cast())
+                    _mm256_loadu_si256(x.lsum[8 * b..].as_ptr().cast())
                 })
             };
-            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, q, act64(x, b, pair)));
+            let neg = _mm512_sub_epi32(zero, _mm512_slli_epi32(ls, 4));
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, q, act64(x, b, pair)));
             acc[r] = accumulate_pair(acc[r], s, (wd0, wd1), x, b, pair);
         }
     }
