@@ -329,42 +329,48 @@ unsafe fn q8_0_block<const R: usize>(
     }
 }
 
-/// Tiles of up to this many activation rows take two blocks per step ([`q8_0_tile`]); larger ones, whose two sets of
+/// Tiles of up to this many activation rows take two blocks per step (`tile_32_fn`); larger ones, whose two sets of
 /// accumulators do not fit in the 16 registers, one block per step.
 const PAIRED_ROWS: usize = 4;
 
-/// `R` activation rows against one Q8_0 weight row ([`q8_0_block`] per block). Up to [`PAIRED_ROWS`] rows, two blocks
-/// per step so that the even and the odd blocks' accumulators stay in registers: indexed by `b & 1`, they went
-/// through memory at every block, a store and a reload on each accumulation's chain (the draft's one-token step,
-/// mostly Q5_0 products, spent a tenth of its kernel time on that store).
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-    let w = raw_q8_0(w);
-    let mut even = [_mm256_setzero_ps(); R];
-    let mut odd = [_mm256_setzero_ps(); R];
-    if R > PAIRED_ROWS {
-        let mut acc = [[_mm256_setzero_ps(); R]; 2];
-        for (b, wb) in w.iter().enumerate() {
-            // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
-            unsafe { q8_0_block(wb, b, xs, &mut acc[b & 1]) };
+/// The tile of a 32-wide format: `R` activation rows against one weight row, `$block` per block. Up to
+/// [`PAIRED_ROWS`] rows, two blocks per step so that the even and the odd blocks' accumulators stay in registers:
+/// indexed by `b & 1`, they went through memory at every block, a store and a reload on each accumulation's chain
+/// (the draft's one-token step, mostly Q5_0 products, spent a tenth of its kernel time on that store).
+macro_rules! tile_32_fn {
+    ($name:ident, $block:ident, $w:ty, $raw:ident) => {
+        #[target_feature(enable = "avx2,fma")]
+        #[inline]
+        unsafe fn $name<const R: usize>(w: &[$w], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+            let w = $raw(w);
+            if R > PAIRED_ROWS {
+                let mut acc = [[_mm256_setzero_ps(); R]; 2];
+                for (b, wb) in w.iter().enumerate() {
+                    // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
+                    unsafe { $block(wb, b, xs, &mut acc[b & 1]) };
+                }
+                return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
+            }
+            let mut even = [_mm256_setzero_ps(); R];
+            let mut odd = [_mm256_setzero_ps(); R];
+            let mut pairs = w.chunks_exact(2);
+            for (p, pair) in pairs.by_ref().enumerate() {
+                // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
+                unsafe {
+                    $block(&pair[0], 2 * p, xs, &mut even);
+                    $block(&pair[1], 2 * p + 1, xs, &mut odd);
+                }
+            }
+            if let [last] = pairs.remainder() {
+                // SAFETY: as above, for the last (even) block.
+                unsafe { $block(last, w.len() - 1, xs, &mut even) };
+            }
+            std::array::from_fn(|r| fold16(even[r], odd[r]))
         }
-        return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
-    }
-    let mut pairs = w.chunks_exact(2);
-    for (p, pair) in pairs.by_ref().enumerate() {
-        // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
-        unsafe {
-            q8_0_block(&pair[0], 2 * p, xs, &mut even);
-            q8_0_block(&pair[1], 2 * p + 1, xs, &mut odd);
-        }
-    }
-    if let [last] = pairs.remainder() {
-        // SAFETY: as above, for the last (even) block.
-        unsafe { q8_0_block(last, w.len() - 1, xs, &mut even) };
-    }
-    std::array::from_fn(|r| fold16(even[r], odd[r]))
+    };
 }
+
+tile_32_fn!(q8_0_tile, q8_0_block, BlockQ8_0, raw_q8_0);
 
 /// The 32 unsigned 5-bit values (`weight + 16`) of a Q5_0 block.
 #[target_feature(enable = "avx2")]
@@ -424,36 +430,7 @@ unsafe fn q5_0_block<const R: usize>(
     }
 }
 
-/// `R` activation rows against one Q5_0 weight row ([`q5_0_block`] per block), two blocks per step as in
-/// [`q8_0_tile`].
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-    let w = raw_q5_0(w);
-    let mut even = [_mm256_setzero_ps(); R];
-    let mut odd = [_mm256_setzero_ps(); R];
-    if R > PAIRED_ROWS {
-        let mut acc = [[_mm256_setzero_ps(); R]; 2];
-        for (b, wb) in w.iter().enumerate() {
-            // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
-            unsafe { q5_0_block(wb, b, xs, &mut acc[b & 1]) };
-        }
-        return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
-    }
-    let mut pairs = w.chunks_exact(2);
-    for (p, pair) in pairs.by_ref().enumerate() {
-        // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
-        unsafe {
-            q5_0_block(&pair[0], 2 * p, xs, &mut even);
-            q5_0_block(&pair[1], 2 * p + 1, xs, &mut odd);
-        }
-    }
-    if let [last] = pairs.remainder() {
-        // SAFETY: as above, for the last (even) block.
-        unsafe { q5_0_block(last, w.len() - 1, xs, &mut even) };
-    }
-    std::array::from_fn(|r| fold16(even[r], odd[r]))
-}
+tile_32_fn!(q5_0_tile, q5_0_block, BlockQ5_0, raw_q5_0);
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
 panel_fn!(q6k_panel, q6k_tile_any, "avx2,fma", BlockQ6K, &[BlockQ8K]);
