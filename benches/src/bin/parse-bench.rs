@@ -475,6 +475,70 @@ fn label(c: &RunCfg) -> String {
     }
 }
 
+/// One prompt in one configuration, in process.
+#[allow(clippy::too_many_arguments)]
+fn run_in_process(
+    target: &mut Engine,
+    draft: &mut Engine,
+    tok: &Arc<Tokenizer>,
+    args: &Args,
+    cfg: &RunCfg,
+    pacing: &Pacing,
+    prompt: &[u32],
+    budget: usize,
+    session: &str,
+) -> Result<Saved> {
+    let req = GenerationRequest {
+        session: session.to_string(),
+        prompt: prompt.to_vec(),
+        max_new_tokens: budget,
+        mode: cfg.mode,
+        sampling: Default::default(),
+        policy: AcceptPolicy {
+            verdict: cfg.verdict,
+            tau: cfg.tau,
+            exact_floor: true,
+            lookahead: args.lookahead,
+        },
+        segmenter: SegmenterConfig::default(),
+        window: DraftWindow {
+            adaptive: cfg.adaptive,
+            ..Default::default()
+        },
+        eos: tok.eos_ids().to_vec(),
+        judge_suffix: tok.judge_suffix()?,
+    };
+    let mut v = EngineVerifier::new(target);
+    let mut d: Box<dyn parse_core::Drafter + '_> = match cfg.drafter {
+        DrafterKind::Model => Box::new(EngineDrafter::new(draft)),
+        DrafterKind::Ngram => Box::new(NgramDrafter::new(
+            NgramConfig::default(),
+            tok.piece_fn(),
+            tok.eos_ids().to_vec(),
+        )?),
+        DrafterKind::ModelNgram => Box::new(CopyFirst::new(
+            EngineDrafter::new(draft),
+            CopyConfig::default(),
+            tok.eos_ids().to_vec(),
+        )?),
+    };
+    let mut end = AnswerEnd::new(tok, &args.suite);
+    let o = parse_core::generate_paced(
+        d.as_mut(),
+        &mut v,
+        &req,
+        &mut |t, s| end.push(t, s),
+        pacing.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
+    debug_assert!(o.tokens.starts_with(&end.kept));
+    Ok(Saved {
+        tokens: end.kept,
+        draft_tokens_in_output: end.from_draft,
+        stats: o.stats,
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let recs = records(&args)?;
@@ -581,13 +645,54 @@ fn main() -> Result<()> {
     let mut target_outputs: Vec<Vec<u32>> = Vec::new();
     let mut rows = Vec::new();
     let runs_dir = args.out_dir.join(format!("{}-runs", args.suite));
-    for cfg in &runs {
-        let run_dir = runs_dir.join(format!(
+    let run_dir = |cfg: &RunCfg| {
+        runs_dir.join(format!(
             "{}-b{budget}-la{}-{RESULTS_FORMAT}",
             label(cfg).replace([' ', '=', '+'], "_"),
             args.lookahead
-        ));
-        std::fs::create_dir_all(&run_dir)?;
+        ))
+    };
+    for cfg in &runs {
+        std::fs::create_dir_all(run_dir(cfg))?;
+    }
+    // In process, each prompt runs in every configuration before the next prompt: the machine's speed drifts over
+    // minutes (a shared host), and configurations run one after the other each met a different part of the drift
+    // (`target` alone went from 31 to 26 tok/s over half an hour of runs on one machine), while interleaved they
+    // meet the same. In process the requests of a configuration share what they measure, as a router's do (at a
+    // load of one): one pace's figures per configuration, kept across the prompts.
+    if let Some((target, draft)) = engines.as_mut() {
+        let pacings: Vec<Pacing> = runs
+            .iter()
+            .map(|cfg| Pacing {
+                costs: Arc::new(Costs::default()),
+                kind: label(cfg),
+                load: Arc::new(|| 1),
+            })
+            .collect();
+        for (i, p) in prompts.iter().enumerate() {
+            for (cfg, pacing) in runs.iter().zip(&pacings) {
+                let saved = run_dir(cfg).join(format!("{}.json", i + args.skip));
+                if args.resume && saved.exists() {
+                    continue;
+                }
+                let s = run_in_process(
+                    target,
+                    draft,
+                    &tok,
+                    &args,
+                    cfg,
+                    pacing,
+                    p,
+                    budget,
+                    &format!("bench-{i}"),
+                )?;
+                std::fs::write(&saved, serde_json::to_string(&s)?)?;
+            }
+            eprint!(".");
+        }
+        eprintln!(" {} prompts x {} runs", prompts.len(), runs.len());
+    }
+    for cfg in &runs {
         let mut total = Stats::default();
         let mut outputs = Vec::new();
         let mut quality = 0.0;
@@ -601,76 +706,13 @@ fn main() -> Result<()> {
             None => None,
         };
         let wall_s = remote.as_ref().map(|r| r.1);
-        // In process the run's requests share what they measure, as a router's do (at a load of one).
-        let pacing = Pacing {
-            costs: Arc::new(Costs::default()),
-            kind: label(cfg),
-            load: Arc::new(|| 1),
-        };
-        for (i, p) in prompts.iter().enumerate() {
-            let req = GenerationRequest {
-                session: format!("bench-{i}"),
-                prompt: p.clone(),
-                max_new_tokens: budget,
-                mode: cfg.mode,
-                sampling: Default::default(),
-                policy: AcceptPolicy {
-                    verdict: cfg.verdict,
-                    tau: cfg.tau,
-                    exact_floor: true,
-                    lookahead: args.lookahead,
-                },
-                segmenter: SegmenterConfig::default(),
-                window: DraftWindow {
-                    adaptive: cfg.adaptive,
-                    ..Default::default()
-                },
-                eos: tok.eos_ids().to_vec(),
-                judge_suffix: tok.judge_suffix()?,
-            };
-            let saved = run_dir.join(format!("{}.json", i + args.skip));
-            let out = match (
-                std::fs::read_to_string(&saved),
-                remote.as_mut(),
-                engines.as_mut(),
-            ) {
-                (_, Some((outs, _)), _) => outs.next().context("a reply per prompt")?,
-                (Ok(text), None, _) if args.resume => serde_json::from_str::<Saved>(&text)
+        for (i, _) in prompts.iter().enumerate() {
+            let saved = run_dir(cfg).join(format!("{}.json", i + args.skip));
+            let out = match (std::fs::read_to_string(&saved), remote.as_mut()) {
+                (_, Some((outs, _))) => outs.next().context("a reply per prompt")?,
+                (Ok(text), None) => serde_json::from_str::<Saved>(&text)
                     .with_context(|| format!("{}", saved.display()))?,
-                (_, None, None) => bail!("no models loaded"),
-                (_, None, Some((target, draft))) => {
-                    let mut v = EngineVerifier::new(target);
-                    let mut d: Box<dyn parse_core::Drafter + '_> = match cfg.drafter {
-                        DrafterKind::Model => Box::new(EngineDrafter::new(draft)),
-                        DrafterKind::Ngram => Box::new(NgramDrafter::new(
-                            NgramConfig::default(),
-                            tok.piece_fn(),
-                            tok.eos_ids().to_vec(),
-                        )?),
-                        DrafterKind::ModelNgram => Box::new(CopyFirst::new(
-                            EngineDrafter::new(draft),
-                            CopyConfig::default(),
-                            tok.eos_ids().to_vec(),
-                        )?),
-                    };
-                    let mut end = AnswerEnd::new(&tok, &args.suite);
-                    let o = parse_core::generate_paced(
-                        d.as_mut(),
-                        &mut v,
-                        &req,
-                        &mut |t, s| end.push(t, s),
-                        pacing.clone(),
-                    )
-                    .map_err(|e| anyhow::anyhow!("{}: {}", label(cfg), e.message))?;
-                    debug_assert!(o.tokens.starts_with(&end.kept));
-                    let s = Saved {
-                        tokens: end.kept,
-                        draft_tokens_in_output: end.from_draft,
-                        stats: o.stats,
-                    };
-                    std::fs::write(&saved, serde_json::to_string(&s)?)?;
-                    s
-                }
+                (Err(e), None) => bail!("{}: {e}", saved.display()),
             };
             let s = &out.stats;
             draft_in_output += out.draft_tokens_in_output;
