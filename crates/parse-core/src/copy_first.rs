@@ -36,6 +36,10 @@ pub struct CopyConfig {
     /// Tokens asked of the model per call: 1 in process; a drafter behind a network call wants more per call
     /// (tokens past the start of a copy are then dropped).
     pub model_chunk: usize,
+    /// The lookup of copy rounds while the model rests ([`Drafter::rest_lookup`]): shorter matches than `lookup`'s,
+    /// because there a copy stands in for the target writing alone, not for a model token that is usually right
+    /// (the prompt-lookup drafter's own sizes, [`NgramConfig::default`]).
+    pub rest: NgramConfig,
 }
 
 impl Default for CopyConfig {
@@ -43,6 +47,7 @@ impl Default for CopyConfig {
         CopyConfig {
             lookup: NgramConfig { min_n: 5, max_n: 8 },
             model_chunk: 1,
+            rest: NgramConfig::default(),
         }
     }
 }
@@ -111,6 +116,7 @@ impl<D: Drafter> CopyFirst<D> {
     /// Wraps `inner`; a copied draft ends after any of `end_tokens` (the wrapped drafter ends its own).
     pub fn new(inner: D, cfg: CopyConfig, end_tokens: Vec<u32>) -> Result<Self> {
         cfg.lookup.validate()?;
+        cfg.rest.validate()?;
         Ok(CopyFirst {
             inner,
             cfg,
@@ -281,6 +287,10 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     fn charged_ms(&self) -> Option<f64> {
         self.inner.charged_ms()
     }
+
+    fn rest_lookup(&self) -> Option<NgramConfig> {
+        Some(self.cfg.rest)
+    }
 }
 
 #[cfg(test)]
@@ -357,6 +367,7 @@ mod tests {
         let cfg = CopyConfig {
             lookup,
             model_chunk: 1,
+            ..Default::default()
         };
         CopyFirst::new(model, cfg, vec![99]).unwrap()
     }
@@ -393,6 +404,7 @@ mod tests {
         let cfg = CopyConfig {
             lookup: NgramConfig { min_n: 3, max_n: 4 },
             model_chunk: 3,
+            ..Default::default()
         };
         let mut d = CopyFirst::new(model, cfg, vec![99]).unwrap();
         d.begin("s", &[1, 2, 3, 4, 5, 9, 1, 2], &SamplingParams::default())

@@ -259,6 +259,13 @@ pub trait Drafter {
     fn charged_ms(&self) -> Option<f64> {
         None
     }
+    /// The prompt lookup a drafter that copies as well as runs a model ([`CopyFirst`](crate::CopyFirst)) lets the
+    /// loop use on its own while the model rests (a pause of [`DraftWindow::adaptive`] speculation): copy rounds,
+    /// which cost the target's verification and no model step. `None`: the drafter copies nothing, or copies only
+    /// (then its own rounds are the copies).
+    fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
+        None
+    }
 }
 
 /// A borrowed drafter drafts as the one it points to, so a wrapper ([`CopyFirst`](crate::CopyFirst)) can borrow a
@@ -290,6 +297,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn charged_ms(&self) -> Option<f64> {
         (**self).charged_ms()
+    }
+    fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
+        (**self).rest_lookup()
     }
 }
 
@@ -388,6 +398,8 @@ pub struct Stats {
     /// Times speculation paid per token at the moment but not for the drafter's catching up first, so the target
     /// went on alone ([`crate::pace::Pace::position`]).
     pub entries_declined: usize,
+    /// PARSE rounds of copies (prompt lookup) made while the draft model rested ([`Drafter::rest_lookup`]).
+    pub copy_rounds: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -429,6 +441,8 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     cached: usize,
     pending: u32,
     window: usize,
+    /// The window of copy rounds while the model rests (see `copy_round`), adapted as `window` is.
+    copy_window: usize,
     /// The loop's own random stream (acceptance draws, replacement tokens), seeded from the request.
     rng: StdRng,
     pace: Pace,
@@ -912,10 +926,21 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
                 // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
                 // going on to the end of the next segment, and the next, took a call per line of code again.
+                // While the model rests, copies where the context's end occurred before (`copy_round`); each call
+                // of the target alone then stops at a segment's end, where the next copy may start.
+                let rest_lookup = self.d.rest_lookup();
+                if let Some(lookup) = rest_lookup
+                    && self.pace.copies_pay()
+                    && let Some((drafted, accepted)) = self.copy_round(&lookup)?
+                {
+                    span.record("drafted", drafted);
+                    span.record("accepted", accepted);
+                    continue;
+                }
                 let cfg = self.req.segmenter.clone();
                 let last = n <= 16;
                 let want = n.min(16).min(self.remaining());
-                self.extend(want, last.then_some(&cfg))?;
+                self.extend(want, (last || rest_lookup.is_some()).then_some(&cfg))?;
                 let wrote = self.out.len() - before;
                 self.pace.wrote_alone(self.spent(mark), wrote);
                 if last && wrote < want {
@@ -972,6 +997,64 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             }
         }
         Ok(())
+    }
+
+    /// A PARSE round of copies while the draft model rests ([`Drafter::rest_lookup`]): the draft is what followed
+    /// the latest earlier occurrence of the context's end, token after token, up to the round's window of segments;
+    /// the target verifies it by the request's verdict and, where it cuts the copy short, writes alone to the end of
+    /// that segment. Where nothing matches, nothing is done (`None`); otherwise (tokens drafted, accepted). Its tokens
+    /// count towards the pause as the target's alone would, and its cost goes to the copies' own figure
+    /// ([`Pace::copied`]), by which the next copy round is judged ([`Pace::copies_pay`]).
+    fn copy_round(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<Option<(usize, usize)>> {
+        let (mark, before) = (self.mark(), self.out.len());
+        let cfg = self.req.segmenter.clone();
+        let cap = self.remaining().min(self.req.window.max_tokens);
+        let t = Instant::now();
+        let mut context = self.context();
+        let start = context.len();
+        let mut pieces: Vec<String> = Vec::new();
+        let (mut cut, mut ended) = (None, false);
+        while cut.is_none() && !ended && context.len() - start < cap {
+            let from = context.len();
+            while !ended && context.len() - from < 8 && context.len() - start < cap {
+                let Some(token) = crate::ngram::lookup(&context, lookup) else {
+                    ended = true;
+                    break;
+                };
+                context.push(token);
+                ended = self.req.eos.contains(&token);
+            }
+            if context.len() == from {
+                break;
+            }
+            pieces.extend(self.d.pieces(&context[from..])?);
+            let closed = segmenter::closed_boundaries(&pieces, &cfg);
+            if closed.len() >= self.copy_window {
+                cut = Some(closed[self.copy_window - 1]);
+            }
+        }
+        self.stats.draft_ms += ms(t);
+        let mut draft = context.split_off(start);
+        if let Some(c) = cut {
+            draft.truncate(c);
+            pieces.truncate(c);
+        }
+        if draft.is_empty() {
+            return Ok(None);
+        }
+        let bs = segmenter::boundaries(&pieces, &cfg);
+        let (accepted, full) = self.verify(&draft, &bs, false, false)?;
+        self.stats.copy_rounds += 1;
+        if full {
+            self.copy_window = (self.copy_window * 2).min(self.req.window.max_segments);
+        } else {
+            self.copy_window = (self.copy_window / 2).max(1);
+            if self.finished.is_none() {
+                self.extend(self.remaining(), Some(&cfg))?;
+            }
+        }
+        self.pace.copied(self.spent(mark), self.out.len() - before);
+        Ok(Some((draft.len(), accepted)))
     }
 
     /// The target writes on to the end of the current segment (the one starting at the pending token).
@@ -1047,6 +1130,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         cached: 0,
         pending: 0,
         window: req.window.initial_segments,
+        copy_window: req.window.initial_segments,
         // A stream of its own, apart from the workers' samplers that share the request's seed.
         rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
         pace: Pace::new(pacing),
