@@ -926,11 +926,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
                 // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
                 // going on to the end of the next segment, and the next, took a call per line of code again.
-                // While the model rests, copies where the context's end occurred before (`copy_round`); each call
-                // of the target alone then stops at a segment's end, where the next copy may start.
-                let rest_lookup = self.d.rest_lookup();
-                if let Some(lookup) = rest_lookup
-                    && self.pace.copies_pay()
+                // While the model rests, copies where the context's end occurred before (`copy_round`), unless
+                // they lose to the target here; each call of the target alone then stops at a segment's end, where
+                // the next copy may start (not otherwise: a call per line of code, as above).
+                let copies = self.d.rest_lookup().filter(|_| self.pace.copies_pay());
+                if let Some(lookup) = copies
                     && let Some((drafted, accepted)) = self.copy_round(&lookup)?
                 {
                     span.record("drafted", drafted);
@@ -940,7 +940,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 let cfg = self.req.segmenter.clone();
                 let last = n <= 16;
                 let want = n.min(16).min(self.remaining());
-                self.extend(want, (last || rest_lookup.is_some()).then_some(&cfg))?;
+                self.extend(want, (last || copies.is_some()).then_some(&cfg))?;
                 let wrote = self.out.len() - before;
                 self.pace.wrote_alone(self.spent(mark), wrote);
                 if last && wrote < want {

@@ -449,3 +449,68 @@ fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
         }
     }
 }
+
+/// A drafter that copies as well as drafts ([`Drafter::rest_lookup`]): the fake draft model, and prompt lookup of
+/// 1-2 tokens while it rests.
+struct Copying(FakeDrafter);
+
+impl Drafter for Copying {
+    fn begin(&mut self, s: &str, context: &[u32], p: &SamplingParams) -> parse_core::Result<()> {
+        self.0.begin(s, context, p)
+    }
+    fn next(&mut self, s: &str, max: usize) -> parse_core::Result<DraftChunk> {
+        self.0.next(s, max)
+    }
+    fn distribution(&mut self, s: &str, i: usize) -> parse_core::Result<Vec<(u32, f32)>> {
+        self.0.distribution(s, i)
+    }
+    fn pieces(&mut self, tokens: &[u32]) -> parse_core::Result<Vec<String>> {
+        self.0.pieces(tokens)
+    }
+    fn release(&mut self, s: &str) -> parse_core::Result<()> {
+        self.0.release(s)
+    }
+    fn rest_lookup(&self) -> Option<parse_core::NgramConfig> {
+        Some(parse_core::NgramConfig { min_n: 1, max_n: 2 })
+    }
+}
+
+/// While the draft model rests, a drafter that copies gets PARSE rounds of copies, verified as any draft (here by
+/// exact agreement, so the output is the target's), unless copies lose to the target: then none is made until a
+/// probe is due.
+#[test]
+fn copy_rounds_fill_the_models_pauses_unless_they_lose() {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let kind = "parse/model";
+    let mut r = request(Mode::Parse, 1e9, Verdict::Likelihood, PROMPTS[2], 60);
+    r.window.adaptive = true;
+    let run = |copies_lose: bool| {
+        // The model loses by far and its last probe was just made: the whole output is one long pause.
+        let costs = Arc::new(Costs::default());
+        costs.record_alone(None, 0, 16.0 * 100.0, 16);
+        costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
+        if copies_lose {
+            costs.record_spec(&format!("{kind} copies"), 0, 16.0 * 1e6, 16, Some(0.0));
+        }
+        let pacing = Pacing {
+            costs,
+            kind: kind.into(),
+            load: Arc::new(|| 1),
+        };
+        let (mut d, mut v) = (Copying(FakeDrafter::default()), FakeVerifier::default());
+        let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+        assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60));
+        out.stats
+    };
+    let stats = run(false);
+    assert!(stats.copy_rounds > 0, "{stats:?}");
+    assert_eq!(stats.verify_passes, stats.copy_rounds, "{stats:?}");
+    assert!(
+        stats.draft_tokens_proposed >= stats.copy_rounds,
+        "{stats:?}"
+    );
+    let stats = run(true);
+    assert_eq!(stats.copy_rounds, 0, "{stats:?}");
+    assert_eq!(stats.verify_passes, 0, "{stats:?}");
+}
