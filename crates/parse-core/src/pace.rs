@@ -937,9 +937,9 @@ impl Pace {
     /// Whether a copy round may be made now, in a pause ([`Pace::copied`]): copy rounds are judged as a kind of
     /// speculation of their own, against the target alone at the same load. While they lose, only a due probe is
     /// made (the same gaps as the model's probes, [`Costs::record_spec`]). Copies that lose cost a verification for
-    /// little: on ASDiv's worked answers, copy rounds made whenever two tokens matched took the default with the
-    /// copies from 0.96x to 0.88x `target`, while on HumanEval they took it from 1.02x to 1.24x (docs/figures.md,
-    /// "Speculation judged against the target's own step").
+    /// little: on ASDiv's worked answers, copy rounds made whenever two tokens matched took `model+ngram` from 0.96x
+    /// to 0.88x `target`, while on HumanEval they took it from 1.02x to 1.24x (docs/figures.md, "Speculation judged
+    /// against the target's own step").
     pub fn copies_pay(&mut self) -> bool {
         let (costs, kind) = (&self.pacing.costs, self.copy_kind());
         let alone = costs
