@@ -705,6 +705,7 @@ impl Router {
                 target_passes: n(|s| s.target_passes),
                 paused_tokens: n(|s| s.paused_tokens),
                 entries_declined: n(|s| s.entries_declined),
+                copy_rounds: n(|s| s.copy_rounds),
                 draft_failovers: drafter.failovers as u64,
                 target_failovers: verifier.failovers as u64,
                 fell_back: drafter.fell_back,

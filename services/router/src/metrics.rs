@@ -54,6 +54,8 @@ pub struct RequestRecord<'a> {
     pub paused_tokens: u64,
     /// Times speculation paid per token but not for the draft's catching up first, so the target went on alone.
     pub entries_declined: u64,
+    /// PARSE rounds of copies made while the draft model rested (`model+ngram`).
+    pub copy_rounds: u64,
     pub draft_failovers: u64,
     pub target_failovers: u64,
     pub fell_back: bool,
@@ -90,6 +92,7 @@ pub struct Metrics {
     target_passes: IntCounterVec,
     paused_tokens: IntCounterVec,
     entries_declined: IntCounterVec,
+    copy_rounds: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
     rejected: IntCounterVec,
@@ -227,6 +230,10 @@ impl Metrics {
             "Times speculation paid per output token at the load of the moment but not for the draft's catching up on \
              the context first, so the target went on writing alone.",
         );
+        let copy_rounds = by_mode(
+            "parse_copy_rounds_total",
+            "PARSE rounds of prompt-lookup copies made while the draft model rested (drafter model+ngram).",
+        );
         let failovers = counter(
             &r,
             "parse_failovers_total",
@@ -313,6 +320,7 @@ impl Metrics {
             target_passes,
             paused_tokens,
             entries_declined,
+            copy_rounds,
             failovers,
             fallbacks,
             rejected,
@@ -363,6 +371,7 @@ impl Metrics {
         self.entries_declined
             .with_label_values(&m)
             .inc_by(r.entries_declined);
+        self.copy_rounds.with_label_values(&m).inc_by(r.copy_rounds);
         self.failovers
             .with_label_values(&["draft"])
             .inc_by(r.draft_failovers);
@@ -605,6 +614,7 @@ mod tests {
             target_passes: 5,
             paused_tokens: 7,
             entries_declined: 2,
+            copy_rounds: 3,
             draft_failovers: 1,
             ..Default::default()
         });
@@ -638,6 +648,7 @@ mod tests {
             value(&t, "parse_entries_declined_total{mode=\"parse\"}"),
             2.0
         );
+        assert_eq!(value(&t, "parse_copy_rounds_total{mode=\"parse\"}"), 3.0);
         assert_eq!(value(&t, "parse_failovers_total{role=\"draft\"}"), 1.0);
         assert_eq!(
             value(&t, "parse_requests_rejected_total{reason=\"busy\"}"),
