@@ -664,7 +664,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         segments: Option<usize>,
         tokens: usize,
     ) -> Result<(Vec<u32>, Vec<usize>, Vec<f32>)> {
-        let cfg = &self.req.segmenter;
         let cap = self.remaining().min(match segments {
             Some(_) => self.req.window.max_tokens,
             None => tokens,
@@ -677,6 +676,32 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let context = self.context();
         self.d.begin(&self.req.session, &context, &sampling)?;
         self.draft_synced = context.len();
+        let (draft, pieces, mut probs) = self.pull(segments, cap, |run, want| {
+            run.d.next(&run.req.session, want)
+        })?;
+        self.stats.draft_ms += ms(t);
+        if !sampling.is_greedy() && probs.len() < draft.len() {
+            return Err(Error::internal(
+                "the drafter returned no probabilities for sampled tokens",
+            ));
+        }
+        probs.truncate(draft.len());
+        let bs = match segments {
+            Some(_) => segmenter::boundaries(&pieces, &self.req.segmenter),
+            None => vec![draft.len()],
+        };
+        Ok((draft, bs, probs))
+    }
+
+    /// Pulls draft chunks from `next` (asked for at most the tokens wanted) until `segments` segments are closed
+    /// (8 tokens per call then), the chunks end (`done` or empty), or `cap` tokens are drafted; cut at the last
+    /// closed segment's end and at `cap`: (tokens, their texts, their probabilities as given).
+    fn pull(
+        &mut self,
+        segments: Option<usize>,
+        cap: usize,
+        mut next: impl FnMut(&mut Self, usize) -> Result<DraftChunk>,
+    ) -> Result<(Vec<u32>, Vec<String>, Vec<f32>)> {
         let mut draft = Vec::new();
         let mut pieces: Vec<String> = Vec::new();
         let mut probs: Vec<f32> = Vec::new();
@@ -687,36 +712,25 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 Some(_) => (cap - draft.len()).min(8),
                 None => cap - draft.len(),
             };
-            let chunk = self.d.next(&self.req.session, want)?;
+            let chunk = next(self, want)?;
             done = chunk.done || chunk.tokens.is_empty();
             draft.extend(chunk.tokens);
             pieces.extend(chunk.pieces);
             probs.extend(chunk.probs);
             if let Some(w) = segments {
-                let closed = segmenter::closed_boundaries(&pieces, cfg);
+                let closed = segmenter::closed_boundaries(&pieces, &self.req.segmenter);
                 if closed.len() >= w {
                     cut = Some(closed[w - 1]);
                 }
             }
         }
-        self.stats.draft_ms += ms(t);
         if let Some(c) = cut {
             draft.truncate(c);
             pieces.truncate(c);
         }
         draft.truncate(cap);
         pieces.truncate(cap);
-        if !sampling.is_greedy() && probs.len() < draft.len() {
-            return Err(Error::internal(
-                "the drafter returned no probabilities for sampled tokens",
-            ));
-        }
-        probs.truncate(draft.len());
-        let bs = match segments {
-            Some(_) => segmenter::boundaries(&pieces, cfg),
-            None => vec![draft.len()],
-        };
-        Ok((draft, bs, probs))
+        Ok((draft, pieces, probs))
     }
 
     /// One verification of `draft`; applies the result. Returns (accepted, fully accepted).
@@ -1011,34 +1025,24 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let cap = self.remaining().min(self.req.window.max_tokens);
         let t = Instant::now();
         let mut context = self.context();
-        let start = context.len();
-        let mut pieces: Vec<String> = Vec::new();
-        let (mut cut, mut ended) = (None, false);
-        while cut.is_none() && !ended && context.len() - start < cap {
-            let from = context.len();
-            while !ended && context.len() - from < 8 && context.len() - start < cap {
-                let Some(token) = crate::ngram::lookup(&context, lookup) else {
-                    ended = true;
-                    break;
-                };
-                context.push(token);
-                ended = self.req.eos.contains(&token);
+        // Each chunk: up to `want` tokens, each the one after the latest earlier occurrence of the context's end.
+        let copy = |run: &mut Self, want: usize| {
+            let mut chunk = DraftChunk::default();
+            while chunk.tokens.len() < want && !chunk.done {
+                match crate::ngram::lookup(&context, lookup) {
+                    Some(token) => {
+                        context.push(token);
+                        chunk.tokens.push(token);
+                        chunk.done = run.req.eos.contains(&token);
+                    }
+                    None => chunk.done = true,
+                }
             }
-            if context.len() == from {
-                break;
-            }
-            pieces.extend(self.d.pieces(&context[from..])?);
-            let closed = segmenter::closed_boundaries(&pieces, &cfg);
-            if closed.len() >= self.copy_window {
-                cut = Some(closed[self.copy_window - 1]);
-            }
-        }
+            chunk.pieces = run.d.pieces(&chunk.tokens)?;
+            Ok(chunk)
+        };
+        let (draft, pieces, _) = self.pull(Some(self.copy_window), cap, copy)?;
         self.stats.draft_ms += ms(t);
-        let mut draft = context.split_off(start);
-        if let Some(c) = cut {
-            draft.truncate(c);
-            pieces.truncate(c);
-        }
         if draft.is_empty() {
             return Ok(None);
         }
