@@ -12,7 +12,7 @@
 //! from 8 or more, against a draft model that agrees with the target on about 80% of tokens. So the default copies
 //! from a 5-token match up, looking for 8 first. (`benches/scripts/ngram-replay.py RUN_DIR --suite humaneval --n 10`
 //! on a `parse-bench --suite humaneval --n 10 --modes target` run; on ASDiv's worked answers the same replay gives
-//! 61-72% from 5 tokens up, about the draft model's rate there, which is why this is not the default drafter.)
+//! 61-72% from 5 tokens up, about the draft model's rate there.)
 //!
 //! A copy, once started, runs to the end of the draft: the suffix after a copied token is the one after its source,
 //! which occurs one place later in the text it copies. So a draft is the model's tokens (none, where the context

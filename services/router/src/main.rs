@@ -78,8 +78,9 @@ struct Args {
     no_draft_ahead: bool,
     /// Drafter of requests that name none: model (the draft workers), ngram (prompt lookup in the router; with it
     /// no draft worker is needed) or model+ngram (copies of long prompt-lookup matches, the draft workers for the
-    /// rest).
-    #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model")]
+    /// rest; the default: faster than `model` on code that repeats its prompt, level with it elsewhere,
+    /// docs/figures.md, "The default drafter"). `draft` mode always writes with the draft model alone.
+    #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model+ngram")]
     default_drafter: parse_core::DrafterKind,
     /// Keep speculating even where it writes more slowly than the target alone at the current load (by default the
     /// target then writes alone for a while: greedy token-spec gives the same tokens either way; in the PARSE modes
