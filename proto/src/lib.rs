@@ -355,6 +355,7 @@ impl From<&Stats> for v1::Stats {
             draft_prefetch_misses: 0,
             paused_tokens: u(s.paused_tokens),
             pauses: u(s.pauses),
+            copy_rounds: u(s.copy_rounds),
         }
     }
 }
@@ -372,6 +373,22 @@ pub fn status_from_join(what: &str, e: tokio::task::JoinError) -> tonic::Status 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reply_stats_carry_the_pace_counters() {
+        let s = Stats {
+            output_tokens: 100,
+            paused_tokens: 40,
+            pauses: 3,
+            copy_rounds: 5,
+            ..Default::default()
+        };
+        let p = v1::Stats::from(&s);
+        assert_eq!(
+            (p.output_tokens, p.paused_tokens, p.pauses, p.copy_rounds),
+            (100, 40, 3, 5)
+        );
+    }
 
     #[test]
     fn plans_round_trip_and_bad_plans_are_refused() {

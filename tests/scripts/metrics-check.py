@@ -64,6 +64,9 @@ check(all(before.values()), "all three expositions parse and are not empty")
 body = json.dumps({
     "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
     "max_tokens": 24,
+    # The draft model alone: the draft worker's rows are checked against the proposed tokens below (the router's
+    # default drafter, model+ngram, also proposes copies the worker never drafts).
+    "parse": {"drafter": "model"},
 }).encode()
 req = urllib.request.Request(f"{router}/v1/chat/completions", data=body,
                              headers={"Content-Type": "application/json"})
@@ -104,6 +107,8 @@ check(delta("router", "parse_target_passes_total", **m) == figures["target_passe
       f"router: target passes +{figures['target_passes']}")
 check(delta("router", "parse_paused_tokens_total", **m) == figures["paused_tokens"],
       f"router: tokens written while speculation paused +{figures['paused_tokens']}")
+check(delta("router", "parse_copy_rounds_total", **m) == figures["copy_rounds"],
+      f"router: copy rounds +{figures['copy_rounds']}")
 check(delta("router", "parse_time_to_first_token_seconds_count", **m) == 1, "router: one first-token sample")
 check(delta("router", "parse_request_duration_seconds_count", **m) == 1, "router: one latency sample")
 check(get(after["router"], "parse_requests_in_flight") == 0, "router: nothing in flight")

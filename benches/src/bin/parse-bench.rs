@@ -390,6 +390,7 @@ fn through_router(
                                     target_positions: s.target_positions as usize,
                                     paused_tokens: s.paused_tokens as usize,
                                     pauses: s.pauses as usize,
+                                    copy_rounds: s.copy_rounds as usize,
                                     ..Default::default()
                                 };
                                 break;

@@ -574,6 +574,9 @@ pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
         "fell_back_to_target": s.fell_back_to_target,
         "draft_prefetch_hits": s.draft_prefetch_hits,
         "draft_prefetch_misses": s.draft_prefetch_misses,
+        "paused_tokens": s.paused_tokens,
+        "pauses": s.pauses,
+        "copy_rounds": s.copy_rounds,
     })
 }
 

@@ -393,6 +393,7 @@ impl Cell {
             "acceptance": ratio(self.sum(|s| s.draft_tokens_accepted), self.sum(|s| s.draft_tokens_proposed)),
             "target_passes_per_token": ratio(self.sum(|s| s.target_passes), tokens),
             "paused_tokens": self.sum(|s| s.paused_tokens),
+            "copy_rounds": self.sum(|s| s.copy_rounds),
             "draft_failovers": self.sum(|s| s.draft_failovers),
             "target_failovers": self.sum(|s| s.target_failovers),
             "errors": self.errors.iter().take(5).collect::<Vec<_>>(),
