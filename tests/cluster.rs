@@ -55,9 +55,9 @@ fn cluster_with(
     }
 }
 
-/// A request whose work is reproducible: pausing speculation (on by default) follows measured times.
-/// A request drafted by the draft workers alone (`drafter: "model"`, as `in_process` drafts; the router's default
-/// drafter also copies, which the tests of `model+ngram` below cover).
+/// A request whose work is reproducible (pausing speculation, on by default, follows measured times), drafted by the
+/// draft workers alone (`drafter: "model"`, as `in_process` drafts; the router's default drafter also copies, which
+/// the tests of `model+ngram` below cover).
 fn req(mode: &str, max: u32) -> GenerateRequest {
     GenerateRequest {
         prompt: PROMPT.into(),
