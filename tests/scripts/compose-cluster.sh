@@ -60,9 +60,12 @@ fi
 
 # The two checks that need draft sessions run with `--adaptive false`: at the router's default a request drafts only
 # while speculation pays at the current load (crates/parse-core/src/pace.rs), and on these shared cores it often does
-# not, so a worker could be killed or restarted with no session on it and the checks would prove nothing.
+# not, so a worker could be killed or restarted with no session on it and the checks would prove nothing. For the
+# same reason they name `--drafter model`: the router's default drafter, model+ngram, copies where the text repeats
+# without asking a draft worker.
 log "a draft container killed mid-run loses no request"
-"$ctl" bench --router "$router" -n 8 -c 2 --max-new-tokens 24 --adaptive false --json > /tmp/parse-bench-kill.json &
+"$ctl" bench --router "$router" -n 8 -c 2 --max-new-tokens 24 --adaptive false --drafter model --json \
+  > /tmp/parse-bench-kill.json &
 bench=$!
 sleep 4
 docker kill "${project}_draft1_1" > /dev/null
@@ -77,7 +80,7 @@ docker start "${project}_draft1_1" > /dev/null
 wait_workers "draft1 draft2 target-g1" 120
 before=$("$ctl" stats "${admin[@]}" --json | python3 -c "
 import json, sys; print(sum(w['counters']['requests'] for w in json.load(sys.stdin)['workers'] if w['id']=='draft1'))")
-"$ctl" bench --router "$router" -n 6 -c 3 --max-new-tokens 8 --adaptive false --json > /dev/null
+"$ctl" bench --router "$router" -n 6 -c 3 --max-new-tokens 8 --adaptive false --drafter model --json > /dev/null
 after=$("$ctl" stats "${admin[@]}" --json | python3 -c "
 import json, sys; print(sum(w['counters']['requests'] for w in json.load(sys.stdin)['workers'] if w['id']=='draft1'))")
 [ "$after" -gt "$before" ] || { echo "draft1 served no request after its restart ($before -> $after)" >&2; exit 1; }
