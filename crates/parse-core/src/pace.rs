@@ -945,16 +945,11 @@ impl Pace {
         let alone = costs
             .alone_ms(self.level)
             .or_else(|| costs.alone_near(self.level));
-        self.probing_copies = match (costs.spec_ms(&kind, self.level), alone) {
-            (Some(c), Some(a)) if c > a => {
-                if !costs.take_probe(&kind, self.level) {
-                    return false;
-                }
-                true
-            }
-            _ => false,
-        };
-        true
+        self.probing_copies = matches!(
+            (costs.spec_ms(&kind, self.level), alone),
+            (Some(c), Some(a)) if c > a
+        );
+        !self.probing_copies || costs.take_probe(&kind, self.level)
     }
 
     /// In a pause, a copy round wrote `tokens` for `spent`: they use up the pause as the target's would, count
