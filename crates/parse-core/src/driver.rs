@@ -940,11 +940,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
                 // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
                 // going on to the end of the next segment, and the next, took a call per line of code again.
-                // While the model rests, copy rounds (`copy_round`: prompt lookup, the draft's and its extension's,
-                // as the `ngram` drafter drafts) take the pause's place, unless they lose to the target here.
+                // While the model rests, copies where the context's end occurred before (`copy_round`), unless
+                // they lose to the target here; each call of the target alone then stops at a segment's end, where
+                // the next copy may start (not otherwise: a call per line of code, as above).
                 let copies = self.d.rest_lookup().filter(|_| self.pace.copies_pay());
-                if let Some(lookup) = copies {
-                    let (drafted, accepted) = self.copy_round(&lookup)?;
+                if let Some(lookup) = copies
+                    && let Some((drafted, accepted)) = self.copy_round(&lookup)?
+                {
                     span.record("drafted", drafted);
                     span.record("accepted", accepted);
                     continue;
@@ -952,7 +954,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 let cfg = self.req.segmenter.clone();
                 let last = n <= 16;
                 let want = n.min(16).min(self.remaining());
-                self.extend(want, last.then_some(&cfg))?;
+                self.extend(want, (last || copies.is_some()).then_some(&cfg))?;
                 let wrote = self.out.len() - before;
                 self.pace.wrote_alone(self.spent(mark), wrote);
                 if last && wrote < want {
@@ -1013,13 +1015,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     /// A PARSE round of copies while the draft model rests ([`Drafter::rest_lookup`]): the draft is what followed
     /// the latest earlier occurrence of the context's end, token after token, up to the round's window of segments;
-    /// the target verifies it by the request's verdict. Where it cuts the copy short, and where nothing matches,
-    /// the target writes on to the end of the segment as a request drafting by prompt lookup alone does
-    /// ([`Run::extend_segment_copying`]), so that a request whose model rests drafts as the `ngram` drafter would.
-    /// Returns (tokens drafted, accepted) of the round's first copy. Its tokens count towards the pause as the
-    /// target's alone would, and its cost goes to the copies' own figure ([`Pace::copied`]), by which the next copy
-    /// round is judged ([`Pace::copies_pay`]).
-    fn copy_round(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<(usize, usize)> {
+    /// the target verifies it by the request's verdict and, where it cuts the copy short, writes alone to the end of
+    /// that segment. Where nothing matches, nothing is done (`None`); otherwise (tokens drafted, accepted). Its tokens
+    /// count towards the pause as the target's alone would, and its cost goes to the copies' own figure
+    /// ([`Pace::copied`]), by which the next copy round is judged ([`Pace::copies_pay`]).
+    fn copy_round(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<Option<(usize, usize)>> {
         let (mark, before) = (self.mark(), self.out.len());
         let cfg = self.req.segmenter.clone();
         let cap = self.remaining().min(self.req.window.max_tokens);
@@ -1027,62 +1027,38 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let mut context = self.context();
         // Each chunk: up to `want` tokens, each the one after the latest earlier occurrence of the context's end.
         let copy = |run: &mut Self, want: usize| {
-            let (tokens, done) = copy_tokens(&mut context, lookup, want, &run.req.eos);
-            let pieces = run.d.pieces(&tokens)?;
-            Ok(DraftChunk {
-                tokens,
-                pieces,
-                probs: Vec::new(),
-                done,
-            })
+            let mut chunk = DraftChunk::default();
+            while chunk.tokens.len() < want && !chunk.done {
+                match crate::ngram::lookup(&context, lookup) {
+                    Some(token) => {
+                        context.push(token);
+                        chunk.tokens.push(token);
+                        chunk.done = run.req.eos.contains(&token);
+                    }
+                    None => chunk.done = true,
+                }
+            }
+            chunk.pieces = run.d.pieces(&chunk.tokens)?;
+            Ok(chunk)
         };
         let (draft, pieces, _) = self.pull(Some(self.copy_window), cap, copy)?;
         self.stats.draft_ms += ms(t);
-        let mut accepted = 0;
         if draft.is_empty() {
-            self.extend_segment_copying(lookup)?;
+            return Ok(None);
+        }
+        let bs = segmenter::boundaries(&pieces, &cfg);
+        let (accepted, full) = self.verify(&draft, &bs, false, false)?;
+        self.stats.copy_rounds += 1;
+        if full {
+            self.copy_window = (self.copy_window * 2).min(self.req.window.max_segments);
         } else {
-            let bs = segmenter::boundaries(&pieces, &cfg);
-            let full;
-            (accepted, full) = self.verify(&draft, &bs, false, false)?;
-            self.stats.copy_rounds += 1;
-            if full {
-                self.copy_window = (self.copy_window * 2).min(self.req.window.max_segments);
-            } else {
-                self.copy_window = (self.copy_window / 2).max(1);
-                if self.finished.is_none() {
-                    self.extend_segment_copying(lookup)?;
-                }
+            self.copy_window = (self.copy_window / 2).max(1);
+            if self.finished.is_none() {
+                self.extend(self.remaining(), Some(&cfg))?;
             }
         }
         self.pace.copied(self.spent(mark), self.out.len() - before);
-        Ok((draft.len(), accepted))
-    }
-
-    /// The target writes on to the end of the current segment, in `parse+token-spec` by token-level rounds whose
-    /// drafts are copies (`lookup`), as [`Run::extend_segment`] does for a request drafting by prompt lookup alone;
-    /// where nothing matches, the target writes one token. In `parse`, alone to the segment's end.
-    fn extend_segment_copying(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<()> {
-        let cfg = self.req.segmenter.clone();
-        if self.req.mode != Mode::ParseTokenSpec {
-            return self.extend(self.remaining(), Some(&cfg));
-        }
-        let mut pieces = self.d.pieces(&[self.pending])?;
-        while self.finished.is_none() && segmenter::first_segment_end(&pieces, &cfg).is_none() {
-            let start = self.out.len();
-            let want = self.req.window.token_spec_tokens.min(self.remaining());
-            let t = Instant::now();
-            let (draft, _) = copy_tokens(&mut self.context(), lookup, want, &self.req.eos);
-            self.stats.draft_ms += ms(t);
-            if draft.is_empty() {
-                self.extend(1, None)?;
-            } else {
-                self.verify(&draft, &[draft.len()], true, true)?;
-            }
-            let new: Vec<u32> = self.out[start..].to_vec();
-            pieces.extend(self.d.pieces(&new)?);
-        }
-        Ok(())
+        Ok(Some((draft.len(), accepted)))
     }
 
     /// The target writes on to the end of the current segment (the one starting at the pending token).
@@ -1102,28 +1078,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         }
         Ok(())
     }
-}
-
-/// Up to `max` tokens by prompt lookup, each the one after the latest earlier occurrence of `context`'s end (which
-/// grows by each), stopping where nothing matches and after an end token: (tokens, the copy can go no further).
-fn copy_tokens(
-    context: &mut Vec<u32>,
-    lookup: &crate::ngram::NgramConfig,
-    max: usize,
-    eos: &[u32],
-) -> (Vec<u32>, bool) {
-    let mut tokens = Vec::new();
-    while tokens.len() < max {
-        let Some(token) = crate::ngram::lookup(context, lookup) else {
-            return (tokens, true);
-        };
-        context.push(token);
-        tokens.push(token);
-        if eos.contains(&token) {
-            return (tokens, true);
-        }
-    }
-    (tokens, false)
 }
 
 /// The span of one speculation round; `drafted`, `segments` and `accepted` are recorded as they are known.
