@@ -291,6 +291,10 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
     fn rest_lookup(&self) -> Option<NgramConfig> {
         Some(self.cfg.rest)
     }
+
+    fn model_tokens_drafted(&self) -> Option<usize> {
+        Some(self.modelled)
+    }
 }
 
 #[cfg(test)]

@@ -266,6 +266,12 @@ pub trait Drafter {
     fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
         None
     }
+    /// For a drafter that copies as well as runs a model ([`CopyFirst`](crate::CopyFirst)): how many tokens of its
+    /// drafts the model has written so far; a round in which this does not grow was all copies. `None` for any other
+    /// drafter (its tokens are all its model's, or none is).
+    fn model_tokens_drafted(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A borrowed drafter drafts as the one it points to, so a wrapper ([`CopyFirst`](crate::CopyFirst)) can borrow a
@@ -300,6 +306,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
         (**self).rest_lookup()
+    }
+    fn model_tokens_drafted(&self) -> Option<usize> {
+        (**self).model_tokens_drafted()
     }
 }
 
@@ -940,13 +949,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
                 // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
                 // going on to the end of the next segment, and the next, took a call per line of code again.
-                // While the model rests, copies where the context's end occurred before (`copy_round`), unless
-                // they lose to the target here; each call of the target alone then stops at a segment's end, where
-                // the next copy may start (not otherwise: a call per line of code, as above).
+                // While the model rests, copy rounds (`copy_round`: prompt lookup, the draft's and its extension's,
+                // as the `ngram` drafter drafts) take the pause's place, unless they lose to the target here.
                 let copies = self.d.rest_lookup().filter(|_| self.pace.copies_pay());
-                if let Some(lookup) = copies
-                    && let Some((drafted, accepted)) = self.copy_round(&lookup)?
-                {
+                if let Some(lookup) = copies {
+                    let (drafted, accepted) = self.copy_round(&lookup)?;
                     span.record("drafted", drafted);
                     span.record("accepted", accepted);
                     continue;
@@ -954,7 +961,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 let cfg = self.req.segmenter.clone();
                 let last = n <= 16;
                 let want = n.min(16).min(self.remaining());
-                self.extend(want, (last || copies.is_some()).then_some(&cfg))?;
+                self.extend(want, last.then_some(&cfg))?;
                 let wrote = self.out.len() - before;
                 self.pace.wrote_alone(self.spent(mark), wrote);
                 if last && wrote < want {
@@ -963,6 +970,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 span.record("drafted", 0);
                 continue;
             }
+            let modelled = self.d.model_tokens_drafted();
             let (draft, bs, _) = self.draft(Some(self.window), 0)?;
             span.record("drafted", draft.len());
             span.record("segments", bs.len());
@@ -1005,9 +1013,14 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             }
             if adaptive {
                 let spent = self.spent_round(mark);
-                let setup = self.setup(mark);
-                self.pace
-                    .speculated(spent, self.out.len() - before, &[this_verify], setup);
+                if modelled.is_some() && self.d.model_tokens_drafted() == modelled {
+                    // All copies: the copies' figure, not the model's.
+                    self.pace.copies_only(spent, self.out.len() - before);
+                } else {
+                    let setup = self.setup(mark);
+                    self.pace
+                        .speculated(spent, self.out.len() - before, &[this_verify], setup);
+                }
             }
         }
         Ok(())
@@ -1015,11 +1028,14 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     /// A PARSE round of copies while the draft model rests ([`Drafter::rest_lookup`]): the draft is what followed
     /// the latest earlier occurrence of the context's end, token after token, up to the round's window of segments;
-    /// the target verifies it by the request's verdict and, where it cuts the copy short, writes alone to the end of
-    /// that segment. Where nothing matches, nothing is done (`None`); otherwise (tokens drafted, accepted). Its tokens
-    /// count towards the pause as the target's alone would, and its cost goes to the copies' own figure
-    /// ([`Pace::copied`]), by which the next copy round is judged ([`Pace::copies_pay`]).
-    fn copy_round(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<Option<(usize, usize)>> {
+    /// the target verifies it by the request's verdict. Where it cuts the copy short, and where nothing matches,
+    /// the target writes on to the end of the segment as a request drafting by prompt lookup alone does
+    /// ([`Run::extend_segment_copying`]), so that a request whose model rests drafts as the `ngram` drafter would.
+    /// Returns (tokens drafted, accepted) of the round's copy. Its tokens count towards the pause as the target's
+    /// alone would; the cost of a round that copied goes to the copies' own figure ([`Pace::copied`]), by which the
+    /// next copy round is judged ([`Pace::copies_pay`]), that of one that found nothing to copy to the target's
+    /// ([`Pace::copied_nothing`]).
+    fn copy_round(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<(usize, usize)> {
         let (mark, before) = (self.mark(), self.out.len());
         let cfg = self.req.segmenter.clone();
         let cap = self.remaining().min(self.req.window.max_tokens);
@@ -1027,24 +1043,23 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let mut context = self.context();
         // Each chunk: up to `want` tokens, each the one after the latest earlier occurrence of the context's end.
         let copy = |run: &mut Self, want: usize| {
-            let mut chunk = DraftChunk::default();
-            while chunk.tokens.len() < want && !chunk.done {
-                match crate::ngram::lookup(&context, lookup) {
-                    Some(token) => {
-                        context.push(token);
-                        chunk.tokens.push(token);
-                        chunk.done = run.req.eos.contains(&token);
-                    }
-                    None => chunk.done = true,
-                }
-            }
-            chunk.pieces = run.d.pieces(&chunk.tokens)?;
-            Ok(chunk)
+            let (tokens, done) = copy_tokens(&mut context, lookup, want, &run.req.eos);
+            let pieces = run.d.pieces(&tokens)?;
+            Ok(DraftChunk {
+                tokens,
+                pieces,
+                probs: Vec::new(),
+                done,
+            })
         };
         let (draft, pieces, _) = self.pull(Some(self.copy_window), cap, copy)?;
         self.stats.draft_ms += ms(t);
         if draft.is_empty() {
-            return Ok(None);
+            // Nothing to copy: the target's steps to the segment's end go to its own figure, not the copies' (as
+            // where the `ngram` drafter has nothing to draft), and so do the token-level copies on the way.
+            self.extend_segment_copying(lookup)?;
+            self.pace.copied_nothing(self.out.len() - before);
+            return Ok((0, 0));
         }
         let bs = segmenter::boundaries(&pieces, &cfg);
         let (accepted, full) = self.verify(&draft, &bs, false, false)?;
@@ -1054,15 +1069,49 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         } else {
             self.copy_window = (self.copy_window / 2).max(1);
             if self.finished.is_none() {
-                self.extend(self.remaining(), Some(&cfg))?;
+                self.extend_segment_copying(lookup)?;
             }
         }
         self.pace.copied(self.spent(mark), self.out.len() - before);
-        Ok(Some((draft.len(), accepted)))
+        Ok((draft.len(), accepted))
+    }
+
+    /// The target writes on to the end of the current segment, in `parse+token-spec` by token-level rounds whose
+    /// drafts are copies (`lookup`), as [`Run::extend_segment`] does for a request drafting by prompt lookup alone;
+    /// where nothing matches, the target writes one token. In `parse`, alone to the segment's end.
+    fn extend_segment_copying(&mut self, lookup: &crate::ngram::NgramConfig) -> Result<()> {
+        self.write_to_segment_end(|run| {
+            let (start, want) = (run.out.len(), run.req.window.token_spec_tokens);
+            let t = Instant::now();
+            let want = want.min(run.remaining());
+            let (draft, _) = copy_tokens(&mut run.context(), lookup, want, &run.req.eos);
+            run.stats.draft_ms += ms(t);
+            if draft.is_empty() {
+                // The target alone: its figure, as in any token-level round with nothing drafted (in a pause that
+                // is all copy rounds, the only place it is measured).
+                let m = run.mark();
+                run.extend(1, None)?;
+                run.pace.target_wrote(run.spent(m), run.out.len() - start);
+            } else {
+                run.verify(&draft, &[draft.len()], true, true)?;
+            }
+            Ok(())
+        })
     }
 
     /// The target writes on to the end of the current segment (the one starting at the pending token).
     fn extend_segment(&mut self) -> Result<()> {
+        // Never paused: a token-level round may run past the segment's end, a paused target would stop at it, and
+        // the next PARSE round would start elsewhere (outputs would follow measured times).
+        self.write_to_segment_end(|run| run.token_round(false).map(drop))
+    }
+
+    /// The target writes on to the end of the current segment: in `parse+token-spec` by token-level rounds (`round`,
+    /// called until a segment ends), in `parse` alone.
+    fn write_to_segment_end(
+        &mut self,
+        mut round: impl FnMut(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let cfg = self.req.segmenter.clone();
         if self.req.mode != Mode::ParseTokenSpec {
             return self.extend(self.remaining(), Some(&cfg));
@@ -1070,14 +1119,34 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let mut pieces = self.d.pieces(&[self.pending])?;
         while self.finished.is_none() && segmenter::first_segment_end(&pieces, &cfg).is_none() {
             let start = self.out.len();
-            // Never paused: a token-level round may run past the segment's end, a paused target would stop at it,
-            // and the next PARSE round would start elsewhere (outputs would follow measured times).
-            self.token_round(false)?;
+            round(self)?;
             let new: Vec<u32> = self.out[start..].to_vec();
             pieces.extend(self.d.pieces(&new)?);
         }
         Ok(())
     }
+}
+
+/// Up to `max` tokens by prompt lookup, each the one after the latest earlier occurrence of `context`'s end (which
+/// grows by each), stopping where nothing matches and after an end token: (tokens, the copy can go no further).
+fn copy_tokens(
+    context: &mut Vec<u32>,
+    lookup: &crate::ngram::NgramConfig,
+    max: usize,
+    eos: &[u32],
+) -> (Vec<u32>, bool) {
+    let mut tokens = Vec::new();
+    while tokens.len() < max {
+        let Some(token) = crate::ngram::lookup(context, lookup) else {
+            return (tokens, true);
+        };
+        context.push(token);
+        tokens.push(token);
+        if eos.contains(&token) {
+            return (tokens, true);
+        }
+    }
+    (tokens, false)
 }
 
 /// The span of one speculation round; `drafted`, `segments` and `accepted` are recorded as they are known.

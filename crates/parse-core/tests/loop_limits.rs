@@ -414,24 +414,30 @@ fn a_probe_round_does_not_draft_ahead() {
     assert_eq!(prefetches, 0, "{stats:?}");
 }
 
+/// A pool where speculation of `kind` loses to the target (100 ms/token) by far and its last probe was just made: a
+/// request of that kind pauses for the longest and makes no probe for thousands of tokens.
+fn losing_by_far(kind: &str) -> parse_core::pace::Pacing {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let costs = Arc::new(Costs::default());
+    costs.record_alone(None, 0, 16.0 * 100.0, 16);
+    costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
+    Pacing {
+        costs,
+        kind: kind.into(),
+        load: Arc::new(|| 1),
+    }
+}
+
 /// A pause ends where its last call stops at a segment's end; what is left of it is not written one segment per
 /// call.
 #[test]
 fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
-    use parse_core::pace::{Costs, Pacing};
-    use std::sync::Arc;
     let kind = "parse/model";
     let mut r = request(Mode::Parse, 0.5, Verdict::Likelihood, PROMPTS[2], 60);
     r.window.adaptive = true;
     // Speculation loses by far and its last probe was just made: every pause is of the longest length.
-    let costs = Arc::new(Costs::default());
-    costs.record_alone(None, 0, 16.0 * 100.0, 16);
-    costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
-    let pacing = Pacing {
-        costs,
-        kind: kind.into(),
-        load: Arc::new(|| 1),
-    };
+    let pacing = losing_by_far(kind);
     let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
     let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
     assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60));
@@ -513,4 +519,50 @@ fn copy_rounds_fill_the_models_pauses_unless_they_lose() {
     let stats = run(true);
     assert_eq!(stats.copy_rounds, 0, "{stats:?}");
     assert_eq!(stats.verify_passes, 0, "{stats:?}");
+}
+
+/// In `parse+token-spec`, a request whose model rests drafts as one with the prompt-lookup drafter does: the same
+/// copies, verified in the same passes (a PARSE round of copies, then token-level rounds of copies to the segment's
+/// end where the copy was cut short or nothing matched), and the target's output.
+#[test]
+fn a_request_whose_model_rests_drafts_as_the_lookup_drafter() {
+    use parse_core::{NgramConfig, NgramDrafter, PieceFn};
+    use std::sync::Arc;
+    let kind = "parse+token-spec/model";
+    let prompt = PROMPTS[2];
+    let mut r = request(Mode::ParseTokenSpec, 0.9, Verdict::Relative, prompt, 60);
+    // The model loses by far and its last probe was just made: the whole output is one long pause of copy rounds.
+    let pacing = losing_by_far(kind);
+    r.window.adaptive = true;
+    let (mut d, mut v) = (Copying(FakeDrafter::default()), FakeVerifier::default());
+    let rested = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+
+    r.window.adaptive = false;
+    let pieces: PieceFn = Arc::new(|t: &[u32]| Ok(t.iter().map(|&t| piece(t)).collect()));
+    let mut lookup =
+        NgramDrafter::new(NgramConfig { min_n: 1, max_n: 2 }, pieces, vec![EOS]).unwrap();
+    let mut v = FakeVerifier::default();
+    let copied = generate(&mut lookup, &mut v, &r, &mut |_, _| true).unwrap();
+
+    let target = greedy(prompt, target_next, 60);
+    assert_eq!(rested.tokens, target);
+    assert_eq!(copied.tokens, target);
+    let (a, b) = (&rested.stats, &copied.stats);
+    assert!(
+        a.copy_rounds > 0 && a.verify_passes > a.copy_rounds,
+        "{a:?}"
+    );
+    // One pause; the tokens of stretches with nothing to copy are the target's, the rest the copy rounds'.
+    assert_eq!(a.pauses, 1, "{a:?}");
+    assert!(a.paused_tokens < a.output_tokens, "{a:?}");
+    assert_eq!(
+        (a.draft_tokens_proposed, a.draft_tokens_accepted),
+        (b.draft_tokens_proposed, b.draft_tokens_accepted),
+        "{a:?}\n{b:?}"
+    );
+    assert_eq!(
+        (a.verify_passes, a.extend_passes, a.target_positions),
+        (b.verify_passes, b.extend_passes, b.target_positions),
+        "{a:?}\n{b:?}"
+    );
 }
