@@ -22,10 +22,10 @@ pub fn copy_kind(kind: &str) -> String {
 /// What speculation of a kind must beat: the target writing alone (`alone`), or where the kind's drafter copies as
 /// well and its copy rounds (`copies`) write faster than that, those. A draft model that is cheaper than the target
 /// alone and dearer than copying rests, and its requests copy. On an AVX-512 VNNI machine where a draft-model token
-/// cost half a target step, the model's rounds of `model+ngram` wrote at about the target's speed and its copy rounds
-/// faster; with this, copy rounds that go on as the `ngram` drafter's do, and rounds of copies alone judged as
-/// copies ([`Pace::copies_only`]), the default went from 1.18x to 1.35x `target` on 10 HumanEval prompts (docs/
-/// figures.md, "Copies in place of a model that does not pay").
+/// cost half a target step, the model's rounds of `model+ngram` wrote no faster than the target alone and its copy
+/// rounds faster; with this, copy rounds that go on as the `ngram` drafter's do, and rounds of copies alone judged as
+/// copies ([`Pace::copies_only`]), the default went from 1.18x to 1.35x `target` on 10 HumanEval prompts
+/// (docs/figures.md, "Copies in place of a model that does not pay").
 fn rival(alone: Option<f64>, copies: Option<&SpecFigure>) -> Option<f64> {
     match (alone, copies.and_then(|c| c.rate.get())) {
         (Some(a), Some(c)) => Some(a.min(c)),
