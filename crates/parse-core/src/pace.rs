@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 /// The kind under which the copy rounds of a request of `kind` are judged ([`Pace::copied`], [`Pace::copies_only`]):
 /// `<kind> copies`.
-pub fn copy_kind(kind: &str) -> String {
+fn copy_kind(kind: &str) -> String {
     format!("{kind} copies")
 }
 
@@ -26,8 +26,8 @@ pub fn copy_kind(kind: &str) -> String {
 /// rounds faster; with this, copy rounds that go on as the `ngram` drafter's do, and rounds of copies alone judged as
 /// copies ([`Pace::copies_only`]), the default went from 1.18x to 1.35x `target` on 10 HumanEval prompts
 /// (docs/figures.md, "Copies in place of a model that does not pay").
-fn rival(alone: Option<f64>, copies: Option<&SpecFigure>) -> Option<f64> {
-    match (alone, copies.and_then(|c| c.rate.get())) {
+fn rival(alone: Option<f64>, copies: Option<f64>) -> Option<f64> {
+    match (alone, copies) {
         (Some(a), Some(c)) => Some(a.min(c)),
         (a, _) => a,
     }
@@ -422,7 +422,8 @@ impl Costs {
     /// which is not part of the rate, but which a probe pays for a single round).
     pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: Option<f64>) {
         self.with(level, |l| {
-            let alone = rival(l.alone.get(), l.spec.get(&copy_kind(kind)));
+            let copies = l.spec.get(&copy_kind(kind)).and_then(|c| c.rate.get());
+            let alone = rival(l.alone.get(), copies);
             let s = l.spec.entry(kind.to_string()).or_default();
             s.since = 0;
             s.reports += 1;
@@ -846,7 +847,7 @@ impl Pace {
             return self.pause(Self::FIRST_PAUSE);
         }
         // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
-        let alone = alone.map(|a| copies.map_or(a, |c| a.min(c)));
+        let alone = rival(alone, copies);
         if let (Some(spec), Some(alone)) = (estimate, alone)
             && spec <= alone
             && !self.entry_pays(spec, alone)
