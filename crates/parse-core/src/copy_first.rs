@@ -138,16 +138,26 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         if context.is_empty() {
             return Err(Error::invalid("empty context"));
         }
-        // The wrapped drafter is begun when it is first asked for a token (it may never be).
+        // The wrapped drafter is begun when it is first asked for a token (it may never be), except at a session's
+        // first begin: that is the request's draft prefill (the loop counts it as such, and judges by it what
+        // catching the draft up costs), so the model processes the context now, as its own first begin would.
+        let first = !self.sessions.contains_key(session);
         let s = self.sessions.entry(session.to_string()).or_default();
+        // Begun again where the model already is, with nothing drafted since: it stays there.
+        let model_here =
+            s.model_at == Some(context.len()) && s.model_tokens == 0 && s.context == context;
         s.context.clear();
         s.context.extend_from_slice(context);
         s.origins.clear();
-        s.model_at = None;
+        s.model_at = model_here.then_some(context.len());
         s.model_tokens = 0;
         s.model_begins = 0;
         s.sampling = sampling.clone();
         s.done = false;
+        if first {
+            self.inner.begin(session, context, sampling)?;
+            s.model_at = Some(context.len());
+        }
         Ok(())
     }
 
@@ -444,6 +454,25 @@ mod tests {
         assert!(c.done, "the model's draft ended");
         assert_eq!(d.inner().begins, [context.to_vec()]);
         assert_eq!((d.copied, d.modelled), (0, 2));
+    }
+
+    #[test]
+    fn a_sessions_first_begin_is_the_models_prefill_and_is_not_repeated_where_the_model_already_is()
+    {
+        let mut d = copy_first(3, &[5, 6, 7]);
+        let greedy = SamplingParams::default();
+        // The request's draft prefill: the model processes the context now, even if the draft turns out copied.
+        d.begin("s", &[1, 2, 3, 4], &greedy).unwrap();
+        assert_eq!(d.inner().begins, [vec![1, 2, 3, 4]]);
+        // The round's own begin, at the same context: the model is already there.
+        d.begin("s", &[1, 2, 3, 4], &greedy).unwrap();
+        assert_eq!(d.next("s", 2).unwrap().tokens, [5, 6]);
+        assert_eq!(d.inner().begins.len(), 1);
+        // Elsewhere, it is begun again where it is first asked for a token.
+        d.begin("s", &[1, 2, 3, 4, 5, 9], &greedy).unwrap();
+        assert_eq!(d.inner().begins.len(), 1);
+        assert_eq!(d.next("s", 1).unwrap().tokens, [7]);
+        assert_eq!(d.inner().begins, [vec![1, 2, 3, 4], vec![1, 2, 3, 4, 5, 9]]);
     }
 
     #[test]

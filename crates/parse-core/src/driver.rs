@@ -610,11 +610,14 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         Ok(())
     }
 
-    /// Prompt processing on the draft side counts as prefill, like the target's: later drafts extend it.
+    /// Prompt processing on the draft side counts as prefill, like the target's: later drafts extend it. A request
+    /// that wrote alone before its first draft has the draft process its whole context here (prompt and output so
+    /// far), so that all of the catching up is measured as the draft's prefill: no part of the round's rate, part of
+    /// what a probe costs, and the price per token by which later catch-ups are judged ([`Pace::position`]).
     fn open_draft(&mut self, sampling: &SamplingParams) -> Result<()> {
         let (t, charged) = (Instant::now(), self.d.charged_ms());
-        self.d
-            .begin(&self.req.session, &self.req.prompt, sampling)?;
+        let context = self.context();
+        self.d.begin(&self.req.session, &context, sampling)?;
         let wall_ms = ms(t);
         self.stats.prefill_ms += wall_ms;
         let charged_ms = charged.zip(self.d.charged_ms()).map(|(a, b)| b - a);
@@ -622,13 +625,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             self.draft_prefill_charged += c;
         }
         self.draft_open = true;
-        self.draft_synced = self.req.prompt.len();
+        self.draft_synced = context.len();
         self.pace.draft_opened(
             Spent {
                 wall_ms,
                 charged_ms,
             },
-            self.req.prompt.len(),
+            context.len(),
         );
         Ok(())
     }

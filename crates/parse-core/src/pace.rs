@@ -88,6 +88,8 @@ struct SpecFigure {
     reports: usize,
     /// A request is making a first round here with no figure to judge it by (see [`Pace::advise`]).
     measuring: bool,
+    /// A request took a probe here and has not asked for advice since ([`Costs::take_probe`]).
+    probe_out: bool,
     /// What token-level rounds' verifications and drafts cost here ([`Costs::draft_length`]).
     passes: Passes,
     /// What the drafter's prefill costs here per context token (its first prefill of a request's prompt): the price
@@ -211,6 +213,7 @@ impl Default for SpecFigure {
             gap: Costs::MIN_GAP,
             reports: 0,
             measuring: false,
+            probe_out: false,
             passes: Passes::default(),
             entry: Rate::default(),
         }
@@ -468,16 +471,41 @@ impl Costs {
         })
     }
 
-    /// Takes the due probe of `kind`, so that one request makes it, not every request at once.
-    fn take_probe(&self, kind: &str, level: u32) -> bool {
+    /// Takes the due probe of `kind`, so that one request makes it, not every request at once: due once the tokens
+    /// written alone since the last one reach the gap and, for a request whose drafter must catch up first, also
+    /// [`Costs::PROBE_SHARE`] times the tokens the target alone writes in the time that takes (`catch_up`, see
+    /// [`Pace::catch_up_tokens`]), and not while another request's probe here is out ([`Costs::probe_back`]).
+    ///
+    /// Both bound what probes cost where they lose by far. On a router at 8 clients whose first round at a load
+    /// lost 4x to the target, every 16 tokens written alone made another probe due while the ones taken had not
+    /// reported yet (each a whole PARSE round, 2-3 s at that load): 11 probes at 5-8 requests in 6 s. And a probe
+    /// went to whichever request asked first, at the end of a run a request hundreds of tokens in whose draft had
+    /// its whole context to prefill first (2-3.5 s at 2 requests, which the run's last requests wait for).
+    fn take_probe(&self, kind: &str, level: u32, catch_up: usize) -> bool {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();
-            let due = s.since >= s.gap;
+            let setup = (Self::PROBE_SHARE * catch_up as f64).ceil() as usize;
+            let due = !s.probe_out && s.since >= s.gap.saturating_add(setup);
             if due {
                 s.since = 0;
+                s.probe_out = true;
             }
             due
         })
+    }
+
+    /// The probe a request took ([`Costs::take_probe`]) is over: reported, or the request has moved on.
+    fn probe_back(&self, kind: &str, level: u32) {
+        self.with(level, |l| {
+            if let Some(s) = l.spec.get_mut(kind) {
+                s.probe_out = false;
+            }
+        })
+    }
+
+    /// Tokens written alone at `level` by requests of `kind` since its last round there.
+    fn since(&self, kind: &str, level: u32) -> usize {
+        self.with(level, |l| l.spec.get(kind).map_or(0, |s| s.since))
     }
 
     /// A token-level round of `kind` at `level` drafted `drafted` tokens in `draft_ms` and the target kept `accepted`
@@ -708,10 +736,13 @@ pub struct Pace {
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
-    /// Times speculation would have paid per token but not for what its drafter had to catch up on first.
+    /// Times speculation would have paid per token but not for what its drafter had to catch up on first, and times
+    /// a first round at a load with no figure yet was left to a request whose drafter had less to catch up on.
     pub entries_declined: usize,
     /// The copy round about to be made is a probe of copies that lose ([`Pace::copies_pay`]).
     probing_copies: bool,
+    /// Probes this request took and has not given back yet ([`Costs::probe_back`]: at its next advice, or its end).
+    held: Vec<(String, u32)>,
 }
 
 impl Pace {
@@ -744,6 +775,7 @@ impl Pace {
             paused_tokens: 0,
             entries_declined: 0,
             probing_copies: false,
+            held: Vec::new(),
         }
     }
 
@@ -808,6 +840,7 @@ impl Pace {
     /// Speculate or write alone, now.
     pub fn advise(&mut self) -> Advice {
         self.end_round();
+        self.give_back_probes();
         if self.paused > 0 {
             return Advice::Alone(self.paused);
         }
@@ -846,6 +879,19 @@ impl Pace {
             // "Speculation judged against the target's own step").
             return self.pause(Self::FIRST_PAUSE);
         }
+        let catch_up = self.catch_up_tokens(alone);
+        if estimate.is_none()
+            && self.rounds == 0
+            && self.measuring.is_none()
+            && costs.since(kind, self.level) < (Costs::PROBE_SHARE * catch_up as f64) as usize
+        {
+            // No figure here yet, and this request's drafter has more to catch up on than the tokens written alone
+            // here so far pay for, as a probe's would ([`Costs::take_probe`]): the first round is left to another
+            // request, or to this one later. At the end of a run on a router at 8 clients, each load the falling
+            // count of requests reached was first measured by a request hundreds of tokens in.
+            self.entries_declined += 1;
+            return self.pause(Self::MAX_PAUSE);
+        }
         // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
         let alone = rival(alone, copies);
         if let (Some(spec), Some(alone)) = (estimate, alone)
@@ -874,8 +920,11 @@ impl Pace {
             _ => true,
         };
         // A probe measures a speculation that loses, never one with no figure yet (one request is measuring it).
-        let probe = || estimate.is_some() && costs.take_probe(kind, self.level);
+        let probe = || estimate.is_some() && costs.take_probe(kind, self.level, catch_up);
         if speculate || (self.rounds == 0 && probe()) {
+            if !speculate {
+                self.held.push((kind.to_string(), self.level));
+            }
             self.probing = !speculate;
             self.alone_last = false;
             self.in_round = true;
@@ -890,6 +939,26 @@ impl Pace {
                 .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
         };
         self.pause(pause)
+    }
+
+    /// What the drafter's catching up before a round would cost (its lag at its measured prefill price per context
+    /// token, [`Costs::entry_ms`]) in tokens the target writes alone meanwhile (`alone`: its ms per token); 0 where
+    /// either is not known.
+    fn catch_up_tokens(&self, alone: Option<f64>) -> usize {
+        match (
+            self.pacing.costs.entry_ms(&self.pacing.kind, self.level),
+            alone,
+        ) {
+            (Some(row), Some(a)) if a > 0.0 => (row * self.lag as f64 / a).ceil() as usize,
+            _ => 0,
+        }
+    }
+
+    /// Gives back the probes this request took ([`Costs::probe_back`]): their rounds are over.
+    fn give_back_probes(&mut self) {
+        for (kind, level) in std::mem::take(&mut self.held) {
+            self.pacing.costs.probe_back(&kind, level);
+        }
     }
 
     /// Advice to write `tokens` alone, with the bookkeeping of a pause.
@@ -926,16 +995,19 @@ impl Pace {
         }
         self.reported += 1;
         let measured = self.measuring.take();
+        // A first round at a load is judged as a probe is: where it loses, the next waits by what it lost.
+        let probe = std::mem::take(&mut self.probing) || measured.is_some();
         self.pacing.costs.record_spec(
             &self.pacing.kind,
             self.level,
             ms,
             tokens,
-            std::mem::take(&mut self.probing).then(|| setup.at(self.level)),
+            probe.then(|| setup.at(self.level)),
         );
         if let Some(level) = measured {
             self.pacing.costs.measured(&self.pacing.kind, level);
         }
+        self.give_back_probes();
     }
 
     /// The target wrote `tokens` alone for `spent` (in a pause).
@@ -973,7 +1045,14 @@ impl Pace {
             (costs.spec_ms(&kind, self.level), alone),
             (Some(c), Some(a)) if c > a
         );
-        !self.probing_copies || costs.take_probe(&kind, self.level)
+        if !self.probing_copies {
+            return true;
+        }
+        let taken = costs.take_probe(&kind, self.level, 0);
+        if taken {
+            self.held.push((kind, self.level));
+        }
+        taken
     }
 
     /// In a pause, a copy round found nothing to copy and the target wrote `tokens` to its segment's end (measured
@@ -985,6 +1064,7 @@ impl Pace {
         self.pacing
             .costs
             .add_rested(&self.pacing.kind, self.level, tokens);
+        self.give_back_probes();
     }
 
     /// In a pause, a copy round wrote `tokens` for `spent`: they use up the pause as the target's would, count
@@ -1001,6 +1081,7 @@ impl Pace {
             tokens,
             probe,
         );
+        self.give_back_probes();
     }
 
     /// A round advised as speculation drew its whole draft from copies ([`Drafter::model_tokens_drafted`]): it wrote
@@ -1019,6 +1100,7 @@ impl Pace {
             tokens,
             None,
         );
+        self.give_back_probes();
     }
 
     fn end_round(&mut self) {
@@ -1081,6 +1163,7 @@ impl Pace {
 impl Drop for Pace {
     fn drop(&mut self) {
         self.end_round();
+        self.give_back_probes();
         if let Some(level) = self.measuring.take() {
             self.pacing.costs.measured(&self.pacing.kind, level);
         }
@@ -1313,6 +1396,84 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_is_out_one_at_a_time_and_goes_to_a_request_with_little_to_catch_up() {
+        let costs = Arc::new(Costs::default());
+        let kind = "parse+token-spec/model";
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(|| 8),
+        };
+        // At 5-8 requests: the target alone 10 ms per token, speculation 40; the drafter prefills at 5 ms per token.
+        costs.record_alone(None, 3, 16.0 * 10.0, 16);
+        costs.record_spec(kind, 3, 20.0 * 40.0, 20, None);
+        costs.record_entry(kind, 3, 500.0, 100);
+        // 64 tokens written alone since: past the least gap (16).
+        costs.record_alone(Some(kind), 3, 64.0 * 10.0, 64);
+        // 300 tokens behind, a request would spend 1,500 ms (150 of the target's tokens) catching up first: its
+        // probe waits for 32 times that more.
+        let mut far = Pace::new(pacing.clone());
+        far.position(300, 84, 300);
+        assert!(matches!(far.advise(), Advice::Alone(_)));
+        assert!(!far.probing());
+        // One token behind (half a target token to catch up, 32 more written alone): it probes.
+        let mut near = Pace::new(pacing.clone());
+        near.position(40, 300, 1);
+        assert_eq!(near.advise(), Advice::Speculate);
+        assert!(near.probing());
+        // While its probe is out, no other is taken, however much is written alone meanwhile.
+        costs.record_alone(Some(kind), 3, 64.0 * 10.0, 64);
+        let mut other = Pace::new(pacing.clone());
+        other.position(40, 300, 1);
+        assert!(matches!(other.advise(), Advice::Alone(_)));
+        // Its request ended before the round reported: the probe is given back, and the next request takes it.
+        drop(near);
+        let mut other = Pace::new(pacing);
+        other.position(40, 300, 1);
+        assert_eq!(other.advise(), Advice::Speculate);
+        assert!(other.probing());
+    }
+
+    #[test]
+    fn a_first_round_at_a_load_goes_to_a_request_with_little_to_catch_up_and_is_judged_as_a_probe()
+    {
+        let costs = Arc::new(Costs::default());
+        let kind = "parse+token-spec/model";
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(|| 4),
+        };
+        // At 3-4 requests the target alone writes at 10 ms per token; the drafter's prefill (measured at 2
+        // requests) costs 5 ms per token; no round of speculation was made at 3-4 yet.
+        costs.record_alone(None, 2, 16.0 * 10.0, 16);
+        costs.record_entry(kind, 1, 500.0, 100);
+        // 300 tokens behind: 150 target tokens to catch up, more than the 0 written alone here so far pay for.
+        let mut far = Pace::new(pacing.clone());
+        far.position(300, 84, 300);
+        assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+        assert_eq!(far.entries_declined, 1);
+        far.wrote_alone(Spent::wall(64.0 * 10.0), 64);
+        // 20 behind (10 target tokens to catch up, 320 written alone needed): once that much was, it measures.
+        let mut near = Pace::new(pacing.clone());
+        near.position(0, 384, 20);
+        assert!(matches!(near.advise(), Advice::Alone(_)));
+        costs.record_alone(Some(kind), 2, 256.0 * 10.0, 256);
+        let mut near = Pace::new(pacing);
+        near.position(0, 384, 20);
+        assert_eq!(near.advise(), Advice::Speculate);
+        // Its round keeps 20 tokens for 800 ms, after 100 ms of catching up: it lost 70 of the target's tokens,
+        // so no probe before 32 times as many are written alone here.
+        near.speculated(
+            Spent::wall(800.0),
+            20,
+            &[Spent::wall(300.0)],
+            Spent::wall(100.0),
+        );
+        assert_eq!(costs.until_probe(kind, 2), 2240);
+    }
+
+    #[test]
     fn a_probe_that_loses_by_far_waits_32_times_what_it_lost_setup_included() {
         let c = Costs::default();
         let kind = "parse+token-spec/model";
@@ -1321,13 +1482,14 @@ mod tests {
         c.record_spec(kind, 3, 60.0 * 270.0, 60, None);
         assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
         c.record_alone(Some(kind), 3, 16.0 * 100.0, 16);
-        assert!(c.take_probe(kind, 3));
+        assert!(c.take_probe(kind, 3, 0));
         // The probe loses the same: 102 tokens of the target's time lost, so 3264 tokens alone before the next.
         c.record_spec(kind, 3, 60.0 * 270.0, 60, Some(0.0));
+        c.probe_back(kind, 3);
         assert_eq!(c.until_probe(kind, 3), 3264);
         // Losing by more, it waits at most MAX_GAP; a probe that wins brings the least gap back.
         c.record_alone(Some(kind), 3, 3264.0 * 100.0, 3264);
-        assert!(c.take_probe(kind, 3));
+        assert!(c.take_probe(kind, 3, 0));
         c.record_spec(kind, 3, 60.0 * 600.0, 60, Some(0.0));
         assert_eq!(c.until_probe(kind, 3), Costs::MAX_GAP);
         for _ in 0..20 {
