@@ -92,7 +92,7 @@ struct SpecFigure {
     probe_out: bool,
     /// What token-level rounds' verifications and drafts cost here ([`Costs::draft_length`]).
     passes: Passes,
-    /// What the drafter's prefill costs here per context token (its first prefill of a request's prompt): the price
+    /// What the drafter's prefill costs here per context token (its first prefill of a request's context): the price
     /// of the tokens a request's draft has to catch up on before speculating again ([`Pace::position`]).
     entry: Rate,
 }
