@@ -780,7 +780,7 @@ impl Pace {
     }
 
     /// Where the request stands before the next advice: it has written `written` tokens, may write `left` more, and
-    /// its drafter has `lag` context tokens to process before it can draft (the prompt, where it never drafted;
+    /// its drafter has `lag` context tokens to process before it can draft (its whole context, where it never drafted;
     /// what the target wrote alone since its last round).
     pub fn position(&mut self, written: usize, left: usize, lag: usize) {
         (self.written, self.left, self.lag) = (written, left, lag);
