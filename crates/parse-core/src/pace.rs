@@ -1175,14 +1175,20 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    #[test]
-    fn speculation_that_pays_per_token_starts_only_where_it_pays_for_the_drafters_catching_up() {
+    /// A pool's shared figures and the pacing of its requests of `kind`, at a load of `load` requests.
+    fn pool(kind: &str, load: usize) -> (Arc<Costs>, Pacing) {
         let costs = Arc::new(Costs::default());
         let pacing = Pacing {
             costs: costs.clone(),
-            kind: "parse/model".into(),
-            load: Arc::new(|| 1),
+            kind: kind.into(),
+            load: Arc::new(move || load),
         };
+        (costs, pacing)
+    }
+
+    #[test]
+    fn speculation_that_pays_per_token_starts_only_where_it_pays_for_the_drafters_catching_up() {
+        let (costs, pacing) = pool("parse/model", 1);
         // At one request: the target alone 80 ms per token, speculation 50; the drafter prefills at 10 ms per token.
         costs.record_alone(None, 0, 800.0, 10);
         costs.record_spec("parse/model", 0, 500.0, 10, None);
@@ -1321,13 +1327,8 @@ mod tests {
 
     #[test]
     fn a_model_that_beats_the_target_but_loses_to_its_copies_rests() {
-        let costs = Arc::new(Costs::default());
         let kind = "parse+token-spec/model+ngram";
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(|| 1),
-        };
+        let (costs, pacing) = pool(kind, 1);
         costs.record_alone(None, 0, 16.0 * 100.0, 16);
         costs.record_spec(kind, 0, 16.0 * 80.0, 16, None);
         // The model (80 ms/token) beats the target alone (100): it speculates.
@@ -1356,12 +1357,7 @@ mod tests {
 
     #[test]
     fn copy_rounds_that_lose_to_the_target_are_made_only_as_probes() {
-        let costs = Arc::new(Costs::default());
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: "parse+token-spec/model+ngram".into(),
-            load: Arc::new(|| 1),
-        };
+        let (costs, pacing) = pool("parse+token-spec/model+ngram", 1);
         costs.record_alone(None, 0, 16.0 * 100.0, 16);
         let mut p = Pace::new(pacing.clone());
         // No figure of copies yet: a copy round measures them. It writes 16 tokens at 300 ms each: they lose.
@@ -1397,13 +1393,8 @@ mod tests {
 
     #[test]
     fn a_probe_is_out_one_at_a_time_and_goes_to_a_request_with_little_to_catch_up() {
-        let costs = Arc::new(Costs::default());
         let kind = "parse+token-spec/model";
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(|| 8),
-        };
+        let (costs, pacing) = pool(kind, 8);
         // At 5-8 requests: the target alone 10 ms per token, speculation 40; the drafter prefills at 5 ms per token.
         costs.record_alone(None, 3, 16.0 * 10.0, 16);
         costs.record_spec(kind, 3, 20.0 * 40.0, 20, None);
@@ -1437,13 +1428,8 @@ mod tests {
     #[test]
     fn a_first_round_at_a_load_goes_to_a_request_with_little_to_catch_up_and_is_judged_as_a_probe()
     {
-        let costs = Arc::new(Costs::default());
         let kind = "parse+token-spec/model";
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(|| 4),
-        };
+        let (costs, pacing) = pool(kind, 4);
         // At 3-4 requests the target alone writes at 10 ms per token; the drafter's prefill (measured at 2
         // requests) costs 5 ms per token; no round of speculation was made at 3-4 yet.
         costs.record_alone(None, 2, 16.0 * 10.0, 16);
