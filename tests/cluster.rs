@@ -382,6 +382,68 @@ fn the_next_draft_is_written_while_the_target_verifies() {
     assert_eq!(stats.draft_prefetch_misses, 0, "{stats:?}");
 }
 
+/// With the draft's prefill beside the target's (`DraftPrefill::Alongside`, what `auto` picks for a draft worker on
+/// a host of its own), each speculative mode's output is the in-process loop's, and no session is left; so is a
+/// request cancelled right after it started, while that prefill may still run.
+#[test]
+fn the_drafts_prefill_beside_the_targets_changes_no_output() {
+    let drafts = [draft_server(
+        tiny_engine(DRAFT_SEED),
+        DraftWorkerConfig::default(),
+    )];
+    let targets = [target_server(
+        tiny_engine(TARGET_SEED),
+        TargetWorkerConfig::default(),
+    )];
+    let router = router_server(RouterConfig {
+        drafts: drafts.iter().map(|s| s.endpoint()).collect(),
+        targets: targets.iter().map(|s| s.endpoint()).collect(),
+        max_in_flight: 8,
+        draft_prefill: parse_router::DraftPrefill::Alongside,
+        ..Default::default()
+    });
+    let rt = runtime();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    };
+    let cases = [
+        ("token-spec", SamplingParams::default()),
+        ("parse", SamplingParams::default()),
+        ("parse+token-spec", SamplingParams::default()),
+        ("token-spec", sampled),
+    ];
+    rt.block_on(async {
+        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        for (mode, sampling) in cases {
+            let want = in_process(mode.parse().unwrap(), 40, sampling.clone());
+            let mut r = req(mode, 40);
+            r.sampling = Some(Sampling {
+                temperature: sampling.temperature,
+                top_k: sampling.top_k as u32,
+                top_p: Some(sampling.top_p),
+                seed: sampling.seed,
+            });
+            let got = client.generate(r).await.unwrap();
+            assert_eq!(got.token_ids, want, "{mode} {sampling:?}");
+        }
+        let stream = client.generate_stream(req("parse", 400)).await.unwrap();
+        drop(stream);
+    });
+    assert!(
+        eventually(Duration::from_secs(20), || targets[0]
+            .worker
+            .open_sessions()
+            == 0
+            && drafts[0].worker.open_sessions() == 0),
+        "sessions left: target {}, draft {}",
+        targets[0].worker.open_sessions(),
+        drafts[0].worker.open_sessions()
+    );
+}
+
 #[test]
 fn cancelling_a_stream_frees_sessions_on_both_workers() {
     let c = cluster(1, 1, 8);

@@ -294,6 +294,11 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         self.inner.prefetch(session, context, sampling, tokens)
     }
 
+    fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
+        // The model is begun at a session's first `begin` whatever it copies (see `begin`).
+        self.inner.warm(session, context, sampling)
+    }
+
     fn charged_ms(&self) -> Option<f64> {
         self.inner.charged_ms()
     }

@@ -254,6 +254,18 @@ pub trait Drafter {
     ) -> Result<()> {
         Ok(())
     }
+    /// A hint, given before the target processes the prompt: the first `begin` will most likely continue
+    /// `context` (the prompt) with `sampling`. A drafter on its own machine may process it now, beside the target,
+    /// so that the first `begin` finds it done instead of making the request wait for it. Returns whether it
+    /// started that work. It must not change what `begin`/`next` return. In process it does nothing.
+    fn warm(
+        &mut self,
+        _session: &str,
+        _context: &[u32],
+        _sampling: &SamplingParams,
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Worker time charged to this drafter's work so far, in ms (see [`Verifier::charged_ms`]); `None` where it is
     /// not measured.
     fn charged_ms(&self) -> Option<f64> {
@@ -300,6 +312,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         tokens: usize,
     ) -> Result<()> {
         (**self).prefetch(session, context, sampling, tokens)
+    }
+    fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
+        (**self).warm(session, context, sampling)
     }
     fn charged_ms(&self) -> Option<f64> {
         (**self).charged_ms()
@@ -464,6 +479,8 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     draft_booked: f64,
     /// Context tokens the drafter has processed, as of its last draft (0 before it is opened).
     draft_synced: usize,
+    /// Prompt tokens the drafter was given to process beside the target's prefill ([`Drafter::warm`]; 0: none).
+    draft_warmed: usize,
 }
 
 /// Where a measurement of cost starts (see [`Run::spent`]).
@@ -626,21 +643,48 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         }
         self.draft_open = true;
         self.draft_synced = context.len();
-        self.pace.draft_opened(
-            Spent {
-                wall_ms,
-                charged_ms,
-            },
-            context.len(),
-        );
+        // A prefill made beside the target's was waited for only in part: its wall time is no price of catching up.
+        if self.draft_warmed == 0 {
+            self.pace.draft_opened(
+                Spent {
+                    wall_ms,
+                    charged_ms,
+                },
+                context.len(),
+            );
+        }
         Ok(())
     }
 
     /// The pace's advice, given where the request stands ([`Pace::position`]).
     fn advise(&mut self) -> Advice {
-        let lag = (self.req.prompt.len() + self.out.len()).saturating_sub(self.draft_synced);
+        let synced = self.draft_synced.max(self.draft_warmed);
+        let lag = (self.req.prompt.len() + self.out.len()).saturating_sub(synced);
         self.pace.position(self.out.len(), self.remaining(), lag);
         self.pace.advise()
+    }
+
+    /// Before the target's prefill: where the request will most likely draft from its start (always without
+    /// `adaptive`; with it, where the shared figures at the current load say its speculation pays or have nothing
+    /// to say yet, [`Pace::leans_to_speculate`]), the drafter may process the prompt beside the target
+    /// ([`Drafter::warm`]: a draft worker on its own machine), so that the first round does not wait for the
+    /// draft's prefill after the target's. The pace's advice itself is taken where it was, after the target's
+    /// prefill.
+    fn warm_draft(&mut self) -> Result<()> {
+        // Sampled token-level speculation is never paced (a pause would change the random draws it uses).
+        let paced = self.req.window.adaptive
+            && (self.req.mode != Mode::TokenSpec || self.req.sampling.is_greedy());
+        if paced && !self.pace.leans_to_speculate() {
+            return Ok(());
+        }
+        let sampling = self.draft_sampling();
+        if self
+            .d
+            .warm(&self.req.session, &self.req.prompt, &sampling)?
+        {
+            self.draft_warmed = self.req.prompt.len();
+        }
+        Ok(())
     }
 
     /// How the draft samples in speculative modes: like the request in stochastic token-spec, greedily otherwise.
@@ -851,6 +895,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     }
 
     fn run_token_spec(&mut self) -> Result<()> {
+        self.warm_draft()?;
         self.open_target()?;
         let sampling = self.draft_sampling();
         if !self.req.window.adaptive {
@@ -930,6 +975,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     }
 
     fn run_parse(&mut self) -> Result<()> {
+        self.warm_draft()?;
         self.open_target()?;
         let adaptive = self.req.window.adaptive;
         if !adaptive {
@@ -1214,6 +1260,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         draft_prefill_charged: 0.0,
         draft_booked: 0.0,
         draft_synced: 0,
+        draft_warmed: 0,
     };
     let result = match req.mode {
         Mode::Target => run.run_target(),

@@ -820,6 +820,23 @@ impl Pace {
         }
     }
 
+    /// Whether the shared figures at the current load say this request's speculation pays (its kind's ms per token
+    /// at most the target's alone, or its copy rounds' where those are faster), or have no figure of its kind there
+    /// yet (a first round would measure it). No side effect: the advice itself comes from [`Pace::advise`]. Read
+    /// before the target's prefill, to let the drafter process the prompt beside it ([`Drafter::warm`]).
+    ///
+    /// [`Drafter::warm`]: crate::driver::Drafter::warm
+    pub fn leans_to_speculate(&self) -> bool {
+        let costs = &self.pacing.costs;
+        let level = load_level((self.pacing.load)());
+        let Some(spec) = costs.spec_ms(&self.pacing.kind, level) else {
+            return true;
+        };
+        let alone = costs.alone_ms(level).or_else(|| costs.alone_near(level));
+        let copies = costs.spec_ms(&self.copy_kind(), level);
+        rival(alone, copies).is_none_or(|a| spec <= a)
+    }
+
     /// The request finished with `tokens` of output ([`Costs::record_length`]).
     pub fn finished(&self, tokens: usize) {
         self.pacing.costs.record_length(tokens);

@@ -60,10 +60,15 @@ struct FakeVerifier {
     caches: HashMap<String, Vec<u32>>,
     /// Every extension: tokens asked for, whether it was to stop at a segment's end, tokens written.
     extends: Vec<(usize, bool, usize)>,
+    /// Shared with a drafter: the order of the two sides' first calls.
+    events: Events,
 }
+
+type Events = std::rc::Rc<std::cell::RefCell<Vec<&'static str>>>;
 
 impl Verifier for FakeVerifier {
     fn open(&mut self, s: &str, prompt: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        self.events.borrow_mut().push("open");
         assert!(
             self.caches
                 .insert(s.into(), prompt[..prompt.len() - 1].to_vec())
@@ -165,12 +170,21 @@ struct FakeDrafter {
     ctx: HashMap<String, Vec<u32>>,
     /// Hints to draft ahead ([`Drafter::prefetch`]) received.
     prefetches: usize,
+    /// Contexts it was given to process beside the target ([`Drafter::warm`]).
+    warms: Vec<Vec<u32>>,
+    events: Events,
 }
 
 impl Drafter for FakeDrafter {
     fn begin(&mut self, s: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+        self.events.borrow_mut().push("begin");
         self.ctx.insert(s.into(), context.to_vec());
         Ok(())
+    }
+    fn warm(&mut self, _: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<bool> {
+        self.events.borrow_mut().push("warm");
+        self.warms.push(context.to_vec());
+        Ok(true)
     }
     fn next(&mut self, s: &str, max: usize) -> parse_core::Result<DraftChunk> {
         let ctx = self.ctx.get_mut(s).unwrap();
@@ -412,6 +426,65 @@ fn a_probe_round_does_not_draft_ahead() {
     );
     assert!(stats.paused_tokens > 0, "{stats:?}");
     assert_eq!(prefetches, 0, "{stats:?}");
+}
+
+/// Where a request drafts from its start, its drafter is given the prompt before the target's prefill (to process
+/// it beside the target, on a draft worker of its own), once; where it writes alone first, or never drafts, it is
+/// not. The output is the target's either way.
+#[test]
+fn the_draft_gets_the_prompt_before_the_targets_prefill_where_the_request_drafts_from_its_start() {
+    use parse_core::pace::{Costs, Pacing};
+    use std::sync::Arc;
+    let go = |mode: Mode, pacing: Option<Pacing>| {
+        let events = Events::default();
+        let mut d = FakeDrafter {
+            events: events.clone(),
+            ..Default::default()
+        };
+        let mut v = FakeVerifier {
+            events: events.clone(),
+            ..Default::default()
+        };
+        let mut r = request(mode, 0.5, Verdict::Likelihood, PROMPTS[0], 40);
+        r.window.adaptive = pacing.is_some();
+        let pacing = pacing.unwrap_or_else(|| Pacing::alone("fixed"));
+        let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+        let want = if mode == Mode::Draft {
+            greedy(PROMPTS[0], draft_next, 40)
+        } else {
+            greedy(PROMPTS[0], target_next, 40)
+        };
+        assert_eq!(out.tokens, want, "{mode:?}");
+        let events = events.borrow().clone();
+        (d.warms, events)
+    };
+    for mode in [Mode::TokenSpec, Mode::Parse, Mode::ParseTokenSpec] {
+        let (warms, events) = go(mode, None);
+        assert_eq!(warms, vec![PROMPTS[0].to_vec()], "{mode:?}");
+        assert_eq!(events[..2], ["warm", "open"], "{mode:?}: {events:?}");
+    }
+    for mode in [Mode::Target, Mode::Draft] {
+        let (warms, _) = go(mode, None);
+        assert!(warms.is_empty(), "{mode:?}");
+    }
+    // Paced: speculation at 10 ms/token against the target's 100 drafts from the start; at 1e6 against 100, with
+    // its last probe just made, the request writes alone first, and its drafter catches up when (if) it drafts.
+    let kind = "parse/model";
+    let paced = |spec_ms: f64| {
+        let costs = Arc::new(Costs::default());
+        costs.record_spec(kind, 0, 16.0 * spec_ms, 16, None);
+        costs.record_alone(Some(kind), 0, 16.0 * 100.0, 16);
+        Pacing {
+            costs,
+            kind: kind.into(),
+            load: Arc::new(|| 1),
+        }
+    };
+    let (warms, events) = go(Mode::Parse, Some(paced(10.0)));
+    assert_eq!(warms, vec![PROMPTS[0].to_vec()]);
+    assert_eq!(events[..2], ["warm", "open"], "{events:?}");
+    let (warms, _) = go(Mode::Parse, Some(losing_by_far(kind)));
+    assert!(warms.is_empty());
 }
 
 /// A pool where speculation of `kind` loses to the target (100 ms/token) by far and its last probe was just made: a

@@ -76,6 +76,11 @@ struct Args {
     /// share one device).
     #[arg(long)]
     no_draft_ahead: bool,
+    /// When a request's draft worker processes the prompt: beside the target's prefill (alongside), after it
+    /// (after), or beside it where the draft worker's host (by address) is no target worker's (auto: two prefills
+    /// on one host's cores take turns and both end later).
+    #[arg(long, env = "PARSE_DRAFT_PREFILL", value_enum, default_value = "auto")]
+    draft_prefill: parse_router::DraftPrefill,
     /// Drafter of requests that name none: model (the draft workers), ngram (prompt lookup in the router; with it
     /// no draft worker is needed) or model+ngram (copies of long prompt-lookup matches, the draft workers for the
     /// rest; the default: faster than `model` on code that repeats its prompt, level with it elsewhere,
@@ -140,6 +145,7 @@ async fn main() -> anyhow::Result<()> {
         default_mode,
         default_policy: policy,
         draft_ahead: !args.no_draft_ahead,
+        draft_prefill: args.draft_prefill,
         etcd: args.etcd.clone(),
         served_model_name: args.served_model_name.clone(),
         default_drafter: args.default_drafter,

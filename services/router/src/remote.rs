@@ -233,6 +233,39 @@ impl Charged {
     }
 }
 
+/// Whether a request's draft worker processes the prompt beside the target's prefill ([`Drafter::warm`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefillBeside {
+    Always,
+    Never,
+    /// Where the draft worker's host is none of these (the target workers' hosts).
+    OffHosts(Vec<String>),
+}
+
+/// The host of a worker address (`host:port`, `[v6]:port`, with or without a scheme).
+pub fn host_of(addr: &str) -> &str {
+    let rest = addr.split_once("://").map_or(addr, |(_, r)| r);
+    let rest = rest.split('/').next().unwrap_or(rest);
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => rest,
+    }
+}
+
+/// A prefill started beside the target's ([`Drafter::warm`]).
+struct Warming {
+    context: Vec<u32>,
+    sampling: SamplingParams,
+    task: tokio::task::JoinHandle<std::result::Result<f64, tonic::Status>>,
+}
+
+impl Drop for Warming {
+    fn drop(&mut self) {
+        // A request that ends (or is cancelled) before its first draft stops the call; the worker sees it cancelled.
+        self.task.abort();
+    }
+}
+
 /// A draft opened ahead of its `begin`.
 struct Prefetch {
     context: Vec<u32>,
@@ -257,6 +290,9 @@ pub struct RemoteDrafter {
     stream_base: usize,
     /// Whether the prompt was sent to a worker yet.
     prefilled: bool,
+    /// The prompt's prefill started by `warm` (its context, sampling, and the task that runs the call, which
+    /// answers the worker's charge), until the first `begin` waits for it.
+    warming: Option<Warming>,
     /// Tokens one Draft stream may produce.
     max_tokens: u32,
     done: bool,
@@ -268,6 +304,8 @@ pub struct RemoteDrafter {
     pub prefetch_misses: usize,
     /// Whether `prefetch` opens streams at all.
     pub draft_ahead: bool,
+    /// Whether `warm` starts the prompt's prefill beside the target's.
+    pub prefill_beside: PrefillBeside,
     /// Ids of the workers this request was given, in order.
     pub used: Vec<String>,
     charged: Charged,
@@ -288,6 +326,7 @@ impl RemoteDrafter {
             received: 0,
             stream_base: 0,
             prefilled: false,
+            warming: None,
             max_tokens: max_tokens.max(1),
             done: false,
             failovers: 0,
@@ -295,6 +334,7 @@ impl RemoteDrafter {
             prefetch_hits: 0,
             prefetch_misses: 0,
             draft_ahead: true,
+            prefill_beside: PrefillBeside::Never,
             used: Vec::new(),
             charged: Charged::default(),
         }
@@ -318,6 +358,7 @@ impl RemoteDrafter {
         self.charged.left();
         self.stream = None;
         self.prefetch = None;
+        self.warming = None;
     }
 
     fn ensure_worker(&mut self) {
@@ -352,6 +393,31 @@ impl Drafter for RemoteDrafter {
             } else {
                 // Dropped: the worker's producer is cancelled, and this begin's Draft call rewinds its cache.
                 self.prefetch_misses += 1;
+            }
+        }
+        if let Some(mut w) = self.warming.take() {
+            // The prompt's prefill began beside the target's: wait for what is left of it.
+            let ended = self.ctx.call(async {
+                (&mut w.task).await.unwrap_or_else(|e| {
+                    Err(tonic::Status::internal(format!(
+                        "the draft prefill's task ended: {e}"
+                    )))
+                })
+            });
+            match ended {
+                Ok(ms) => {
+                    self.charged.saw(ms);
+                    // The worker has this context; a longer one (the target wrote before the first draft) is
+                    // extended by the usual prefill call below.
+                    self.prefilled = w.context == context && w.sampling == *sampling;
+                }
+                Err(s) => {
+                    let e = core_from_status(&s);
+                    if !is_recoverable(&self.ctx, &e) {
+                        return Err(e);
+                    }
+                    self.lose_worker(session, &e);
+                }
             }
         }
         if !self.prefilled {
@@ -547,9 +613,57 @@ impl Drafter for RemoteDrafter {
         Ok(())
     }
 
+    fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
+        self.ctx.check()?;
+        if self.prefilled || self.warming.is_some() || self.prefill_beside == PrefillBeside::Never {
+            return Ok(false);
+        }
+        self.ensure_worker();
+        let Some(lease) = self.lease.as_ref() else {
+            return Ok(false);
+        };
+        if let PrefillBeside::OffHosts(hosts) = &self.prefill_beside
+            && hosts.iter().any(|h| h == host_of(&lease.worker.addr))
+        {
+            return Ok(false);
+        }
+        let Some(mut client) = self.client() else {
+            return Ok(false);
+        };
+        // The first begin's prefill call, made now on the runtime; that begin waits for it (see `begin`).
+        let req = self.ctx.request(DraftRequest {
+            session: session.to_string(),
+            context: context.to_vec(),
+            sampling: Some(sampling.into()),
+            max_tokens: 0,
+        });
+        let cancel = self.ctx.cancel.clone();
+        let task = self.ctx.handle.spawn(async move {
+            let drain = async {
+                let mut charged = 0f64;
+                let mut s = client.draft(req).await?.into_inner();
+                while let Some(m) = s.message().await? {
+                    charged = charged.max(m.charged_ms);
+                }
+                Ok(charged)
+            };
+            tokio::select! {
+                r = drain => r,
+                _ = cancel.cancelled() => Err(tonic::Status::cancelled("the client cancelled the request")),
+            }
+        });
+        self.warming = Some(Warming {
+            context: context.to_vec(),
+            sampling: sampling.clone(),
+            task,
+        });
+        Ok(true)
+    }
+
     fn release(&mut self, session: &str) -> Result<()> {
         self.stream = None;
         self.prefetch = None;
+        self.warming = None;
         if let Some(mut client) = self.client() {
             // Release even when the request itself was cancelled: the request's deadline does not bound the
             // cleanup, a short one of its own does (a wedged worker must not hold the request's end).
@@ -813,5 +927,24 @@ impl Verifier for RemoteVerifier {
 
     fn charged_ms(&self) -> Option<f64> {
         Some(self.charged.total())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_of;
+
+    #[test]
+    fn a_worker_address_gives_its_host() {
+        for (addr, host) in [
+            ("127.0.0.1:50061", "127.0.0.1"),
+            ("http://10.0.0.7:50071", "10.0.0.7"),
+            ("https://draft-0.parse.svc:50061/", "draft-0.parse.svc"),
+            ("[::1]:50061", "[::1]"),
+            ("draft-worker", "draft-worker"),
+        ] {
+            assert_eq!(host_of(addr), host, "{addr}");
+        }
+        assert_ne!(host_of("10.0.0.7:50061"), host_of("10.0.0.8:50061"));
     }
 }
