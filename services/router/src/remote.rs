@@ -618,6 +618,16 @@ impl Drafter for RemoteDrafter {
         if self.prefilled || self.warming.is_some() || self.prefill_beside == PrefillBeside::Never {
             return Ok(false);
         }
+        if let PrefillBeside::OffHosts(hosts) = &self.prefill_beside
+            && self
+                .pool
+                .workers()
+                .iter()
+                .all(|w| hosts.iter().any(|h| h == host_of(&w.addr)))
+        {
+            // Every draft worker shares a host with a target worker: no worker is leased before the first draft.
+            return Ok(false);
+        }
         self.ensure_worker();
         let Some(lease) = self.lease.as_ref() else {
             return Ok(false);
