@@ -45,8 +45,9 @@ use crate::remote::{CallCtx, PrefillBeside, RemoteDrafter, RemoteVerifier, host_
 pub enum DraftPrefill {
     /// Beside the target's prefill where the draft worker's host is not a target worker's host (by address), after
     /// it where it is. Two prefills at once on one host's cores take turns and both end later: through a router on
-    /// one 2-core machine, the default's time to first tokens on HumanEval went from 1.68 s to 2.23 s, the draft's
-    /// prefill from 0.45 s to 1.7 s (docs/figures.md, "The draft's prefill beside the target's").
+    /// one 2-core machine the default's first tokens on 10 HumanEval prompts came at 1.92 s beside against 1.68-1.75 s
+    /// after, with no gain in rate; with the draft worker on a core of its own, at 1.99-2.24 s against 2.75-2.76 s
+    /// (docs/figures.md, "The draft's prefill beside the target's").
     Auto,
     /// Always beside the target's prefill (a draft worker on its own device or cores under the same address).
     Alongside,
