@@ -36,6 +36,23 @@ fn cluster_with(
     n_targets: usize,
     max_in_flight: usize,
 ) -> Cluster {
+    cluster_routed(
+        draft_seed,
+        n_drafts,
+        n_targets,
+        max_in_flight,
+        RouterConfig::default(),
+    )
+}
+
+/// As [`cluster_with`], the router's other settings taken from `base`.
+fn cluster_routed(
+    draft_seed: u64,
+    n_drafts: usize,
+    n_targets: usize,
+    max_in_flight: usize,
+    base: RouterConfig,
+) -> Cluster {
     let drafts: Vec<_> = (0..n_drafts)
         .map(|_| draft_server(tiny_engine(draft_seed), DraftWorkerConfig::default()))
         .collect();
@@ -46,7 +63,7 @@ fn cluster_with(
         drafts: drafts.iter().map(|s| s.endpoint()).collect(),
         targets: targets.iter().map(|s| s.endpoint()).collect(),
         max_in_flight,
-        ..Default::default()
+        ..base
     });
     Cluster {
         router,
@@ -66,6 +83,29 @@ fn req(mode: &str, max: u32) -> GenerateRequest {
         drafter: "model".into(),
         adaptive: Some(false),
         ..Default::default()
+    }
+}
+
+/// The sampled settings the mode tests use.
+fn sampled() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 11,
+    }
+}
+
+/// [`req`] with `sampling`.
+fn req_sampled(mode: &str, max: u32, sampling: &SamplingParams) -> GenerateRequest {
+    GenerateRequest {
+        sampling: Some(Sampling {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k as u32,
+            top_p: Some(sampling.top_p),
+            seed: sampling.seed,
+        }),
+        ..req(mode, max)
     }
 }
 
@@ -126,12 +166,7 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     let c = cluster(1, 1, 8);
     let rt = runtime();
     let addr = c.router.endpoint();
-    let sampled = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        top_p: 0.95,
-        seed: 11,
-    };
+    let sampled = sampled();
     let cases = [
         ("target", SamplingParams::default()),
         ("draft", SamplingParams::default()),
@@ -145,13 +180,7 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
         let mut client = Client::connect(&addr).await.unwrap();
         for (mode, sampling) in cases {
             let want = in_process(mode.parse().unwrap(), 40, sampling.clone());
-            let mut r = req(mode, 40);
-            r.sampling = Some(Sampling {
-                temperature: sampling.temperature,
-                top_k: sampling.top_k as u32,
-                top_p: Some(sampling.top_p),
-                seed: sampling.seed,
-            });
+            let r = req_sampled(mode, 40, &sampling);
             let unary = client.generate(r.clone()).await.unwrap();
             assert_eq!(
                 unary.token_ids, want,
@@ -387,60 +416,45 @@ fn the_next_draft_is_written_while_the_target_verifies() {
 /// request cancelled right after it started, while that prefill may still run.
 #[test]
 fn the_drafts_prefill_beside_the_targets_changes_no_output() {
-    let drafts = [draft_server(
-        tiny_engine(DRAFT_SEED),
-        DraftWorkerConfig::default(),
-    )];
-    let targets = [target_server(
-        tiny_engine(TARGET_SEED),
-        TargetWorkerConfig::default(),
-    )];
-    let router = router_server(RouterConfig {
-        drafts: drafts.iter().map(|s| s.endpoint()).collect(),
-        targets: targets.iter().map(|s| s.endpoint()).collect(),
-        max_in_flight: 8,
-        draft_prefill: parse_router::DraftPrefill::Alongside,
-        ..Default::default()
-    });
+    let c = cluster_routed(
+        DRAFT_SEED,
+        1,
+        1,
+        8,
+        RouterConfig {
+            draft_prefill: parse_router::DraftPrefill::Alongside,
+            ..Default::default()
+        },
+    );
     let rt = runtime();
-    let sampled = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        top_p: 0.95,
-        seed: 11,
-    };
     let cases = [
         ("token-spec", SamplingParams::default()),
         ("parse", SamplingParams::default()),
         ("parse+token-spec", SamplingParams::default()),
-        ("token-spec", sampled),
+        ("token-spec", sampled()),
     ];
     rt.block_on(async {
-        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        let mut client = Client::connect(&c.router.endpoint()).await.unwrap();
         for (mode, sampling) in cases {
             let want = in_process(mode.parse().unwrap(), 40, sampling.clone());
-            let mut r = req(mode, 40);
-            r.sampling = Some(Sampling {
-                temperature: sampling.temperature,
-                top_k: sampling.top_k as u32,
-                top_p: Some(sampling.top_p),
-                seed: sampling.seed,
-            });
-            let got = client.generate(r).await.unwrap();
+            let got = client
+                .generate(req_sampled(mode, 40, &sampling))
+                .await
+                .unwrap();
             assert_eq!(got.token_ids, want, "{mode} {sampling:?}");
         }
         let stream = client.generate_stream(req("parse", 400)).await.unwrap();
         drop(stream);
     });
     assert!(
-        eventually(Duration::from_secs(20), || targets[0]
+        eventually(Duration::from_secs(20), || c.targets[0]
             .worker
             .open_sessions()
             == 0
-            && drafts[0].worker.open_sessions() == 0),
+            && c.drafts[0].worker.open_sessions() == 0),
         "sessions left: target {}, draft {}",
-        targets[0].worker.open_sessions(),
-        drafts[0].worker.open_sessions()
+        c.targets[0].worker.open_sessions(),
+        c.drafts[0].worker.open_sessions()
     );
 }
 
