@@ -287,10 +287,21 @@ pub struct Etcd {
 
 /// A port free on loopback now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    // The port is released before its user binds it, so the OS may hand it out again meanwhile; within this process
+    // (tests run side by side in one binary) no port is handed out twice. A run where two tests got the same port
+    // had one test's TP follower answer the other's leader address.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A binary of the workspace's build, beside the test's own directory (target/release/deps/<test> ->

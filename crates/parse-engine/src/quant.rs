@@ -314,21 +314,20 @@ type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usiz
 #[cfg(target_arch = "x86_64")]
 type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 
-/// K-quant matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)`
-/// takes whole 16-row groups of a chunk's columns (`rows`: the Q8_K activation rows), the panels (the same
-/// arithmetic) any remaining columns.
+/// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
+/// whole 16-row groups of a chunk's columns (`rows`: the activation rows), the panels (the same arithmetic) any
+/// remaining columns.
 #[cfg(target_arch = "x86_64")]
-fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+fn matmul_16<T: GgmlType, X: Sync>(
     mat: &Mat<T>,
-    input: &'a Input<'_>,
+    rows: &[X],
     out: &mut [f32],
     kern: kernels::Kernels,
-    groups: impl Fn(&[T], &[&[BlockQ8K]], &mut [f32], usize) + Sync,
-    panel: Panel<T, &'a [BlockQ8K]>,
+    groups: impl Fn(&[T], &[X], &mut [f32], usize) + Sync,
+    panel: Panel<T, X>,
 ) {
-    let (n, m) = (mat.rows, input.m);
+    let (n, m) = (mat.rows, rows.len());
     let kb = mat.blocks_per_row();
-    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(kb).collect();
     let w = &mat.blocks;
     let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
     drive(
@@ -339,14 +338,53 @@ fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
             let cw = dst.len() / m;
             let full = cw / 16 * 16;
             if full > 0 {
-                groups(&w[c0 * kb..(c0 + full) * kb], &rows, dst, cw);
+                groups(&w[c0 * kb..(c0 + full) * kb], rows, dst, cw);
             }
             if full < cw {
                 let wc = &w[(c0 + full) * kb..(c0 + cw) * kb];
-                run_panels(panel, kern, wc, kb, &rows, &mut dst[full..], cw);
+                run_panels(panel, kern, wc, kb, rows, &mut dst[full..], cw);
             }
         },
         out,
+    );
+}
+
+/// [`matmul_16`] of a K-quant matrix (Q8_K activation rows).
+#[cfg(target_arch = "x86_64")]
+fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    kern: kernels::Kernels,
+    groups: impl Fn(&[T], &[&[BlockQ8K]], &mut [f32], usize) + Sync,
+    panel: Panel<T, &'a [BlockQ8K]>,
+) {
+    let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(mat.blocks_per_row()).collect();
+    matmul_16(mat, &rows, out, kern, groups, panel);
+}
+
+/// Q5_0 matmul of a block of rows through the row-group kernel ([`matmul_16`]).
+#[cfg(target_arch = "x86_64")]
+fn matmul_q5_0_groups(mat: &Mat<BlockQ5_0>, input: &Input<'_>, out: &mut [f32]) {
+    let kb = mat.blocks_per_row();
+    let xq = input.act32();
+    let rows: Vec<kernels::Act32Row<'_>> = (0..input.m).map(|r| xq.row(r)).collect();
+    let lanes =
+        |w: &[BlockQ5_0], rows: &[kernels::Act32Row<'_>], dst: &mut [f32], stride: usize| {
+            #[allow(unsafe_code)]
+            // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (F16C is in the build's baseline); `w`
+            // is whole 16-row groups; every activation row has kb blocks.
+            unsafe {
+                kernels::groups::q5_0_groups(w, kb, rows, dst, stride)
+            }
+        };
+    matmul_16(
+        mat,
+        &rows,
+        out,
+        kernels::active(),
+        lanes,
+        kernels::q5_0_panel,
     );
 }
 
@@ -855,6 +893,8 @@ impl QMatrix {
             QMatrix::Q4K(mat) => matmul_k(mat, input, out, kernels::q4k_panel),
             QMatrix::Q6K(mat) => matmul_k(mat, input, out, kernels::q6k_panel),
             QMatrix::Q8_0(mat) => matmul_32(mat, input, out, kernels::q8_0_panel),
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q5_0(mat) if kernels::use_groups_32(m) => matmul_q5_0_groups(mat, input, out),
             QMatrix::Q5_0(mat) => matmul_32(mat, input, out, kernels::q5_0_panel),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }

@@ -400,39 +400,67 @@ fn q5_0_unsigned(b: &RawQ5_0) -> __m256i {
     )
 }
 
-/// Block `b` of a Q5_0 row against `R` activation rows, accumulated into `acc` (the even or the odd blocks' lanes):
-/// `maddubs(q + 16, x)` then `madd` with ones, minus `16 * lane sum of x`, gives the block's 8 exact lane sums of
-/// [`q5_0_dot_scalar`].
-#[target_feature(enable = "avx2,fma")]
+/// `R` activation rows against one Q5_0 weight row, 8 blocks per step: `maddubs(q + 16, x)` then `madd` with ones
+/// gives a block's 8 lane sums, [`sum_rows8`] the 8 blocks' sums, and the activations' `off5` (`-16 * sum of x`) the
+/// exact block integers of [`q5_0_dot_scalar`], one lane per block. Past the row's last block the lanes hold
+/// `fma(0, 0, acc)`, which leaves `acc` as it is (it never holds -0: it starts at +0, and a sum that comes to zero
+/// rounds to +0).
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q5_0_block<const R: usize>(
-    wb: &RawQ5_0,
-    b: usize,
-    xs: &[Act32Row<'_>; R],
-    acc: &mut [__m256; R],
-) {
-    let q = q5_0_unsigned(wb);
-    let wd = f16::from_bits(wb.d).to_f32();
+unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q5_0(w);
     let ones = _mm256_set1_epi16(1);
-    for r in 0..R {
-        let x = &xs[r];
-        // SAFETY: a row has 32 values and 8 lane sums per block; block b spans 32b.. and 8b.. .
-        let (a, ls) = unsafe {
-            (
-                _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()),
-                _mm256_loadu_si256(x.lsum.as_ptr().add(8 * b).cast()),
-            )
-        };
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
-        let s = _mm256_sub_epi32(p, _mm256_slli_epi32(ls, 4));
-        let d = _mm256_set1_ps(wd * x.d[b]);
-        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b0 in (0..w.len()).step_by(8) {
+        let n = (w.len() - b0).min(8);
+        // Loops, not `array::from_fn`: a closure is a function of its own, called where it cannot be inlined into
+        // `from_fn`, which lacks this function's target features.
+        let mut q = [zero; 8];
+        for (j, qj) in q.iter_mut().enumerate().take(n) {
+            *qj = q5_0_unsigned(&w[b0 + j]);
+        }
+        let wd = q5_0_scales8(w, b0, n);
+        let first = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        for r in 0..R {
+            let x = &xs[r];
+            let mut p = [zero; 8];
+            for (j, (pj, qj)) in p.iter_mut().zip(&q).enumerate().take(n) {
+                // SAFETY: block b0 + j of the row has 32 values at 32 (b0 + j).
+                let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * (b0 + j)).cast()) };
+                *pj = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, a), ones);
+            }
+            // SAFETY: blocks b0..b0 + n of the row exist; the masked loads read no lane past them.
+            let (off, xd) = unsafe {
+                (
+                    _mm256_maskload_epi32(x.off5[b0..].as_ptr(), first),
+                    _mm256_maskload_ps(x.d[b0..].as_ptr(), first),
+                )
+            };
+            let s = _mm256_add_epi32(sum_rows8(p), off);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
+        }
     }
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lane_tree(lanes);
+    }
+    out
 }
-
-tile_32_fn!(q5_0_tile, q5_0_block, BlockQ5_0, raw_q5_0);
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
 panel_fn!(q6k_panel, q6k_tile_any, "avx2,fma", BlockQ6K, &[BlockQ8K]);
 panel_fn!(q8_0_panel, q8_0_tile, "avx2,fma", BlockQ8_0, Act32Row<'_>);
-panel_fn!(q5_0_panel, q5_0_tile, "avx2,fma", BlockQ5_0, Act32Row<'_>);
+panel_fn!(
+    q5_0_panel,
+    q5_0_tile,
+    "avx2,fma,f16c",
+    BlockQ5_0,
+    Act32Row<'_>
+);

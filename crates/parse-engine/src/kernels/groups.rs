@@ -353,3 +353,109 @@ pub unsafe fn q6k_groups(
         }
     }
 }
+
+/// [`MIN_ROWS`] of [`q5_0_groups`] (to be measured).
+pub const MIN_ROWS_32: usize = 8;
+
+/// Byte offset of the nibbles in a Q5_0 block (ggml's `block_q5_0`: `d`, the 32 fifth bits `qh`, then them).
+const Q5_0_QS: usize = 6;
+
+/// The exact integer of one 32-value Q5_0 block of [`q5_0_dot_scalar`] for 16 weight rows and one activation row:
+/// `dpbusd` of the unsigned weights (`weight + 16`, `wq[k]` for values `4k..4k + 4`) and the activation bytes, in two
+/// chains (integers: the grouping changes nothing), from the activations' `off5` (`-16 * sum of x`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn q5_0_block(wq: &[__m512i], off: i32, qs: *const i8) -> __m512i {
+    let (mut a, mut b) = (_mm512_set1_epi32(off), _mm512_setzero_si512());
+    for k in 0..4 {
+        // SAFETY: the caller guarantees 32 readable activation bytes at qs.
+        unsafe {
+            a = _mm512_dpbusd_epi32(a, wq[k], bcast(qs.add(4 * k)));
+            b = _mm512_dpbusd_epi32(b, wq[k + 4], bcast(qs.add(16 + 4 * k)));
+        }
+    }
+    _mm512_add_epi32(a, b)
+}
+
+/// `out[r * stride + c] = q5_0_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
+/// blocks) and every activation row `r`. The 16 rows' blocks are unpacked once (the fifth bit of value `4k + j` is
+/// bit `4k + j` of `qh`: byte `k / 2` of each lane spread to its 4 bytes by a shuffle, then tested against one bit
+/// per byte) into a scratch of `8 kb` vectors that every activation row reads; per activation row the 8 lanes of the
+/// definition are 8 vectors, summed in its tree at the end.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL, VNNI and F16C; `w` must be whole rows of `kb` blocks, a multiple of 16 rows;
+/// `xs` rows must hold at least `kb` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q5_0_groups(
+    w: &[BlockQ5_0],
+    kb: usize,
+    xs: &[Act32Row<'_>],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let w = raw_q5_0(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let row_bytes = kb * std::mem::size_of::<RawQ5_0>();
+    let nib = _mm512_set1_epi8(0xF);
+    let fifth = _mm512_set1_epi8(0x10);
+    // Word k's shuffle takes byte k / 2 of each lane's qh into all four of its bytes; byte j of a lane then holds
+    // value 4k + j's fifth bit at bit 4 (k % 2) + j.
+    let spread: [__m512i; 4] = std::array::from_fn(|h| {
+        let idx: [u8; 64] = std::array::from_fn(|p| ((p % 16) / 4 * 4 + h) as u8);
+        // SAFETY: 64 bytes make the 512 bits loaded.
+        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+    });
+    let bits: [__m512i; 2] = std::array::from_fn(|h| {
+        _mm512_set1_epi32(i32::from_le_bytes(std::array::from_fn(|j| {
+            1u8 << (4 * h + j)
+        })))
+    });
+    let mut wq = vec![_mm512_setzero_si512(); 8 * kb];
+    let mut wd = vec![_mm512_setzero_ps(); kb];
+    for g in 0..cols / 16 {
+        for b in 0..kb {
+            let base = (&w[g * 16 * kb + b] as *const RawQ5_0).cast::<u8>();
+            // SAFETY: lane n reads row g * 16 + n's block b (the caller's bounds): bytes 0..16 (d, qh, the first 10
+            // nibble bytes) and 6..22 (the 16 nibble bytes).
+            let ([h0, h1, _, _], q) =
+                unsafe { (words4(base, row_bytes, 0), words4(base, row_bytes, Q5_0_QS)) };
+            wd[b] = half_to_f32(h0, false);
+            let qh = _mm512_or_si512(_mm512_srli_epi32::<16>(h0), _mm512_slli_epi32::<16>(h1));
+            for k in 0..8 {
+                let v = if k < 4 {
+                    _mm512_and_si512(q[k], nib)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi32::<4>(q[k - 4]), nib)
+                };
+                let byte = _mm512_shuffle_epi8(qh, spread[k / 2]);
+                let set = _mm512_test_epi8_mask(byte, bits[k % 2]);
+                wq[8 * b + k] = _mm512_mask_add_epi8(v, set, v, fifth);
+            }
+        }
+        for (r, x) in xs.iter().enumerate() {
+            let mut acc = [_mm512_setzero_ps(); 8];
+            let x_qs = x.qs.as_ptr();
+            for b0 in (0..kb).step_by(8) {
+                for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
+                    let b = b0 + j;
+                    // SAFETY: block b of the row has 32 activation bytes at 32b.
+                    let s =
+                        unsafe { q5_0_block(&wq[8 * b..8 * b + 8], x.off5[b], x_qs.add(32 * b)) };
+                    let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
+                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
+                }
+            }
+            let s = [
+                _mm512_add_ps(acc[0], acc[4]),
+                _mm512_add_ps(acc[1], acc[5]),
+                _mm512_add_ps(acc[2], acc[6]),
+                _mm512_add_ps(acc[3], acc[7]),
+            ];
+            let v = _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
+            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
+            unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), v) };
+        }
+    }
+}

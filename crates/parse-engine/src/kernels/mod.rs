@@ -13,8 +13,12 @@
 //!   `acc = fma(d_x * d_w, S as f32, acc)` and `acc_m = fma(d_x * dmin_w, M as f32, acc_m)` in two chains, and the
 //!   dot product is `acc - acc_m` (a whole-super-block integer is what AMX tiles produce, so they can share it).
 //! - Q6_K x Q8_K: a super-block's whole integer sum `S` is exact; `acc = fma(d_x * d_w, S as f32, acc)` in one chain.
-//! - Q8_0 and Q5_0 x Q8_0: 8 lanes per 32-value block; even blocks accumulate into lanes 0..8, odd blocks into lanes
-//!   8..16, and the 16 lanes are folded into 8 and summed in the tree.
+//! - Q8_0 x Q8_0: 8 lanes per 32-value block; even blocks accumulate into lanes 0..8, odd blocks into lanes 8..16,
+//!   and the 16 lanes are folded into 8 and summed in the tree.
+//! - Q5_0 x Q8_0: a block's 32 products sum exactly to an integer `S`; block `b` accumulates into lane `b % 8` as
+//!   `fma(d_x * d_w, S as f32, acc)`, and the 8 lanes are summed in the tree. One float step per block rather than
+//!   per 4 products: the row groups spend a `vpdpbusd` chain per block and one `fma`, the panels reduce 8 blocks'
+//!   lane sums together.
 //!
 //! A call computes one weight row against up to [`TILE_ROWS`] activation rows (each weight block is unpacked once
 //! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
@@ -224,13 +228,14 @@ fn raw_q5_0(xs: &[BlockQ5_0]) -> &[RawQ5_0] {
 }
 
 /// Activation rows quantized to 8 bits in blocks of 32 (ggml's Q8_0 rounding), laid out for the 32-wide kernels:
-/// per block its scale as f32, its 32 values, and the 8 lane sums of its values (`lsum[k]` = bytes `4k..4k+4`).
+/// per block its scale as f32, its 32 values, and `-16 *` their sum (`off5`): what unsigned Q5_0 weights (`weight +
+/// 16`) add to the block's products, taken back.
 #[derive(Debug, Clone, Default)]
 pub struct Act32 {
     kb: usize,
     d: Vec<f32>,
     qs: Vec<i8>,
-    lsum: Vec<i32>,
+    off5: Vec<i32>,
 }
 
 /// One row of an [`Act32`].
@@ -238,7 +243,7 @@ pub struct Act32 {
 pub struct Act32Row<'a> {
     d: &'a [f32],
     qs: &'a [i8],
-    lsum: &'a [i32],
+    off5: &'a [i32],
 }
 
 impl Act32 {
@@ -251,17 +256,15 @@ impl Act32 {
             kb,
             d: Vec::with_capacity(m * kb),
             qs: Vec::with_capacity(m * k),
-            lsum: Vec::with_capacity(m * kb * 8),
+            off5: Vec::with_capacity(m * kb),
         };
         for row in x.chunks(k).take(m) {
             BlockQ8_0::from_float(row, &mut blocks);
             for b in raw_q8_0(&blocks) {
                 a.d.push(f16::from_bits(b.d).to_f32());
                 a.qs.extend_from_slice(&b.qs);
-                a.lsum.extend(
-                    b.qs.chunks(4)
-                        .map(|c| c.iter().map(|&v| v as i32).sum::<i32>()),
-                );
+                a.off5
+                    .push(-16 * b.qs.iter().map(|&v| v as i32).sum::<i32>());
             }
         }
         a
@@ -272,7 +275,7 @@ impl Act32 {
         Act32Row {
             d: &self.d[r * kb..(r + 1) * kb],
             qs: &self.qs[r * kb * 32..(r + 1) * kb * 32],
-            lsum: &self.lsum[r * kb * 8..(r + 1) * kb * 8],
+            off5: &self.off5[r * kb..(r + 1) * kb],
         }
     }
 }
@@ -313,22 +316,38 @@ fn q5_0_values(b: &RawQ5_0) -> [i32; 32] {
     })
 }
 
-/// Reference definition of the dot product of one Q5_0 row with one activation row (no SIMD).
+/// The scales of Q5_0 blocks `b0..b0 + n` (`n <= 8`) as f32 in the lanes of a vector, zeros after: put into a
+/// vector one by one (storing them and loading the vector stalls on the store, which cost the one-token step a
+/// third of its time).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn q5_0_scales8(w: &[RawQ5_0], b0: usize, n: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let mut v = _mm_setzero_si128();
+    macro_rules! put {
+        ($($j:literal),*) => {
+            $(if $j < n {
+                v = _mm_insert_epi16::<$j>(v, w[b0 + $j].d as i32);
+            })*
+        };
+    }
+    put!(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_cvtph_ps(v)
+}
+
+/// Reference definition of the dot product of one Q5_0 row with one activation row (no SIMD): per block the exact
+/// integer sum of its 32 products, accumulated into lane `b % 8`.
 pub fn q5_0_dot_scalar(w: &[BlockQ5_0], x: Act32Row<'_>) -> f32 {
     let w = raw_q5_0(w);
-    let mut acc = [0f32; 16];
+    let mut acc = [0f32; 8];
     for (b, wb) in w.iter().enumerate() {
         let d = f16::from_bits(wb.d).to_f32() * x.d[b];
         let v = q5_0_values(wb);
-        let half = (b & 1) * 8;
-        for k in 0..8 {
-            let s: i32 = (4 * k..4 * k + 4)
-                .map(|i| v[i] * x.qs[32 * b + i] as i32)
-                .sum();
-            acc[half + k] = d.mul_add(s as f32, acc[half + k]);
-        }
+        let s: i32 = (0..32).map(|i| v[i] * x.qs[32 * b + i] as i32).sum();
+        acc[b % 8] = d.mul_add(s as f32, acc[b % 8]);
     }
-    lane_tree16(acc)
+    lane_tree(acc)
 }
 
 /// A family of kernel variants, from slowest to fastest.
@@ -374,7 +393,9 @@ impl Kernels {
             Kernels::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Kernels::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+                std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Kernels::Vnni => {
@@ -504,16 +525,40 @@ fn amx_min_rows() -> usize {
 pub fn use_groups(m: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF
-            .get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"));
         static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         let set = *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS_MIN_ROWS"));
         let min = set.unwrap_or(match active() {
             Kernels::Amx => groups::MIN_ROWS_WITH_AMX,
             _ => groups::MIN_ROWS,
         });
-        !off && m >= min && active() >= Kernels::Vnni && !use_amx(m)
+        row_groups_on() && m >= min && active() >= Kernels::Vnni && !use_amx(m)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = m;
+        false
+    }
+}
+
+/// Whether the row-group switch is on: `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks
+/// compare the two).
+#[cfg(target_arch = "x86_64")]
+fn row_groups_on() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"))
+}
+
+/// Whether a block of `m` rows of a Q5_0 matrix goes to [`groups::q5_0_groups`] (an AVX-512 VNNI variant is
+/// active and the block has at least [`groups::MIN_ROWS_32`] rows, or `PARSE_CPU_GROUPS32_MIN_ROWS`);
+/// `PARSE_CPU_ROW_GROUPS=off` turns it off as it does the K-quants' row groups.
+pub fn use_groups_32(m: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let min = *MIN.get_or_init(|| {
+            rows_from_env("PARSE_CPU_GROUPS32_MIN_ROWS").unwrap_or(groups::MIN_ROWS_32)
+        });
+        row_groups_on() && m >= min && active() >= Kernels::Vnni
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -796,8 +841,8 @@ mod tests {
             q6k_panel,
             q6k_dot_scalar,
         );
-        // 32-wide formats: an even and an odd number of blocks per row.
-        for kb32 in [kb * 8, 7] {
+        // 32-wide formats: an even and an odd number of blocks per row, and whole groups of 8 and a tail.
+        for kb32 in [kb * 8, 7, 13] {
             let k32 = kb32 * 32;
             let w32 = random(&mut rng, 5 * k32, 1.0);
             let x: Vec<f32> = xf
@@ -918,6 +963,53 @@ mod tests {
             check_block("q6k", &out, stride, m, cols, |r, c| {
                 q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r])
             });
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q5_0_row_groups_equal_the_scalar_definition_bit_for_bit() {
+        if !Kernels::Vnni.supported() {
+            eprintln!("skipping the row-group kernels: this CPU lacks AVX-512 VNNI");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+        // Fewer blocks per row than lanes, whole groups of 8 and a tail, and the draft's 28.
+        for (kb, cols) in [(6, 32), (13, 48), (28, 16)] {
+            let k = kb * 32;
+            let mut w = blocks::<BlockQ5_0>(&random(&mut rng, cols * k, 1.0));
+            // The extremes of the first block of the first 16 rows: every value -16 (nibbles 0, fifth bits 0) or 15
+            // (nibbles 15, fifth bits 1), alternating fifth bits, and scales of both signs.
+            for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
+                #[allow(unsafe_code)]
+                // SAFETY: BlockQ5_0 and RawQ5_0 have the same layout (asserted at compile time above).
+                let raw = unsafe { &mut *(b as *mut BlockQ5_0).cast::<RawQ5_0>() };
+                match n % 3 {
+                    0 => (raw.qs, raw.qh) = ([0; 16], [0; 4]),
+                    1 => (raw.qs, raw.qh) = ([0xFF; 16], [0xFF; 4]),
+                    _ => (raw.qs, raw.qh) = ([0xF0; 16], [0x5A, 0xA5, 0x0F, 0xF0]),
+                }
+                if n % 2 == 0 {
+                    raw.d = f16::from_f32(-0.03).to_bits();
+                }
+            }
+            for m in [1, 2, 5, groups::MIN_ROWS_32, 17] {
+                let mut xf = random(&mut rng, m * k, 3.0);
+                // One row at the activations' extreme: every value the block's largest (quantized to 127).
+                xf[..k].fill(2.5);
+                let act = Act32::quantize(&xf, k, m);
+                let xs: Vec<Act32Row<'_>> = (0..m).map(|r| act.row(r)).collect();
+                let stride = cols + 5;
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: checked above that the VNNI variant is supported.
+                unsafe {
+                    groups::q5_0_groups(&w, kb, &xs, &mut out, stride)
+                };
+                check_block("q5_0", &out, stride, m, cols, |r, c| {
+                    q5_0_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+                });
+            }
         }
     }
 

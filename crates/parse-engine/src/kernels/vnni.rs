@@ -404,40 +404,82 @@ fn q5_0_unsigned(w: &[RawQ5_0], b: usize, pair: bool) -> __m512i {
     _mm512_or_si512(v, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)))
 }
 
-/// `R` activation rows against one Q5_0 weight row, two blocks per step: `dpbusd(q + 16, x)` starting from
-/// `-16 * lane sum of x` gives the 8 exact lane sums of each block of [`q5_0_dot_scalar`].
+/// The 8 block sums of four vectors of lane sums (`v[i]`: block `2i` in lanes 0..8, block `2i + 1` in 8..16), block
+/// `j` in lane `j`: pairs of 128-bit lanes transposed and added (integers, so the grouping changes nothing).
+#[target_feature(enable = "avx512f,avx512vl")]
+#[inline]
+fn block_sums8(v: [__m512i; 4]) -> __m256i {
+    let t0 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let t1 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    // 128-bit lane L of u: the sums of lane L of v[0], v[1], v[2], v[3].
+    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    // Lanes 0 and 1 of each v are its even block, 2 and 3 its odd one: [b0 b2 b4 b6 b1 b3 b5 b7].
+    let w = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b00_00_10_00>(u, u),
+        _mm512_shuffle_i64x2::<0b00_00_11_01>(u, u),
+    );
+    _mm256_permutevar8x32_epi32(
+        _mm512_castsi512_si256(w),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    )
+}
+
+/// `R` activation rows against one Q5_0 weight row, 8 blocks per step: `dpbusd(q + 16, x)` of two blocks gives
+/// their 16 lane sums, [`block_sums8`] the 8 blocks' sums, and the activations' `off5`
+/// (`-16 * sum of x`) the exact block integers of [`q5_0_dot_scalar`], one lane per block. Past the row's last block
+/// the lanes hold `fma(0, 0, acc)`, which leaves `acc` as it is (it never holds -0: it starts at +0, and a sum that
+/// comes to zero rounds to +0).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
 #[inline]
 unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
     let w = raw_q5_0(w);
     let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in (0..w.len()).step_by(2) {
-        let pair = b + 1 < w.len();
-        let q = q5_0_unsigned(w, b, pair);
-        let wd0 = f16::from_bits(w[b].d).to_f32();
-        let wd1 = if pair {
-            f16::from_bits(w[b + 1].d).to_f32()
-        } else {
-            0.0
-        };
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b0 in (0..w.len()).step_by(8) {
+        let n = (w.len() - b0).min(8);
+        // Loops, not `array::from_fn`: a closure is a function of its own, called where it cannot be inlined into
+        // `from_fn`, which lacks this function's target features.
+        let mut q = [zero; 4];
+        for (p, qp) in q.iter_mut().enumerate() {
+            if 2 * p < n {
+                *qp = q5_0_unsigned(w, b0 + 2 * p, 2 * p + 1 < n);
+            }
+        }
+        let wd = q5_0_scales8(w, b0, n);
+        let first = u8::MAX >> (8 - n);
         for r in 0..R {
             let x = &xs[r];
-            let ls = if pair {
-                // SAFETY: 16 lane sums of blocks b and b + 1 from 8b.
-                unsafe { _mm512_loadu_si512(x.lsum[8 * b..].as_ptr().cast()) }
-            } else {
-                // SAFETY: 8 lane sums of block b from 8b.
-                _mm512_castsi256_si512(unsafe {
-                    _mm256_loadu_si256(x.lsum[8 * b..].as_ptr().cast())
-                })
+            let mut v = [zero; 4];
+            for (i, (vi, qi)) in v.iter_mut().zip(&q).enumerate() {
+                if 2 * i < n {
+                    *vi = _mm512_dpbusd_epi32(zero, *qi, act64(x, b0 + 2 * i, 2 * i + 1 < n));
+                }
+            }
+            // SAFETY: blocks b0..b0 + n of the row exist; the masked loads read no lane past them.
+            let (off, xd) = unsafe {
+                (
+                    _mm256_maskz_loadu_epi32(first, x.off5[b0..].as_ptr().cast()),
+                    _mm256_maskz_loadu_ps(first, x.d[b0..].as_ptr()),
+                )
             };
-            let neg = _mm512_sub_epi32(zero, _mm512_slli_epi32(ls, 4));
-            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, q, act64(x, b, pair)));
-            acc[r] = accumulate_pair(acc[r], s, (wd0, wd1), x, b, pair);
+            let s = _mm256_add_epi32(block_sums8(v), off);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
-    std::array::from_fn(|r| fold16(acc[r]))
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lane_tree(lanes);
+    }
+    out
 }
 
 /// Quantizes rows of 256-value blocks to Q8_K exactly as candle's `BlockQ8K::from_float` does (the value of largest
