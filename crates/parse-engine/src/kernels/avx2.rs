@@ -333,7 +333,8 @@ unsafe fn q8_0_block<const R: usize>(
 /// accumulators do not fit in the 16 registers, one block per step.
 const PAIRED_ROWS: usize = 4;
 
-/// The tile of a 32-wide format: `R` activation rows against one weight row, `$block` per block. Up to
+/// The tile of a 32-wide format with 8 lanes per block (Q8_0; Q5_0 keeps one integer per block, [`q5_0_tile`]): `R`
+/// activation rows against one weight row, `$block` per block. Up to
 /// [`PAIRED_ROWS`] rows, two blocks per step so that the even and the odd blocks' accumulators stay in registers:
 /// indexed by `b & 1`, they went through memory at every block, a store and a reload on each accumulation's chain
 /// (the draft's one-token step, mostly Q5_0 products, spent a tenth of its kernel time on that store).
