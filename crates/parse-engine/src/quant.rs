@@ -372,8 +372,8 @@ fn matmul_q5_0_groups(mat: &Mat<BlockQ5_0>, input: &Input<'_>, out: &mut [f32]) 
     let lanes =
         |w: &[BlockQ5_0], rows: &[kernels::Act32Row<'_>], dst: &mut [f32], stride: usize| {
             #[allow(unsafe_code)]
-            // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (F16C is in the build's baseline); `w`
-            // is whole 16-row groups; every activation row has kb blocks.
+            // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (its check includes AVX2, FMA and
+            // F16C); `w` is whole 16-row groups; every activation row has kb blocks.
             unsafe {
                 kernels::groups::q5_0_groups(w, kb, rows, dst, stride)
             }
