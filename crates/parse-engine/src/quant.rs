@@ -363,29 +363,31 @@ fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     matmul_16(mat, &rows, out, kern, groups, panel);
 }
 
-/// Q5_0 matmul of a block of rows through the row-group kernel ([`matmul_16`]).
+/// The row-group function of a 32-wide format ([`kernels::groups`]).
 #[cfg(target_arch = "x86_64")]
-fn matmul_q5_0_groups(mat: &Mat<BlockQ5_0>, input: &Input<'_>, out: &mut [f32]) {
+type Groups32<T> = unsafe fn(&[T], usize, &[kernels::Act32Row<'_>], &mut [f32], usize);
+
+/// Q5_0 or Q8_0 matmul of a block of rows through its row-group kernel ([`matmul_16`]).
+#[cfg(target_arch = "x86_64")]
+fn matmul_32_groups<'a, T: GgmlType>(
+    mat: &Mat<T>,
+    input: &'a Input<'_>,
+    out: &mut [f32],
+    groups: Groups32<T>,
+    panel: Panel<T, kernels::Act32Row<'a>>,
+) {
     let kb = mat.blocks_per_row();
     let xq = input.act32();
     let rows: Vec<kernels::Act32Row<'_>> = (0..input.m).map(|r| xq.row(r)).collect();
-    let lanes =
-        |w: &[BlockQ5_0], rows: &[kernels::Act32Row<'_>], dst: &mut [f32], stride: usize| {
-            #[allow(unsafe_code)]
-            // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (its check includes AVX2, FMA and
-            // F16C); `w` is whole 16-row groups; every activation row has kb blocks.
-            unsafe {
-                kernels::groups::q5_0_groups(w, kb, rows, dst, stride)
-            }
-        };
-    matmul_16(
-        mat,
-        &rows,
-        out,
-        kernels::active(),
-        lanes,
-        kernels::q5_0_panel,
-    );
+    let lanes = |w: &[T], rows: &[kernels::Act32Row<'_>], dst: &mut [f32], stride: usize| {
+        #[allow(unsafe_code)]
+        // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (its check includes AVX2, FMA and
+        // F16C); `w` is whole 16-row groups; every activation row has kb blocks.
+        unsafe {
+            groups(w, kb, rows, dst, stride)
+        }
+    };
+    matmul_16(mat, &rows, out, kernels::active(), lanes, panel);
 }
 
 /// K-quant matmul of a block of rows through AMX tiles ([`matmul_k_16`]).
@@ -892,9 +894,23 @@ impl QMatrix {
             ),
             QMatrix::Q4K(mat) => matmul_k(mat, input, out, kernels::q4k_panel),
             QMatrix::Q6K(mat) => matmul_k(mat, input, out, kernels::q6k_panel),
-            QMatrix::Q8_0(mat) => matmul_32(mat, input, out, kernels::q8_0_panel),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q5_0(mat) if kernels::use_groups_32(m) => matmul_q5_0_groups(mat, input, out),
+            QMatrix::Q8_0(mat) if kernels::use_groups_32(m) => matmul_32_groups(
+                mat,
+                input,
+                out,
+                kernels::groups::q8_0_groups,
+                kernels::q8_0_panel,
+            ),
+            #[cfg(target_arch = "x86_64")]
+            QMatrix::Q5_0(mat) if kernels::use_groups_32(m) => matmul_32_groups(
+                mat,
+                input,
+                out,
+                kernels::groups::q5_0_groups,
+                kernels::q5_0_panel,
+            ),
+            QMatrix::Q8_0(mat) => matmul_32(mat, input, out, kernels::q8_0_panel),
             QMatrix::Q5_0(mat) => matmul_32(mat, input, out, kernels::q5_0_panel),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }

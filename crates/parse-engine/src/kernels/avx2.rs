@@ -293,85 +293,63 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
 tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
 tile_any_fn!(q6k_tile_any, q6k_tile, q6k_tile_rows, "avx2,fma", BlockQ6K);
 
-/// Folds the even-block and odd-block lane accumulators as in `lane_tree16`.
+/// The sums of `R` rows of lanes, a row per output (8 lanes summed in `lane_tree`'s order).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fold16(even: __m256, odd: __m256) -> f32 {
-    let mut lanes = [0f32; 8];
-    // SAFETY: lanes holds 8 f32.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(even, odd)) };
-    lane_tree(lanes)
-}
-
-/// Block `b` of a Q8_0 row against `R` activation rows, accumulated into `acc` (the even or the odd blocks' lanes):
-/// `maddubs(|w|, sign(x, w))` then `madd` with ones gives the block's 8 exact lane sums of [`q8_0_dot_scalar`]
-/// (activations never hold -128, so the sign trick cannot overflow).
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q8_0_block<const R: usize>(
-    wb: &RawQ8_0,
-    b: usize,
-    xs: &[Act32Row<'_>; R],
-    acc: &mut [__m256; R],
-) {
-    // SAFETY: qs has 32 bytes.
-    let q = unsafe { _mm256_loadu_si256(wb.qs.as_ptr().cast()) };
-    let aq = _mm256_sign_epi8(q, q);
-    let wd = f16::from_bits(wb.d).to_f32();
-    let ones = _mm256_set1_epi16(1);
-    for r in 0..R {
-        let x = &xs[r];
-        // SAFETY: a row has 32 values per block; block b spans 32b..32b+32.
-        let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * b).cast()) };
-        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, q)), ones);
-        let d = _mm256_set1_ps(wd * x.d[b]);
-        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[r]);
+fn lanes_out<const R: usize>(acc: [__m256; R]) -> [f32; R] {
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lane_tree(lanes);
     }
+    out
 }
 
-/// Tiles of up to this many activation rows take two blocks per step (`tile_32_fn`); larger ones, whose two sets of
-/// accumulators do not fit in the 16 registers, one block per step.
-const PAIRED_ROWS: usize = 4;
-
-/// The tile of a 32-wide format with 8 lanes per block (Q8_0; Q5_0 keeps one integer per block, [`q5_0_tile`]): `R`
-/// activation rows against one weight row, `$block` per block. Up to
-/// [`PAIRED_ROWS`] rows, two blocks per step so that the even and the odd blocks' accumulators stay in registers:
-/// indexed by `b & 1`, they went through memory at every block, a store and a reload on each accumulation's chain
-/// (the draft's one-token step, mostly Q5_0 products, spent a tenth of its kernel time on that store).
-macro_rules! tile_32_fn {
-    ($name:ident, $block:ident, $w:ty, $raw:ident) => {
-        #[target_feature(enable = "avx2,fma")]
-        #[inline]
-        unsafe fn $name<const R: usize>(w: &[$w], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-            let w = $raw(w);
-            if R > PAIRED_ROWS {
-                let mut acc = [[_mm256_setzero_ps(); R]; 2];
-                for (b, wb) in w.iter().enumerate() {
-                    // SAFETY: the caller's CPU has AVX2 and FMA; block b is in every activation row.
-                    unsafe { $block(wb, b, xs, &mut acc[b & 1]) };
-                }
-                return std::array::from_fn(|r| fold16(acc[0][r], acc[1][r]));
-            }
-            let mut even = [_mm256_setzero_ps(); R];
-            let mut odd = [_mm256_setzero_ps(); R];
-            let mut pairs = w.chunks_exact(2);
-            for (p, pair) in pairs.by_ref().enumerate() {
-                // SAFETY: the caller's CPU has AVX2 and FMA; blocks 2p and 2p + 1 are in every activation row.
-                unsafe {
-                    $block(&pair[0], 2 * p, xs, &mut even);
-                    $block(&pair[1], 2 * p + 1, xs, &mut odd);
-                }
-            }
-            if let [last] = pairs.remainder() {
-                // SAFETY: as above, for the last (even) block.
-                unsafe { $block(last, w.len() - 1, xs, &mut even) };
-            }
-            std::array::from_fn(|r| fold16(even[r], odd[r]))
+/// `R` activation rows against one Q8_0 weight row, 8 blocks per step: `maddubs(|w|, sign(x, w))` then `madd` with
+/// ones gives a block's 8 lane sums (activations never hold -128, so the sign trick cannot overflow), [`sum_rows8`]
+/// the 8 blocks' integers of [`q8_0_dot_scalar`], one lane per block; past the row's last block the lanes hold
+/// `fma(0, 0, acc)` (see the Q5_0 tile).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q8_0(w);
+    let ones = _mm256_set1_epi16(1);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b0 in (0..w.len()).step_by(8) {
+        let n = (w.len() - b0).min(8);
+        let mut q = [zero; 8];
+        for (j, qj) in q.iter_mut().enumerate().take(n) {
+            // SAFETY: qs has 32 bytes.
+            *qj = unsafe { _mm256_loadu_si256(w[b0 + j].qs.as_ptr().cast()) };
         }
-    };
+        let wd = scales8(w, b0, n);
+        let first = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        for r in 0..R {
+            let x = &xs[r];
+            let mut p = [zero; 8];
+            for (j, (pj, qj)) in p.iter_mut().zip(&q).enumerate().take(n) {
+                // SAFETY: block b0 + j of the row has 32 values at 32 (b0 + j).
+                let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * (b0 + j)).cast()) };
+                let aq = _mm256_sign_epi8(*qj, *qj);
+                *pj = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, *qj)), ones);
+            }
+            // SAFETY: blocks b0..b0 + n of the row exist; the masked load reads no lane past them.
+            let xd = unsafe { _mm256_maskload_ps(x.d[b0..].as_ptr(), first) };
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(wd, xd),
+                _mm256_cvtepi32_ps(sum_rows8(p)),
+                acc[r],
+            );
+        }
+    }
+    lanes_out(acc)
 }
-
-tile_32_fn!(q8_0_tile, q8_0_block, BlockQ8_0, raw_q8_0);
 
 /// The 32 unsigned 5-bit values (`weight + 16`) of a Q5_0 block.
 #[target_feature(enable = "avx2")]
@@ -421,7 +399,7 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
         for (j, qj) in q.iter_mut().enumerate().take(n) {
             *qj = q5_0_unsigned(&w[b0 + j]);
         }
-        let wd = q5_0_scales8(w, b0, n);
+        let wd = scales8(w, b0, n);
         let first = _mm256_cmpgt_epi32(
             _mm256_set1_epi32(n as i32),
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
@@ -445,19 +423,18 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
-    let mut out = [0f32; R];
-    for (o, a) in out.iter_mut().zip(acc) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        *o = lane_tree(lanes);
-    }
-    out
+    lanes_out(acc)
 }
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
 panel_fn!(q6k_panel, q6k_tile_any, "avx2,fma", BlockQ6K, &[BlockQ8K]);
-panel_fn!(q8_0_panel, q8_0_tile, "avx2,fma", BlockQ8_0, Act32Row<'_>);
+panel_fn!(
+    q8_0_panel,
+    q8_0_tile,
+    "avx2,fma,f16c",
+    BlockQ8_0,
+    Act32Row<'_>
+);
 panel_fn!(
     q5_0_panel,
     q5_0_tile,

@@ -354,7 +354,7 @@ pub unsafe fn q6k_groups(
     }
 }
 
-/// [`MIN_ROWS`] of [`q5_0_groups`]. Measured with `engine-bench --models draft --blocks 4,6,8,12,16`, three rounds
+/// [`MIN_ROWS`] of [`q5_0_groups`] and [`q8_0_groups`]. Measured (Q5_0) with `engine-bench --models draft --blocks 4,6,8,12,16`, three rounds
 /// of `PARSE_CPU_GROUPS32_MIN_ROWS=100000|8|4`, on a 2-core AVX-512 VNNI machine (AMD EPYC), ms with logits at every
 /// row, panels against row groups: 4 rows 28-32 against 39-44, 6 rows 42-48 against 44-50, 8 rows 51-74 against
 /// 50-57, 12 rows 75-91 against 60-70.
@@ -363,12 +363,13 @@ pub const MIN_ROWS_32: usize = 8;
 /// Byte offset of the nibbles in a Q5_0 block (ggml's `block_q5_0`: `d`, the 32 fifth bits `qh`, then them).
 const Q5_0_QS: usize = 6;
 
-/// The exact integer of one 32-value Q5_0 block of [`q5_0_dot_scalar`] for 16 weight rows and one activation row:
-/// `dpbusd` of the unsigned weights (`weight + 16`, `wq[k]` for values `4k..4k + 4`) and the activation bytes, in two
-/// chains (integers: the grouping changes nothing), from the activations' `off5` (`-16 * sum of x`).
+/// The exact integer of one 32-value block of [`q5_0_dot_scalar`] or [`q8_0_dot_scalar`] for 16 weight rows and one
+/// activation row: `dpbusd` of the unsigned weights (`weight + 16` or `+ 128`, `wq[k]` for values `4k..4k + 4`) and
+/// the activation bytes, in two chains (integers: the grouping changes nothing), from `off` (the activations' `off5`
+/// or `off8`, `-16` or `-128 * sum of x`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn q5_0_block(wq: &[__m512i], off: i32, qs: *const i8) -> __m512i {
+unsafe fn block32(wq: &[__m512i], off: i32, qs: *const i8) -> __m512i {
     let (mut a, mut b) = (_mm512_set1_epi32(off), _mm512_setzero_si512());
     for k in 0..4 {
         // SAFETY: the caller guarantees 32 readable activation bytes at qs.
@@ -378,6 +379,24 @@ unsafe fn q5_0_block(wq: &[__m512i], off: i32, qs: *const i8) -> __m512i {
         }
     }
     _mm512_add_epi32(a, b)
+}
+
+/// Stores the 8 lanes of the 32-wide definitions, summed in `lane_tree`'s order, 16 weight rows at `dst`.
+///
+/// # Safety
+/// 16 f32 must be writable at `dst`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tree(dst: *mut f32, acc: &[__m512; 8]) {
+    let s = [
+        _mm512_add_ps(acc[0], acc[4]),
+        _mm512_add_ps(acc[1], acc[5]),
+        _mm512_add_ps(acc[2], acc[6]),
+        _mm512_add_ps(acc[3], acc[7]),
+    ];
+    let v = _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
+    // SAFETY: the caller's bound.
+    unsafe { _mm512_storeu_ps(dst, v) };
 }
 
 /// `out[r * stride + c] = q5_0_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
@@ -444,21 +463,73 @@ pub unsafe fn q5_0_groups(
                 for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
                     let b = b0 + j;
                     // SAFETY: block b of the row has 32 activation bytes at 32b.
-                    let s =
-                        unsafe { q5_0_block(&wq[8 * b..8 * b + 8], x.off5[b], x_qs.add(32 * b)) };
+                    let s = unsafe { block32(&wq[8 * b..8 * b + 8], x.off5[b], x_qs.add(32 * b)) };
                     let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
                     *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
                 }
             }
-            let s = [
-                _mm512_add_ps(acc[0], acc[4]),
-                _mm512_add_ps(acc[1], acc[5]),
-                _mm512_add_ps(acc[2], acc[6]),
-                _mm512_add_ps(acc[3], acc[7]),
-            ];
-            let v = _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
             // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
-            unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), v) };
+            unsafe { store_tree(out[r * stride + 16 * g..][..16].as_mut_ptr(), &acc) };
+        }
+    }
+}
+
+/// Byte offset of the weights in a Q8_0 block (ggml's `block_q8_0`: `d`, then 32 signed bytes).
+const Q8_0_QS: usize = 2;
+
+/// `out[r * stride + c] = q8_0_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
+/// blocks) and every activation row `r`: as [`q5_0_groups`], with the weights made unsigned by `+ 128` (a flipped
+/// top bit) and the block's integer started from the activations' `off8` (`-128 * sum of x`).
+///
+/// # Safety
+/// As [`q5_0_groups`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q8_0_groups(
+    w: &[BlockQ8_0],
+    kb: usize,
+    xs: &[Act32Row<'_>],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let w = raw_q8_0(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let row_bytes = kb * std::mem::size_of::<RawQ8_0>();
+    let top = _mm512_set1_epi8(-128);
+    let mut wq = vec![_mm512_setzero_si512(); 8 * kb];
+    let mut wd = vec![_mm512_setzero_ps(); kb];
+    for g in 0..cols / 16 {
+        for b in 0..kb {
+            let base = (&w[g * 16 * kb + b] as *const RawQ8_0).cast::<u8>();
+            // SAFETY: lane n reads row g * 16 + n's block b (the caller's bounds): bytes 0..16, 2..18 and 18..34 of
+            // its 34.
+            let ([h0, _, _, _], lo, hi) = unsafe {
+                (
+                    words4(base, row_bytes, 0),
+                    words4(base, row_bytes, Q8_0_QS),
+                    words4(base, row_bytes, Q8_0_QS + 16),
+                )
+            };
+            wd[b] = half_to_f32(h0, false);
+            for k in 0..4 {
+                wq[8 * b + k] = _mm512_xor_si512(lo[k], top);
+                wq[8 * b + 4 + k] = _mm512_xor_si512(hi[k], top);
+            }
+        }
+        for (r, x) in xs.iter().enumerate() {
+            let mut acc = [_mm512_setzero_ps(); 8];
+            let x_qs = x.qs.as_ptr();
+            for b0 in (0..kb).step_by(8) {
+                for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
+                    let b = b0 + j;
+                    // SAFETY: block b of the row has 32 activation bytes at 32b.
+                    let s = unsafe { block32(&wq[8 * b..8 * b + 8], x.off8[b], x_qs.add(32 * b)) };
+                    let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
+                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
+                }
+            }
+            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
+            unsafe { store_tree(out[r * stride + 16 * g..][..16].as_mut_ptr(), &acc) };
         }
     }
 }

@@ -13,9 +13,7 @@
 //!   `acc = fma(d_x * d_w, S as f32, acc)` and `acc_m = fma(d_x * dmin_w, M as f32, acc_m)` in two chains, and the
 //!   dot product is `acc - acc_m` (a whole-super-block integer is what AMX tiles produce, so they can share it).
 //! - Q6_K x Q8_K: a super-block's whole integer sum `S` is exact; `acc = fma(d_x * d_w, S as f32, acc)` in one chain.
-//! - Q8_0 x Q8_0: 8 lanes per 32-value block; even blocks accumulate into lanes 0..8, odd blocks into lanes 8..16,
-//!   and the 16 lanes are folded into 8 and summed in the tree.
-//! - Q5_0 x Q8_0: a block's 32 products sum exactly to an integer `S`; block `b` accumulates into lane `b % 8` as
+//! - Q8_0 and Q5_0 x Q8_0: a block's 32 products sum exactly to an integer `S`; block `b` accumulates into lane `b % 8` as
 //!   `fma(d_x * d_w, S as f32, acc)`, and the 8 lanes are summed in the tree. One float step per block rather than
 //!   per 4 products: the row groups spend a `vpdpbusd` chain per block and one `fma`, the panels reduce 8 blocks'
 //!   lane sums together.
@@ -228,14 +226,15 @@ fn raw_q5_0(xs: &[BlockQ5_0]) -> &[RawQ5_0] {
 }
 
 /// Activation rows quantized to 8 bits in blocks of 32 (ggml's Q8_0 rounding), laid out for the 32-wide kernels:
-/// per block its scale as f32, its 32 values, and `-16 *` their sum (`off5`): what unsigned Q5_0 weights (`weight +
-/// 16`) add to the block's products, taken back.
+/// per block its scale as f32, its 32 values, and `-16 *` and `-128 *` their sum (`off5`, `off8`): what unsigned
+/// Q5_0 weights (`weight + 16`) and unsigned Q8_0 weights (`weight + 128`) add to the block's products, taken back.
 #[derive(Debug, Clone, Default)]
 pub struct Act32 {
     kb: usize,
     d: Vec<f32>,
     qs: Vec<i8>,
     off5: Vec<i32>,
+    off8: Vec<i32>,
 }
 
 /// One row of an [`Act32`].
@@ -244,6 +243,7 @@ pub struct Act32Row<'a> {
     d: &'a [f32],
     qs: &'a [i8],
     off5: &'a [i32],
+    off8: &'a [i32],
 }
 
 impl Act32 {
@@ -257,14 +257,16 @@ impl Act32 {
             d: Vec::with_capacity(m * kb),
             qs: Vec::with_capacity(m * k),
             off5: Vec::with_capacity(m * kb),
+            off8: Vec::with_capacity(m * kb),
         };
         for row in x.chunks(k).take(m) {
             BlockQ8_0::from_float(row, &mut blocks);
             for b in raw_q8_0(&blocks) {
                 a.d.push(f16::from_bits(b.d).to_f32());
                 a.qs.extend_from_slice(&b.qs);
-                a.off5
-                    .push(-16 * b.qs.iter().map(|&v| v as i32).sum::<i32>());
+                let sum = b.qs.iter().map(|&v| v as i32).sum::<i32>();
+                a.off5.push(-16 * sum);
+                a.off8.push(-128 * sum);
             }
         }
         a
@@ -276,30 +278,24 @@ impl Act32 {
             d: &self.d[r * kb..(r + 1) * kb],
             qs: &self.qs[r * kb * 32..(r + 1) * kb * 32],
             off5: &self.off5[r * kb..(r + 1) * kb],
+            off8: &self.off8[r * kb..(r + 1) * kb],
         }
     }
 }
 
-#[inline]
-fn lane_tree16(l: [f32; 16]) -> f32 {
-    lane_tree(std::array::from_fn(|i| l[i] + l[8 + i]))
-}
-
-/// Reference definition of the dot product of one Q8_0 row with one activation row (no SIMD).
+/// Reference definition of the dot product of one Q8_0 row with one activation row (no SIMD): per block the exact
+/// integer sum of its 32 products, accumulated into lane `b % 8`.
 pub fn q8_0_dot_scalar(w: &[BlockQ8_0], x: Act32Row<'_>) -> f32 {
     let w = raw_q8_0(w);
-    let mut acc = [0f32; 16];
+    let mut acc = [0f32; 8];
     for (b, wb) in w.iter().enumerate() {
         let d = f16::from_bits(wb.d).to_f32() * x.d[b];
-        let half = (b & 1) * 8;
-        for k in 0..8 {
-            let s: i32 = (4 * k..4 * k + 4)
-                .map(|i| wb.qs[i] as i32 * x.qs[32 * b + i] as i32)
-                .sum();
-            acc[half + k] = d.mul_add(s as f32, acc[half + k]);
-        }
+        let s: i32 = (0..32)
+            .map(|i| wb.qs[i] as i32 * x.qs[32 * b + i] as i32)
+            .sum();
+        acc[b % 8] = d.mul_add(s as f32, acc[b % 8]);
     }
-    lane_tree16(acc)
+    lane_tree(acc)
 }
 
 /// The 32 weights of a Q5_0 block, each in `-16..16`.
@@ -316,19 +312,36 @@ fn q5_0_values(b: &RawQ5_0) -> [i32; 32] {
     })
 }
 
-/// The scales of Q5_0 blocks `b0..b0 + n` (`n <= 8`) as f32 in the lanes of a vector, zeros after: put into a
+/// A 32-value block with an f16 scale.
+trait Scaled {
+    fn d_bits(&self) -> u16;
+}
+
+impl Scaled for RawQ5_0 {
+    fn d_bits(&self) -> u16 {
+        self.d
+    }
+}
+
+impl Scaled for RawQ8_0 {
+    fn d_bits(&self) -> u16 {
+        self.d
+    }
+}
+
+/// The scales of 32-value blocks `b0..b0 + n` (`n <= 8`) as f32 in the lanes of a vector, zeros after: put into a
 /// vector one by one (storing them and loading the vector stalls on the store, which cost the one-token step a
 /// third of its time).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-fn q5_0_scales8(w: &[RawQ5_0], b0: usize, n: usize) -> std::arch::x86_64::__m256 {
+fn scales8<B: Scaled>(w: &[B], b0: usize, n: usize) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let mut v = _mm_setzero_si128();
     macro_rules! put {
         ($($j:literal),*) => {
             $(if $j < n {
-                v = _mm_insert_epi16::<$j>(v, w[b0 + $j].d as i32);
+                v = _mm_insert_epi16::<$j>(v, w[b0 + $j].d_bits() as i32);
             })*
         };
     }
@@ -548,7 +561,7 @@ fn row_groups_on() -> bool {
     !*OFF.get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"))
 }
 
-/// Whether a block of `m` rows of a Q5_0 matrix goes to [`groups::q5_0_groups`] (an AVX-512 VNNI variant is
+/// Whether a block of `m` rows of a Q5_0 or Q8_0 matrix goes to [`groups::q5_0_groups`] or [`groups::q8_0_groups`] (an AVX-512 VNNI variant is
 /// active and the block has at least [`groups::MIN_ROWS_32`] rows, or `PARSE_CPU_GROUPS32_MIN_ROWS`);
 /// `PARSE_CPU_ROW_GROUPS=off` turns it off as it does the K-quants' row groups.
 pub fn use_groups_32(m: usize) -> bool {
@@ -968,7 +981,7 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn q5_0_row_groups_equal_the_scalar_definition_bit_for_bit() {
+    fn q5_0_and_q8_0_row_groups_equal_the_scalar_definition_bit_for_bit() {
         if !Kernels::Vnni.supported() {
             eprintln!("skipping the row-group kernels: this CPU lacks AVX-512 VNNI");
             return;
@@ -993,6 +1006,17 @@ mod tests {
                     raw.d = f16::from_f32(-0.03).to_bits();
                 }
             }
+            let mut w8 = blocks::<BlockQ8_0>(&random(&mut rng, cols * k, 1.0));
+            // Q8_0 weights at both ends of a byte (-128 is never quantized, but a file may hold it).
+            for (n, b) in w8.iter_mut().step_by(kb).take(16).enumerate() {
+                #[allow(unsafe_code)]
+                // SAFETY: BlockQ8_0 and RawQ8_0 have the same layout (asserted at compile time above).
+                let raw = unsafe { &mut *(b as *mut BlockQ8_0).cast::<RawQ8_0>() };
+                raw.qs = [if n % 2 == 0 { -128 } else { 127 }; 32];
+                if n % 3 == 0 {
+                    raw.d = f16::from_f32(-0.02).to_bits();
+                }
+            }
             for m in [1, 2, 5, groups::MIN_ROWS_32, 17] {
                 let mut xf = random(&mut rng, m * k, 3.0);
                 // One row at the activations' extreme: every value the block's largest (quantized to 127).
@@ -1008,6 +1032,15 @@ mod tests {
                 };
                 check_block("q5_0", &out, stride, m, cols, |r, c| {
                     q5_0_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+                });
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: as above.
+                unsafe {
+                    groups::q8_0_groups(&w8, kb, &xs, &mut out, stride)
+                };
+                check_block("q8_0", &out, stride, m, cols, |r, c| {
+                    q8_0_dot_scalar(&w8[c * kb..(c + 1) * kb], xs[r])
                 });
             }
         }

@@ -288,20 +288,6 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
     first_lanes(acc)
 }
 
-/// Folds the 16 lanes (even blocks in 0..8, odd blocks in 8..16) as in `lane_tree16`.
-#[target_feature(enable = "avx512f,avx512dq,avx2")]
-#[inline]
-fn fold16(acc: __m512) -> f32 {
-    let mut lanes = [0f32; 8];
-    let s = _mm256_add_ps(
-        _mm512_castps512_ps256(acc),
-        _mm512_extractf32x8_ps::<1>(acc),
-    );
-    // SAFETY: lanes holds 8 f32.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
-    lane_tree(lanes)
-}
-
 /// The 64 activations of blocks `b` and `b + 1` of a row (only block `b`'s 32, zero-padded, when `pair` is false).
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
@@ -314,70 +300,6 @@ fn act64(x: &Act32Row<'_>, b: usize, pair: bool) -> __m512i {
         // SAFETY: block b exists: 32 values from 32b.
         _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(p.cast()) })
     }
-}
-
-/// `acc + (d_w * d_x) * s` for blocks `b` (lanes 0..8) and `b + 1` (lanes 8..16; only block `b` when `pair` is
-/// false, the upper lanes left as they are), as the definitions of the 32-wide formats accumulate.
-#[target_feature(enable = "avx512f,avx512dq,fma")]
-#[inline]
-fn accumulate_pair(
-    acc: __m512,
-    s: __m512,
-    wd: (f32, f32),
-    x: &Act32Row<'_>,
-    b: usize,
-    pair: bool,
-) -> __m512 {
-    if pair {
-        let d = _mm512_insertf32x8::<1>(
-            _mm512_set1_ps(wd.0 * x.d[b]),
-            _mm256_set1_ps(wd.1 * x.d[b + 1]),
-        );
-        _mm512_fmadd_ps(d, s, acc)
-    } else {
-        _mm512_mask3_fmadd_ps(_mm512_set1_ps(wd.0 * x.d[b]), s, acc, 0x00FF)
-    }
-}
-
-/// `R` activation rows against one Q8_0 weight row, two blocks per step. `dpbusd(x + 128, w)` starting from
-/// `-128 * lane sum of w` gives the 8 exact lane sums of each block of [`q8_0_dot_scalar`]; block `b` lands in
-/// lanes `(b & 1) * 8 ..`, which is where the definition accumulates it.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma")]
-#[inline]
-unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-    let w = raw_q8_0(w);
-    let x80 = _mm512_set1_epi8(-128);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in (0..w.len()).step_by(2) {
-        let pair = b + 1 < w.len();
-        // SAFETY: qs has 32 bytes.
-        let w0 = _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(w[b].qs.as_ptr().cast()) });
-        let q = if pair {
-            // SAFETY: as above, for block b + 1.
-            _mm512_inserti64x4(
-                w0,
-                unsafe { _mm256_loadu_si256(w[b + 1].qs.as_ptr().cast()) },
-                1,
-            )
-        } else {
-            w0
-        };
-        let neg = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, x80, q));
-        let wd0 = f16::from_bits(w[b].d).to_f32();
-        let wd1 = if pair {
-            f16::from_bits(w[b + 1].d).to_f32()
-        } else {
-            0.0
-        };
-        for r in 0..R {
-            let x = &xs[r];
-            let a = _mm512_xor_si512(act64(x, b, pair), x80);
-            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, a, q));
-            acc[r] = accumulate_pair(acc[r], s, (wd0, wd1), x, b, pair);
-        }
-    }
-    std::array::from_fn(|r| fold16(acc[r]))
 }
 
 /// The unsigned 5-bit values (`weight + 16`) of Q5_0 blocks `b` and `b + 1` (block `b` alone when `pair` is false).
@@ -430,6 +352,81 @@ fn block_sums8(v: [__m512i; 4]) -> __m256i {
     )
 }
 
+/// The 64 weights of Q8_0 blocks `b` and `b + 1` (block `b` alone, zeros above, when `pair` is false).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[inline]
+fn q8_0_pair(w: &[RawQ8_0], b: usize, pair: bool) -> __m512i {
+    // SAFETY: qs has 32 bytes.
+    let w0 = _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(w[b].qs.as_ptr().cast()) });
+    if pair {
+        // SAFETY: as above, for block b + 1.
+        _mm512_inserti64x4(
+            w0,
+            unsafe { _mm256_loadu_si256(w[b + 1].qs.as_ptr().cast()) },
+            1,
+        )
+    } else {
+        w0
+    }
+}
+
+/// The sums of `R` rows of lanes, a row per output (`fold`: 8 lanes summed in `lane_tree`'s order).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lanes_out<const R: usize>(acc: [__m256; R]) -> [f32; R] {
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lane_tree(lanes);
+    }
+    out
+}
+
+/// `R` activation rows against one Q8_0 weight row, 8 blocks per step: `dpbusd(x + 128, w)` starting from
+/// `-128 * lane sum of w` gives two blocks' 16 exact lane sums, [`block_sums8`] the 8 blocks' integers of
+/// [`q8_0_dot_scalar`], one lane per block. Past the row's last block the lanes hold `fma(0, 0, acc)` (see the Q5_0
+/// tile).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+#[inline]
+unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let w = raw_q8_0(w);
+    let x80 = _mm512_set1_epi8(-128);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b0 in (0..w.len()).step_by(8) {
+        let n = (w.len() - b0).min(8);
+        let (mut q, mut neg) = ([zero; 4], [zero; 4]);
+        for p in 0..4 {
+            if 2 * p < n {
+                q[p] = q8_0_pair(w, b0 + 2 * p, 2 * p + 1 < n);
+                neg[p] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, x80, q[p]));
+            }
+        }
+        let wd = scales8(w, b0, n);
+        let first = u8::MAX >> (8 - n);
+        for r in 0..R {
+            let x = &xs[r];
+            let mut v = [zero; 4];
+            for i in 0..4 {
+                if 2 * i < n {
+                    let a = _mm512_xor_si512(act64(x, b0 + 2 * i, 2 * i + 1 < n), x80);
+                    v[i] = _mm512_dpbusd_epi32(neg[i], a, q[i]);
+                }
+            }
+            // SAFETY: blocks b0..b0 + n of the row exist; the masked load reads no lane past them.
+            let xd = unsafe { _mm256_maskz_loadu_ps(first, x.d[b0..].as_ptr()) };
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_mul_ps(wd, xd),
+                _mm256_cvtepi32_ps(block_sums8(v)),
+                acc[r],
+            );
+        }
+    }
+    lanes_out(acc)
+}
+
 /// `R` activation rows against one Q5_0 weight row, 8 blocks per step: `dpbusd(q + 16, x)` of two blocks gives
 /// their 16 lane sums, [`block_sums8`] the 8 blocks' sums, and the activations' `off5`
 /// (`-16 * sum of x`) the exact block integers of [`q5_0_dot_scalar`], one lane per block. Past the row's last block
@@ -451,7 +448,7 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
                 *qp = q5_0_unsigned(w, b0 + 2 * p, 2 * p + 1 < n);
             }
         }
-        let wd = q5_0_scales8(w, b0, n);
+        let wd = scales8(w, b0, n);
         let first = u8::MAX >> (8 - n);
         for r in 0..R {
             let x = &xs[r];
@@ -472,14 +469,7 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
         }
     }
-    let mut out = [0f32; R];
-    for (o, a) in out.iter_mut().zip(acc) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        *o = lane_tree(lanes);
-    }
-    out
+    lanes_out(acc)
 }
 
 /// Quantizes rows of 256-value blocks to Q8_K exactly as candle's `BlockQ8K::from_float` does (the value of largest
