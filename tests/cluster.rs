@@ -26,6 +26,22 @@ struct Cluster {
     targets: Vec<Server<parse_target_worker::TargetWorker>>,
 }
 
+/// Asserts that the first target and draft workers hold no session within 20 s (`what` heads the failure).
+fn sessions_end(c: &Cluster, what: &str) {
+    let open = || {
+        (
+            c.targets[0].worker.open_sessions(),
+            c.drafts[0].worker.open_sessions(),
+        )
+    };
+    assert!(
+        eventually(Duration::from_secs(20), || open() == (0, 0)),
+        "{what}: target {}, draft {}",
+        open().0,
+        open().1
+    );
+}
+
 fn cluster(n_drafts: usize, n_targets: usize, max_in_flight: usize) -> Cluster {
     cluster_with(DRAFT_SEED, n_drafts, n_targets, max_in_flight)
 }
@@ -446,16 +462,7 @@ fn the_drafts_prefill_beside_the_targets_changes_no_output() {
         let stream = client.generate_stream(req("parse", 400)).await.unwrap();
         drop(stream);
     });
-    assert!(
-        eventually(Duration::from_secs(20), || c.targets[0]
-            .worker
-            .open_sessions()
-            == 0
-            && c.drafts[0].worker.open_sessions() == 0),
-        "sessions left: target {}, draft {}",
-        c.targets[0].worker.open_sessions(),
-        c.drafts[0].worker.open_sessions()
-    );
+    sessions_end(&c, "sessions left");
 }
 
 #[test]
@@ -471,16 +478,7 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
         assert!(c.targets[0].worker.open_sessions() == 1);
         drop(stream);
     });
-    assert!(
-        eventually(Duration::from_secs(20), || c.targets[0]
-            .worker
-            .open_sessions()
-            == 0
-            && c.drafts[0].worker.open_sessions() == 0),
-        "sessions left after the client went away: target {}, draft {}",
-        c.targets[0].worker.open_sessions(),
-        c.drafts[0].worker.open_sessions()
-    );
+    sessions_end(&c, "sessions left after the client went away");
 }
 
 #[test]

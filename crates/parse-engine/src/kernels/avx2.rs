@@ -293,37 +293,29 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
 tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
 tile_any_fn!(q6k_tile_any, q6k_tile, q6k_tile_rows, "avx2,fma", BlockQ6K);
 
-/// The sums of `R` rows of lanes, a row per output (8 lanes summed in `lane_tree`'s order).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn lanes_out<const R: usize>(acc: [__m256; R]) -> [f32; R] {
-    let mut out = [0f32; R];
-    for (o, a) in out.iter_mut().zip(acc) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        *o = lane_tree(lanes);
-    }
-    out
-}
-
-/// `R` activation rows against one Q8_0 weight row, 8 blocks per step: `maddubs(|w|, sign(x, w))` then `madd` with
-/// ones gives a block's 8 lane sums (activations never hold -128, so the sign trick cannot overflow), [`sum_rows8`]
-/// the 8 blocks' integers of [`q8_0_dot_scalar`], one lane per block; past the row's last block the lanes hold
-/// `fma(0, 0, acc)` (see the Q5_0 tile).
+/// `R` activation rows against one weight row of a 32-wide format, 8 blocks per step: `unpack` a block's weights once
+/// for every row, `product(q, x)` its 8 lane sums (`maddubs` then `madd` with ones), [`sum_rows8`] the 8 blocks'
+/// integers, plus the activations' `off5` where `q5` (Q5_0's weights are unsigned, `weight + 16`), one lane per
+/// block. Past the row's last block the lanes hold `fma(0, 0, acc)`, which leaves `acc` as it is (it never holds -0:
+/// it starts at +0, and a sum that comes to zero rounds to +0).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-    let w = raw_q8_0(w);
-    let ones = _mm256_set1_epi16(1);
+unsafe fn tile8<B: Scaled, const R: usize>(
+    w: &[B],
+    xs: &[Act32Row<'_>; R],
+    unpack: impl Fn(&B) -> __m256i,
+    product: impl Fn(__m256i, __m256i) -> __m256i,
+    q5: bool,
+) -> [f32; R] {
     let zero = _mm256_setzero_si256();
     let mut acc = [_mm256_setzero_ps(); R];
     for b0 in (0..w.len()).step_by(8) {
         let n = (w.len() - b0).min(8);
+        // Loops, not `array::from_fn`: a closure is a function of its own, called where it cannot be inlined into
+        // `from_fn`, which lacks this function's target features.
         let mut q = [zero; 8];
         for (j, qj) in q.iter_mut().enumerate().take(n) {
-            // SAFETY: qs has 32 bytes.
-            *qj = unsafe { _mm256_loadu_si256(w[b0 + j].qs.as_ptr().cast()) };
+            *qj = unpack(&w[b0 + j]);
         }
         let wd = scales8(w, b0, n);
         let first = _mm256_cmpgt_epi32(
@@ -336,19 +328,38 @@ unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> 
             for (j, (pj, qj)) in p.iter_mut().zip(&q).enumerate().take(n) {
                 // SAFETY: block b0 + j of the row has 32 values at 32 (b0 + j).
                 let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * (b0 + j)).cast()) };
-                let aq = _mm256_sign_epi8(*qj, *qj);
-                *pj = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a, *qj)), ones);
+                *pj = product(*qj, a);
             }
-            // SAFETY: blocks b0..b0 + n of the row exist; the masked load reads no lane past them.
-            let xd = unsafe { _mm256_maskload_ps(x.d[b0..].as_ptr(), first) };
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_mul_ps(wd, xd),
-                _mm256_cvtepi32_ps(sum_rows8(p)),
-                acc[r],
-            );
+            let mut s = sum_rows8(p);
+            // SAFETY: blocks b0..b0 + n of the row exist; the masked loads read no lane past them.
+            unsafe {
+                if q5 {
+                    s = _mm256_add_epi32(s, _mm256_maskload_epi32(x.off5[b0..].as_ptr(), first));
+                }
+                let xd = _mm256_maskload_ps(x.d[b0..].as_ptr(), first);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
+            }
         }
     }
     lanes_out(acc)
+}
+
+/// [`tile8`] of Q8_0: `maddubs(|w|, sign(x, w))` (activations never hold -128, so the sign trick cannot overflow)
+/// gives the exact block integers of [`q8_0_dot_scalar`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q8_0_tile<const R: usize>(w: &[BlockQ8_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: qs has 32 bytes.
+    let unpack = |b: &RawQ8_0| unsafe { _mm256_loadu_si256(b.qs.as_ptr().cast()) };
+    let product = |q: __m256i, a: __m256i| {
+        _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)),
+            ones,
+        )
+    };
+    // SAFETY: the caller's CPU has this function's features, which tile8 needs.
+    unsafe { tile8(raw_q8_0(w), xs, unpack, product, false) }
 }
 
 /// The 32 unsigned 5-bit values (`weight + 16`) of a Q5_0 block.
@@ -379,51 +390,23 @@ fn q5_0_unsigned(b: &RawQ5_0) -> __m256i {
     )
 }
 
-/// `R` activation rows against one Q5_0 weight row, 8 blocks per step: `maddubs(q + 16, x)` then `madd` with ones
-/// gives a block's 8 lane sums, [`sum_rows8`] the 8 blocks' sums, and the activations' `off5` (`-16 * sum of x`) the
-/// exact block integers of [`q5_0_dot_scalar`], one lane per block. Past the row's last block the lanes hold
-/// `fma(0, 0, acc)`, which leaves `acc` as it is (it never holds -0: it starts at +0, and a sum that comes to zero
-/// rounds to +0).
+/// [`tile8`] of Q5_0: `maddubs(q + 16, x)` plus the activations' `off5` (`-16 * sum of x`) gives the exact block
+/// integers of [`q5_0_dot_scalar`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> [f32; R] {
-    let w = raw_q5_0(w);
     let ones = _mm256_set1_epi16(1);
-    let zero = _mm256_setzero_si256();
-    let mut acc = [_mm256_setzero_ps(); R];
-    for b0 in (0..w.len()).step_by(8) {
-        let n = (w.len() - b0).min(8);
-        // Loops, not `array::from_fn`: a closure is a function of its own, called where it cannot be inlined into
-        // `from_fn`, which lacks this function's target features.
-        let mut q = [zero; 8];
-        for (j, qj) in q.iter_mut().enumerate().take(n) {
-            *qj = q5_0_unsigned(&w[b0 + j]);
-        }
-        let wd = scales8(w, b0, n);
-        let first = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(n as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        for r in 0..R {
-            let x = &xs[r];
-            let mut p = [zero; 8];
-            for (j, (pj, qj)) in p.iter_mut().zip(&q).enumerate().take(n) {
-                // SAFETY: block b0 + j of the row has 32 values at 32 (b0 + j).
-                let a = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(32 * (b0 + j)).cast()) };
-                *pj = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, a), ones);
-            }
-            // SAFETY: blocks b0..b0 + n of the row exist; the masked loads read no lane past them.
-            let (off, xd) = unsafe {
-                (
-                    _mm256_maskload_epi32(x.off5[b0..].as_ptr(), first),
-                    _mm256_maskload_ps(x.d[b0..].as_ptr(), first),
-                )
-            };
-            let s = _mm256_add_epi32(sum_rows8(p), off);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(wd, xd), _mm256_cvtepi32_ps(s), acc[r]);
-        }
+    let product = |q: __m256i, a: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+    // SAFETY: the caller's CPU has this function's features, which tile8 needs.
+    unsafe {
+        tile8(
+            raw_q5_0(w),
+            xs,
+            |b: &RawQ5_0| q5_0_unsigned(b),
+            product,
+            true,
+        )
     }
-    lanes_out(acc)
 }
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);

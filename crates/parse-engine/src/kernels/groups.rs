@@ -381,22 +381,46 @@ unsafe fn block32(wq: &[__m512i], off: i32, qs: *const i8) -> __m512i {
     _mm512_add_epi32(a, b)
 }
 
-/// Stores the 8 lanes of the 32-wide definitions, summed in `lane_tree`'s order, 16 weight rows at `dst`.
+/// One 16-row group of a 32-wide format against every activation row: `wq`/`wd` its unpacked blocks and scales, the
+/// integers started from the activations' `off8` (`q8`) or `off5`, and row `r`'s 16 results at `out[r * stride..]`
+/// (the 8 lanes of the definition summed in `lane_tree`'s order).
 ///
 /// # Safety
-/// 16 f32 must be writable at `dst`.
-#[target_feature(enable = "avx512f")]
+/// `out` must hold 16 values at every `r * stride`; every row must hold `wd.len()` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 #[inline]
-unsafe fn store_tree(dst: *mut f32, acc: &[__m512; 8]) {
-    let s = [
-        _mm512_add_ps(acc[0], acc[4]),
-        _mm512_add_ps(acc[1], acc[5]),
-        _mm512_add_ps(acc[2], acc[6]),
-        _mm512_add_ps(acc[3], acc[7]),
-    ];
-    let v = _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
-    // SAFETY: the caller's bound.
-    unsafe { _mm512_storeu_ps(dst, v) };
+unsafe fn group_rows(
+    wq: &[__m512i],
+    wd: &[__m512],
+    xs: &[Act32Row<'_>],
+    q8: bool,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let kb = wd.len();
+    for (r, x) in xs.iter().enumerate() {
+        let off = if q8 { x.off8 } else { x.off5 };
+        let mut acc = [_mm512_setzero_ps(); 8];
+        let x_qs = x.qs.as_ptr();
+        for b0 in (0..kb).step_by(8) {
+            for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
+                let b = b0 + j;
+                // SAFETY: block b of the row has 32 activation bytes at 32b.
+                let s = unsafe { block32(&wq[8 * b..8 * b + 8], off[b], x_qs.add(32 * b)) };
+                let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
+                *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
+            }
+        }
+        let t = [
+            _mm512_add_ps(acc[0], acc[4]),
+            _mm512_add_ps(acc[1], acc[5]),
+            _mm512_add_ps(acc[2], acc[6]),
+            _mm512_add_ps(acc[3], acc[7]),
+        ];
+        let v = _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3]));
+        // SAFETY: the caller's bound: 16 values at r * stride.
+        unsafe { _mm512_storeu_ps(out[r * stride..][..16].as_mut_ptr(), v) };
+    }
 }
 
 /// `out[r * stride + c] = q5_0_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
@@ -456,21 +480,8 @@ pub unsafe fn q5_0_groups(
                 wq[8 * b + k] = _mm512_mask_add_epi8(v, set, v, fifth);
             }
         }
-        for (r, x) in xs.iter().enumerate() {
-            let mut acc = [_mm512_setzero_ps(); 8];
-            let x_qs = x.qs.as_ptr();
-            for b0 in (0..kb).step_by(8) {
-                for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
-                    let b = b0 + j;
-                    // SAFETY: block b of the row has 32 activation bytes at 32b.
-                    let s = unsafe { block32(&wq[8 * b..8 * b + 8], x.off5[b], x_qs.add(32 * b)) };
-                    let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
-                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
-                }
-            }
-            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
-            unsafe { store_tree(out[r * stride + 16 * g..][..16].as_mut_ptr(), &acc) };
-        }
+        // SAFETY: out holds every row's 16 values of group g (the caller's layout).
+        unsafe { group_rows(&wq, &wd, xs, false, &mut out[16 * g..], stride) };
     }
 }
 
@@ -516,20 +527,7 @@ pub unsafe fn q8_0_groups(
                 wq[8 * b + 4 + k] = _mm512_xor_si512(hi[k], top);
             }
         }
-        for (r, x) in xs.iter().enumerate() {
-            let mut acc = [_mm512_setzero_ps(); 8];
-            let x_qs = x.qs.as_ptr();
-            for b0 in (0..kb).step_by(8) {
-                for (j, a) in acc.iter_mut().enumerate().take(kb - b0) {
-                    let b = b0 + j;
-                    // SAFETY: block b of the row has 32 activation bytes at 32b.
-                    let s = unsafe { block32(&wq[8 * b..8 * b + 8], x.off8[b], x_qs.add(32 * b)) };
-                    let d = _mm512_mul_ps(wd[b], _mm512_set1_ps(x.d[b]));
-                    *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *a);
-                }
-            }
-            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
-            unsafe { store_tree(out[r * stride + 16 * g..][..16].as_mut_ptr(), &acc) };
-        }
+        // SAFETY: out holds every row's 16 values of group g (the caller's layout).
+        unsafe { group_rows(&wq, &wd, xs, true, &mut out[16 * g..], stride) };
     }
 }

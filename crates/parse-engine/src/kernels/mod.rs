@@ -283,6 +283,22 @@ impl Act32 {
     }
 }
 
+/// The dot products of `R` rows from their 8 lanes of a 32-wide definition, summed in `lane_tree`'s order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+#[allow(unsafe_code)]
+fn lanes_out<const R: usize>(acc: [std::arch::x86_64::__m256; R]) -> [f32; R] {
+    let mut out = [0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { std::arch::x86_64::_mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        *o = lane_tree(lanes);
+    }
+    out
+}
+
 /// Reference definition of the dot product of one Q8_0 row with one activation row (no SIMD): per block the exact
 /// integer sum of its 32 products, accumulated into lane `b % 8`.
 pub fn q8_0_dot_scalar(w: &[BlockQ8_0], x: Act32Row<'_>) -> f32 {

@@ -370,20 +370,6 @@ fn q8_0_pair(w: &[RawQ8_0], b: usize, pair: bool) -> __m512i {
     }
 }
 
-/// The sums of `R` rows of lanes, a row per output (`fold`: 8 lanes summed in `lane_tree`'s order).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn lanes_out<const R: usize>(acc: [__m256; R]) -> [f32; R] {
-    let mut out = [0f32; R];
-    for (o, a) in out.iter_mut().zip(acc) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
-        *o = lane_tree(lanes);
-    }
-    out
-}
-
 /// `R` activation rows against one Q8_0 weight row, 8 blocks per step: `dpbusd(x + 128, w)` starting from
 /// `-128 * lane sum of w` gives two blocks' 16 exact lane sums, [`block_sums8`] the 8 blocks' integers of
 /// [`q8_0_dot_scalar`], one lane per block. Past the row's last block the lanes hold `fma(0, 0, acc)` (see the Q5_0
