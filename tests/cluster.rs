@@ -427,6 +427,45 @@ fn the_next_draft_is_written_while_the_target_verifies() {
     assert_eq!(stats.draft_prefetch_misses, 0, "{stats:?}");
 }
 
+#[test]
+fn a_draft_worker_beside_the_target_writes_the_next_token_round_while_the_target_verifies() {
+    // The draft worker serves the target's own weights, so each round's draft is accepted whole and the draft's
+    // guess of the target's next token is right: beside the target (`Alongside`), every round after the first takes
+    // the draft begun during the previous verification. On the target's host (`auto` here), none is begun.
+    let want = in_process(Mode::Target, 200, SamplingParams::default());
+    for (prefill, beside) in [
+        (parse_router::DraftPrefill::Alongside, true),
+        (parse_router::DraftPrefill::Auto, false),
+    ] {
+        let c = cluster_routed(
+            TARGET_SEED,
+            1,
+            1,
+            8,
+            RouterConfig {
+                draft_prefill: prefill,
+                ..Default::default()
+            },
+        );
+        let r = runtime().block_on(async {
+            let mut client = Client::connect(&c.router.endpoint()).await.unwrap();
+            client.generate(req("token-spec", 200)).await.unwrap()
+        });
+        let stats = r.stats.unwrap();
+        assert_eq!(r.token_ids, want, "{prefill:?}");
+        assert_eq!(stats.draft_tokens_accepted, stats.draft_tokens_proposed);
+        assert_eq!(stats.draft_prefetch_misses, 0, "{prefill:?}: {stats:?}");
+        if beside {
+            assert!(
+                stats.verify_passes >= 3 && stats.draft_prefetch_hits + 1 >= stats.verify_passes,
+                "drafts taken from a stream begun during verification: {stats:?}"
+            );
+        } else {
+            assert_eq!(stats.draft_prefetch_hits, 0, "{stats:?}");
+        }
+    }
+}
+
 /// With the draft's prefill beside the target's (`DraftPrefill::Alongside`, what `auto` picks for a draft worker on
 /// a host of its own), each speculative mode's output is the in-process loop's, and no session is left; so is a
 /// request cancelled right after it started, while that prefill may still run.

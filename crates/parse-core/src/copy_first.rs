@@ -294,6 +294,21 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         self.inner.prefetch(session, context, sampling, tokens)
     }
 
+    fn prefetch_guessing(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+    ) -> Result<()> {
+        // As `prefetch`: where the context's end is found earlier, the next draft most likely starts by copying.
+        if lookup_match(context, &self.cfg.lookup).is_some() {
+            return Ok(());
+        }
+        self.inner
+            .prefetch_guessing(session, context, sampling, tokens)
+    }
+
     fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
         // The model is begun at a session's first `begin` whatever it copies (see `begin`).
         self.inner.warm(session, context, sampling)

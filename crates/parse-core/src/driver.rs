@@ -254,6 +254,23 @@ pub trait Drafter {
     ) -> Result<()> {
         Ok(())
     }
+    /// A hint, given before a token-level verification of a greedy draft that ends `context`: the next `begin` is
+    /// likely to continue `context` and one token more, the target's own after the draft, for about `tokens`
+    /// tokens after that one. A drafter with compute of its own (a draft worker on another machine or core) may
+    /// draft on from `context` now, while the target verifies; its first token is its guess of the target's, and
+    /// a `begin` whose context is `context` and that token may take the rest. Any other `begin` discards the work.
+    /// Unlike [`prefetch`](Drafter::prefetch) the guess misses whenever the draft and the target disagree on that
+    /// token, so a drafter that shares its compute with the target should ignore it. It must not change what
+    /// `begin`/`next` return. In process it does nothing.
+    fn prefetch_guessing(
+        &mut self,
+        _session: &str,
+        _context: &[u32],
+        _sampling: &SamplingParams,
+        _tokens: usize,
+    ) -> Result<()> {
+        Ok(())
+    }
     /// A hint, given before the target processes the prompt: the first `begin` will most likely continue
     /// `context` (the prompt) with `sampling`. A drafter on its own machine may process it now, beside the target,
     /// so that the first `begin` finds it done instead of making the request wait for it. Returns whether it
@@ -312,6 +329,15 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
         tokens: usize,
     ) -> Result<()> {
         (**self).prefetch(session, context, sampling, tokens)
+    }
+    fn prefetch_guessing(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+    ) -> Result<()> {
+        (**self).prefetch_guessing(session, context, sampling, tokens)
     }
     fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
         (**self).warm(session, context, sampling)
@@ -952,6 +978,22 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             self.pace
                 .target_wrote(self.spent(m), self.out.len() - before);
             return Ok(0);
+        }
+        // While the target verifies, a drafter with compute of its own may draft the next round already, guessing
+        // the target's token after this draft as its own (as `run_parse` drafts ahead, where a full acceptance
+        // needs no guess). Not where this draft ends the output, nor after a probe of a speculation that was
+        // losing (a pause most likely follows).
+        let after = self.remaining().saturating_sub(draft.len() + 1);
+        let probe = adaptive && self.pace.probing();
+        if after > 0 && !probe && !draft.iter().any(|t| self.req.eos.contains(t)) {
+            let mut context = self.context();
+            context.extend(&draft);
+            self.d.prefetch_guessing(
+                &self.req.session,
+                &context,
+                &self.draft_sampling(),
+                want.min(after),
+            )?;
         }
         let m = self.mark();
         let (accepted, _) = self.verify(&draft, &bs, true, true)?;

@@ -170,6 +170,10 @@ struct FakeDrafter {
     ctx: HashMap<String, Vec<u32>>,
     /// Hints to draft ahead ([`Drafter::prefetch`]) received.
     prefetches: usize,
+    /// Hints to draft ahead guessing the target's next token ([`Drafter::prefetch_guessing`]): (context, tokens).
+    guesses: Vec<(Vec<u32>, usize)>,
+    /// Contexts of every `begin`.
+    begun: Vec<Vec<u32>>,
     /// Contexts it was given to process beside the target ([`Drafter::warm`]).
     warms: Vec<Vec<u32>>,
     events: Events,
@@ -178,6 +182,7 @@ struct FakeDrafter {
 impl Drafter for FakeDrafter {
     fn begin(&mut self, s: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
         self.events.borrow_mut().push("begin");
+        self.begun.push(context.to_vec());
         self.ctx.insert(s.into(), context.to_vec());
         Ok(())
     }
@@ -222,6 +227,16 @@ impl Drafter for FakeDrafter {
         _: usize,
     ) -> parse_core::Result<()> {
         self.prefetches += 1;
+        Ok(())
+    }
+    fn prefetch_guessing(
+        &mut self,
+        _: &str,
+        context: &[u32],
+        _: &SamplingParams,
+        tokens: usize,
+    ) -> parse_core::Result<()> {
+        self.guesses.push((context.to_vec(), tokens));
         Ok(())
     }
 }
@@ -386,6 +401,37 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
         let err = generate(&mut d, &mut v, &bad, &mut |_, _| true).unwrap_err();
         assert_eq!(err.kind, parse_core::ErrorKind::InvalidInput, "{bad:?}");
     }
+}
+
+/// Each token-level round hints that the next one may be drafted during its verification from the context and its
+/// draft, the target's next token guessed ([`Drafter::prefetch_guessing`]); where the draft was accepted whole, the
+/// next round begins at that context and the target's token. No hint asks for tokens past the output's end, none
+/// follows a draft that ends the output, and the output is the target's.
+#[test]
+fn token_level_rounds_hint_the_next_draft_with_the_targets_token_guessed() {
+    let mut taken = 0;
+    for (prompt, max) in [(PROMPTS[0], 200), (PROMPTS[2], 23)] {
+        for mode in [Mode::TokenSpec, Mode::ParseTokenSpec] {
+            let mut r = request(mode, 1.5, Verdict::Likelihood, prompt, max);
+            r.window.adaptive = false;
+            let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+            let out = generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
+            assert_eq!(out.tokens, greedy(prompt, target_next, max), "{mode:?}");
+            assert!(!d.guesses.is_empty(), "{mode:?}");
+            for (context, tokens) in &d.guesses {
+                assert!(context.starts_with(prompt) && *tokens > 0, "{mode:?}");
+                let written = context.len() - prompt.len();
+                assert!(written + 1 + tokens <= max, "{mode:?}: past the end");
+                assert!(!context.contains(&EOS), "{mode:?}: after the end");
+                let next = d
+                    .begun
+                    .iter()
+                    .any(|b| b.len() == context.len() + 1 && b.starts_with(context));
+                taken += usize::from(next);
+            }
+        }
+    }
+    assert!(taken > 0, "no round began where a hint guessed");
 }
 
 /// A probe round (speculation measured again while it loses) drafts nothing ahead: a pause most likely follows, and

@@ -40,7 +40,9 @@ use tonic::{Request, Response, Status};
 use crate::pool::Pool;
 use crate::remote::{CallCtx, PrefillBeside, RemoteDrafter, RemoteVerifier, host_of};
 
-/// When a request's draft worker processes the prompt ([`parse_core::driver::Drafter::warm`]).
+/// When a request's draft worker processes the prompt ([`parse_core::driver::Drafter::warm`]), and whether it drafts
+/// the next token-level round while the target verifies this one, guessing the target's token after the draft
+/// ([`parse_core::driver::Drafter::prefetch_guessing`]): both where it works beside the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftPrefill {
     /// Beside the target's prefill where the draft worker's host is not a target worker's host (by address), after
@@ -735,6 +737,8 @@ impl Router {
                 paused_tokens: n(|s| s.paused_tokens),
                 entries_declined: n(|s| s.entries_declined),
                 copy_rounds: n(|s| s.copy_rounds),
+                draft_ahead_hits: drafter.prefetch_hits as u64,
+                draft_ahead_misses: drafter.prefetch_misses as u64,
                 draft_failovers: drafter.failovers as u64,
                 target_failovers: verifier.failovers as u64,
                 fell_back: drafter.fell_back,

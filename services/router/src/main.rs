@@ -78,7 +78,8 @@ struct Args {
     no_draft_ahead: bool,
     /// When a request's draft worker processes the prompt: beside the target's prefill (alongside), after it
     /// (after), or beside it where the draft worker's host (by address) is no target worker's (auto: two prefills
-    /// on one host's cores take turns and both end later).
+    /// on one host's cores take turns and both end later). Where it is beside, the draft worker also drafts the
+    /// next token-level round while the target verifies this one, guessing the target's next token.
     #[arg(long, env = "PARSE_DRAFT_PREFILL", value_enum, default_value = "auto")]
     draft_prefill: parse_router::DraftPrefill,
     /// Drafter of requests that name none: model (the draft workers), ngram (prompt lookup in the router; with it

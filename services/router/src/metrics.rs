@@ -56,6 +56,10 @@ pub struct RequestRecord<'a> {
     pub entries_declined: u64,
     /// PARSE rounds of copies made while the draft model rested (`model+ngram`).
     pub copy_rounds: u64,
+    /// Drafts begun ahead during a verification (`Drafter::prefetch`, `prefetch_guessing`) that the next round took,
+    /// and those it threw away.
+    pub draft_ahead_hits: u64,
+    pub draft_ahead_misses: u64,
     pub draft_failovers: u64,
     pub target_failovers: u64,
     pub fell_back: bool,
@@ -93,6 +97,7 @@ pub struct Metrics {
     paused_tokens: IntCounterVec,
     entries_declined: IntCounterVec,
     copy_rounds: IntCounterVec,
+    draft_ahead: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
     rejected: IntCounterVec,
@@ -234,6 +239,13 @@ impl Metrics {
             "parse_copy_rounds_total",
             "PARSE rounds of prompt-lookup copies made while the draft model rested (drafter model+ngram).",
         );
+        let draft_ahead = counter(
+            &r,
+            "parse_draft_ahead_total",
+            "Drafts a draft worker began during a verification, by mode and outcome: hit (the next round took it), \
+             miss (the verification cut the draft short or the target's token was not the one guessed: thrown away).",
+            &["mode", "outcome"],
+        );
         let failovers = counter(
             &r,
             "parse_failovers_total",
@@ -321,6 +333,7 @@ impl Metrics {
             paused_tokens,
             entries_declined,
             copy_rounds,
+            draft_ahead,
             failovers,
             fallbacks,
             rejected,
@@ -372,6 +385,13 @@ impl Metrics {
             .with_label_values(&m)
             .inc_by(r.entries_declined);
         self.copy_rounds.with_label_values(&m).inc_by(r.copy_rounds);
+        for (outcome, n) in [("hit", r.draft_ahead_hits), ("miss", r.draft_ahead_misses)] {
+            if n > 0 {
+                self.draft_ahead
+                    .with_label_values(&[r.mode, outcome])
+                    .inc_by(n);
+            }
+        }
         self.failovers
             .with_label_values(&["draft"])
             .inc_by(r.draft_failovers);
@@ -615,6 +635,8 @@ mod tests {
             paused_tokens: 7,
             entries_declined: 2,
             copy_rounds: 3,
+            draft_ahead_hits: 5,
+            draft_ahead_misses: 2,
             draft_failovers: 1,
             ..Default::default()
         });
@@ -649,6 +671,20 @@ mod tests {
             2.0
         );
         assert_eq!(value(&t, "parse_copy_rounds_total{mode=\"parse\"}"), 3.0);
+        assert_eq!(
+            value(
+                &t,
+                "parse_draft_ahead_total{mode=\"parse\",outcome=\"hit\"}"
+            ),
+            5.0
+        );
+        assert_eq!(
+            value(
+                &t,
+                "parse_draft_ahead_total{mode=\"parse\",outcome=\"miss\"}"
+            ),
+            2.0
+        );
         assert_eq!(value(&t, "parse_failovers_total{role=\"draft\"}"), 1.0);
         assert_eq!(
             value(&t, "parse_requests_rejected_total{reason=\"busy\"}"),

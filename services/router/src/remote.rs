@@ -233,7 +233,10 @@ impl Charged {
     }
 }
 
-/// Whether a request's draft worker processes the prompt beside the target's prefill ([`Drafter::warm`]).
+/// Whether a request's draft worker works beside the target: processes the prompt beside the target's prefill
+/// ([`Drafter::warm`]), and drafts the next token-level round while the target verifies this one, guessing the
+/// target's next token ([`Drafter::prefetch_guessing`]). Both use the draft worker's compute while the target
+/// computes, which pays where the two do not share it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrefillBeside {
     Always,
@@ -271,6 +274,8 @@ struct Prefetch {
     context: Vec<u32>,
     sampling: SamplingParams,
     stream: DraftStream,
+    /// Opened by `prefetch_guessing`: a `begin` may also continue `context` and the stream's first token.
+    guessing: bool,
 }
 
 /// The draft side of one request.
@@ -304,7 +309,7 @@ pub struct RemoteDrafter {
     pub prefetch_misses: usize,
     /// Whether `prefetch` opens streams at all.
     pub draft_ahead: bool,
-    /// Whether `warm` starts the prompt's prefill beside the target's.
+    /// Whether `warm` starts the prompt's prefill beside the target's, and `prefetch_guessing` drafts at all.
     pub prefill_beside: PrefillBeside,
     /// Ids of the workers this request was given, in order.
     pub used: Vec<String>,
@@ -361,6 +366,105 @@ impl RemoteDrafter {
         self.warming = None;
     }
 
+    /// Whether the leased draft worker works beside the target ([`PrefillBeside`]).
+    fn beside_target(&self) -> bool {
+        match &self.prefill_beside {
+            PrefillBeside::Always => true,
+            PrefillBeside::Never => false,
+            PrefillBeside::OffHosts(hosts) => self
+                .lease
+                .as_ref()
+                .is_some_and(|l| hosts.iter().all(|h| h != host_of(&l.worker.addr))),
+        }
+    }
+
+    /// A begin's use of a draft opened by `prefetch_guessing` from one token less than `context`: the stream's first
+    /// token is read (it was drafted during the verification, so it is most likely there) and, where it is that
+    /// last token, the stream goes on as this begin's draft. Only a greedy draft, whose tokens after the guess are
+    /// what a draft from `context` would write, and only a first message of one token (the worker sends one per
+    /// step), so that nothing read is left over.
+    fn take_guessed(&mut self, p: Prefetch, context: &[u32], sampling: &SamplingParams) -> bool {
+        let Some((last, before)) = context.split_last() else {
+            return false;
+        };
+        if !p.guessing || !sampling.is_greedy() || p.sampling != *sampling || p.context != before {
+            return false;
+        }
+        let mut stream = p.stream;
+        match self.ctx.call(stream.message()) {
+            Ok(Some(m)) if m.tokens == [*last] => {
+                self.charged.saw(m.charged_ms);
+                // The draft ended at the guessed token: nothing follows it.
+                self.done = m.done;
+                self.stream = (!m.done).then_some(stream);
+                true
+            }
+            // Another token, no token, or an error: dropped, and this begin's first Draft call rewinds the worker's
+            // cache (an error that stays shows there).
+            _ => false,
+        }
+    }
+
+    /// Opens a Draft stream from `context` for `tokens` tokens now, read into a buffer on the runtime until a begin
+    /// takes it ([`Drafter::prefetch`]; with `guessing`, [`Drafter::prefetch_guessing`]).
+    fn draft_ahead_from(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+        guessing: bool,
+    ) -> Result<()> {
+        self.ctx.check()?;
+        if !self.draft_ahead {
+            return Ok(());
+        }
+        // The current stream drafts past the loop's cut; the worker serves one stream per session, and this one
+        // replaces it.
+        self.stream = None;
+        self.prefetch = None;
+        let Some(mut client) = self.client() else {
+            return Ok(());
+        };
+        let req = self.ctx.request(DraftRequest {
+            session: session.to_string(),
+            context: context.to_vec(),
+            sampling: Some(sampling.into()),
+            max_tokens: (tokens as u32).clamp(1, self.max_tokens),
+        });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = self.ctx.handle.spawn(async move {
+            let mut stream = match client.draft(req).await {
+                Ok(r) => r.into_inner(),
+                Err(s) => {
+                    let _ = tx.send(Err(s));
+                    return;
+                }
+            };
+            loop {
+                match stream.message().await {
+                    Ok(Some(m)) => {
+                        if tx.send(Ok(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => return,
+                    Err(s) => {
+                        let _ = tx.send(Err(s));
+                        return;
+                    }
+                }
+            }
+        });
+        self.prefetch = Some(Prefetch {
+            context: context.to_vec(),
+            sampling: sampling.clone(),
+            stream: DraftStream::Ahead(rx, task.abort_handle()),
+            guessing,
+        });
+        Ok(())
+    }
+
     fn ensure_worker(&mut self) {
         if self.lease.is_none() && !self.fell_back {
             self.lease = self.pool.pick(&self.lost);
@@ -389,6 +493,9 @@ impl Drafter for RemoteDrafter {
             if p.context == context && p.sampling == *sampling {
                 // The draft the worker began during the verification: its tokens continue exactly this context.
                 self.stream = Some(p.stream);
+                self.prefetch_hits += 1;
+            } else if self.take_guessed(p, context, sampling) {
+                // Begun from the context before the target's last token, which the draft guessed.
                 self.prefetch_hits += 1;
             } else {
                 // Dropped: the worker's producer is cancelled, and this begin's Draft call rewinds its cache.
@@ -564,53 +671,21 @@ impl Drafter for RemoteDrafter {
         sampling: &SamplingParams,
         tokens: usize,
     ) -> Result<()> {
-        self.ctx.check()?;
-        if !self.draft_ahead {
-            return Ok(());
+        self.draft_ahead_from(session, context, sampling, tokens, false)
+    }
+
+    fn prefetch_guessing(
+        &mut self,
+        session: &str,
+        context: &[u32],
+        sampling: &SamplingParams,
+        tokens: usize,
+    ) -> Result<()> {
+        if !self.beside_target() {
+            return self.ctx.check();
         }
-        // The current stream drafts past the loop's cut; the worker serves one stream per session, and this one
-        // replaces it.
-        self.stream = None;
-        self.prefetch = None;
-        let Some(mut client) = self.client() else {
-            return Ok(());
-        };
-        let req = self.ctx.request(DraftRequest {
-            session: session.to_string(),
-            context: context.to_vec(),
-            sampling: Some(sampling.into()),
-            max_tokens: (tokens as u32).clamp(1, self.max_tokens),
-        });
-        let (tx, rx) = mpsc::unbounded_channel();
-        let task = self.ctx.handle.spawn(async move {
-            let mut stream = match client.draft(req).await {
-                Ok(r) => r.into_inner(),
-                Err(s) => {
-                    let _ = tx.send(Err(s));
-                    return;
-                }
-            };
-            loop {
-                match stream.message().await {
-                    Ok(Some(m)) => {
-                        if tx.send(Ok(m)).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(None) => return,
-                    Err(s) => {
-                        let _ = tx.send(Err(s));
-                        return;
-                    }
-                }
-            }
-        });
-        self.prefetch = Some(Prefetch {
-            context: context.to_vec(),
-            sampling: sampling.clone(),
-            stream: DraftStream::Ahead(rx, task.abort_handle()),
-        });
-        Ok(())
+        // One token more: the guess of the target's, which the next begin's context ends with on a hit.
+        self.draft_ahead_from(session, context, sampling, tokens + 1, true)
     }
 
     fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
@@ -629,12 +704,7 @@ impl Drafter for RemoteDrafter {
             return Ok(false);
         }
         self.ensure_worker();
-        let Some(lease) = self.lease.as_ref() else {
-            return Ok(false);
-        };
-        if let PrefillBeside::OffHosts(hosts) = &self.prefill_beside
-            && hosts.iter().any(|h| h == host_of(&lease.worker.addr))
-        {
+        if !self.beside_target() {
             return Ok(false);
         }
         let Some(mut client) = self.client() else {
