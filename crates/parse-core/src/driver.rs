@@ -955,7 +955,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (round, before) = (self.mark(), self.out.len());
         if adaptive && let Advice::Alone(n) = self.advise() {
-            // At most 16 per call, as in `target` mode, so that text streams out as it is written.
+            // At most 16 per call, as in `target` mode, so that text streams out as it is written; the first token
+            // on its own, as there.
+            if before == 0 {
+                self.extend(1, None)?;
+                self.pace.wrote_first(self.out.len());
+                return Ok(0);
+            }
             self.extend(n.min(16).min(self.remaining()), None)?;
             self.pace
                 .wrote_alone(self.spent(round), self.out.len() - before);
@@ -1042,6 +1048,13 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // going on to the end of the next segment, and the next, took a call per line of code again.
                 // While the model rests, copy rounds (`copy_round`: prompt lookup, the draft's and its extension's,
                 // as the `ngram` drafter drafts) take the pause's place, unless they lose to the target here.
+                if self.out.is_empty() {
+                    // The first token on its own, as in `target` mode, so that its text goes out after one step.
+                    self.extend(1, None)?;
+                    self.pace.wrote_first(self.out.len());
+                    span.record("drafted", 0);
+                    continue;
+                }
                 let copies = self.d.rest_lookup().filter(|_| self.pace.copies_pay());
                 if let Some(lookup) = copies {
                     let (drafted, accepted) = self.copy_round(&lookup)?;

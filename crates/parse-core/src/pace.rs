@@ -1030,12 +1030,19 @@ impl Pace {
     /// The target wrote `tokens` alone for `spent` (in a pause).
     pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
         let ms = spent.at(self.level);
-        self.paused = self.paused.saturating_sub(tokens.max(1));
-        self.paused_tokens += tokens;
         let beside = self.beside_speculation(spent);
         self.pacing
             .costs
             .add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
+        self.wrote_first(tokens);
+    }
+
+    /// The target wrote the request's first `tokens` alone (in a pause): they count towards the pause and the next
+    /// probes as [`Pace::wrote_alone`]'s do, but their time is no figure of the target's pace, as in `target` mode:
+    /// the first step runs with the prefills of the requests that arrived with this one.
+    pub fn wrote_first(&mut self, tokens: usize) {
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        self.paused_tokens += tokens;
         // Towards the next probe of copy rounds too, where they lose.
         self.pacing
             .costs

@@ -553,13 +553,13 @@ fn losing_by_far(kind: &str) -> parse_core::pace::Pacing {
 #[test]
 fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
     let kind = "parse/model";
-    let mut r = request(Mode::Parse, 0.5, Verdict::Likelihood, PROMPTS[2], 60);
+    let mut r = request(Mode::Parse, 0.5, Verdict::Likelihood, PROMPTS[0], 60);
     r.window.adaptive = true;
     // Speculation loses by far and its last probe was just made: every pause is of the longest length.
     let pacing = losing_by_far(kind);
     let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
     let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
-    assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60));
+    assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 60));
     assert_eq!(out.stats.paused_tokens, out.tokens.len(), "{:?}", out.stats);
     // Some last call stopped at a segment's end before its length (else this checks nothing)...
     assert!(
@@ -572,6 +572,39 @@ fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
         if w[0].1 && w[0].2 < w[0].0 {
             assert!(!w[1].1, "{:?}", v.extends);
         }
+    }
+}
+
+/// A request that starts in a pause writes its first token on its own, as `target` mode does, so that its text goes
+/// out after one step of the target (not 16); then the pause goes on in calls of 16. The output is the target's.
+#[test]
+fn a_request_that_starts_in_a_pause_streams_its_first_token_after_one_step() {
+    for mode in [Mode::Parse, Mode::ParseTokenSpec, Mode::TokenSpec] {
+        let mut r = request(mode, 0.5, Verdict::Likelihood, PROMPTS[0], 60);
+        r.window.adaptive = true;
+        let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+        let mut chunks = Vec::new();
+        let sink = &mut |t: &[u32], _| {
+            chunks.push(t.len());
+            true
+        };
+        let pacing = losing_by_far(&format!("{}/model", mode.as_str()));
+        let out = parse_core::generate_paced(&mut d, &mut v, &r, sink, pacing).unwrap();
+        assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 60), "{mode:?}");
+        assert_eq!(
+            out.stats.paused_tokens,
+            out.tokens.len(),
+            "{mode:?}: {:?}",
+            out.stats
+        );
+        assert_eq!(chunks.first(), Some(&1), "{mode:?}: {chunks:?}");
+        assert_eq!(
+            v.extends.first().map(|e| e.0),
+            Some(1),
+            "{mode:?}: {:?}",
+            v.extends
+        );
+        assert!(chunks[1..].iter().any(|&n| n > 1), "{mode:?}: {chunks:?}");
     }
 }
 
