@@ -131,6 +131,12 @@ impl<D: Drafter> CopyFirst<D> {
     pub fn inner(&self) -> &D {
         &self.inner
     }
+
+    /// Whether a draft from `context` starts by copying (its end occurred earlier): such a draft asks nothing of
+    /// the model yet, so the model's work read ahead for it would be dropped.
+    fn starts_by_copying(&self, context: &[u32]) -> bool {
+        lookup_match(context, &self.cfg.lookup).is_some()
+    }
 }
 
 impl<D: Drafter> Drafter for CopyFirst<D> {
@@ -287,8 +293,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         sampling: &SamplingParams,
         tokens: usize,
     ) -> Result<()> {
-        // A draft that would start by copying asks nothing of the model yet: its work read ahead would be dropped.
-        if lookup_match(context, &self.cfg.lookup).is_some() {
+        if self.starts_by_copying(context) {
             return Ok(());
         }
         self.inner.prefetch(session, context, sampling, tokens)
@@ -301,8 +306,7 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         sampling: &SamplingParams,
         tokens: usize,
     ) -> Result<()> {
-        // As `prefetch`: where the context's end is found earlier, the next draft most likely starts by copying.
-        if lookup_match(context, &self.cfg.lookup).is_some() {
+        if self.starts_by_copying(context) {
             return Ok(());
         }
         self.inner
