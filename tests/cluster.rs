@@ -520,6 +520,115 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
     sessions_end(&c, "sessions left after the client went away");
 }
 
+/// Packed forward passes `worker` has run.
+fn passes(worker: &parse_target_worker::TargetWorker) -> f64 {
+    let text = worker.metrics().render();
+    text.lines()
+        .find_map(|l| l.strip_prefix("parse_worker_batch_rows_count "))
+        .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0))
+}
+
+#[test]
+fn a_call_that_reaches_a_worker_after_its_sessions_release_creates_no_session() {
+    // The router leaves a wedged worker mid-call and sends it a release; when the worker runs again, the release
+    // can be served before the call it gave up on. That call must not open a session nobody will release.
+    use parse_proto::v1::drafter_client::DrafterClient;
+    use parse_proto::v1::verifier_client::VerifierClient;
+    use parse_proto::v1::{DraftRequest, ReleaseRequest};
+    use tonic::Code;
+    let target = target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default());
+    let draft = draft_server(tiny_engine(DRAFT_SEED), DraftWorkerConfig::default());
+    let rt = runtime();
+    rt.block_on(async {
+        let mut t = VerifierClient::new(worker_channel(&target.endpoint()).await);
+        let open = open_request;
+        let release = |s: &str| ReleaseRequest { session: s.into() };
+        // Released before its open arrived: NOT_FOUND as before, and the late open is refused.
+        let e = t.release(release("late")).await.unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{e}");
+        let e = t.open_session(open("late")).await.unwrap_err();
+        assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+        assert!(e.message().contains("released"), "{e}");
+        assert_eq!(target.worker.open_sessions(), 0);
+        // Released after it was used: a late open of the same id is refused too; other ids open as before.
+        t.open_session(open("used")).await.unwrap();
+        assert_eq!(target.worker.open_sessions(), 1);
+        t.release(release("used")).await.unwrap();
+        let e = t.open_session(open("used")).await.unwrap_err();
+        assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+        t.open_session(open("fresh")).await.unwrap();
+        t.release(release("fresh")).await.unwrap();
+        assert_eq!(target.worker.open_sessions(), 0);
+
+        // The draft worker: a draft that arrives after its session's release is refused.
+        let mut d = DrafterClient::new(worker_channel(&draft.endpoint()).await);
+        let req = |s: &str| DraftRequest {
+            session: s.into(),
+            context: vec![1, 2, 3],
+            sampling: None,
+            max_tokens: 2,
+        };
+        d.release(release("late")).await.unwrap();
+        let e = d.draft(req("late")).await.unwrap_err();
+        assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+        let mut s = d.draft(req("fresh")).await.unwrap().into_inner();
+        while s.message().await.unwrap().is_some() {}
+        assert_eq!(draft.worker.open_sessions(), 1);
+        d.release(release("fresh")).await.unwrap();
+        assert_eq!(draft.worker.open_sessions(), 0);
+    });
+}
+
+#[test]
+fn an_open_whose_caller_goes_away_mid_prefill_frees_its_cache() {
+    // One row per pass: a long prompt's prefill takes hundreds of passes, so the caller can leave in the middle.
+    let target = target_server(
+        tiny_engine(TARGET_SEED),
+        TargetWorkerConfig {
+            step_rows: 1,
+            ..Default::default()
+        },
+    );
+    let rt = runtime();
+    let prompt: Vec<u32> = (0..TINY_CONTEXT as u32 - 8).map(|i| 100 + i).collect();
+    let before = passes(&target.worker);
+    let addr = target.endpoint();
+    let call = rt.spawn(async move {
+        let mut t =
+            parse_proto::v1::verifier_client::VerifierClient::new(worker_channel(&addr).await);
+        t.open_session(parse_proto::v1::OpenSessionRequest {
+            prompt,
+            ..open_request("left")
+        })
+        .await
+    });
+    assert!(
+        eventually(Duration::from_secs(20), || passes(&target.worker)
+            >= before + 2.0),
+        "the open never started"
+    );
+    call.abort();
+    let r = rt.block_on(call);
+
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_cancelled()),
+        "the open ended before its caller left: {r:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || target.worker.open_sessions()
+            == 0),
+        "the half-prefilled session is still held: {} open",
+        target.worker.open_sessions()
+    );
+    let kv = target
+        .worker
+        .metrics()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix("parse_worker_kv_bytes ").map(str::to_string));
+    assert_eq!(kv.as_deref(), Some("0"), "KV bytes still held");
+}
+
 #[test]
 fn a_killed_draft_worker_still_yields_a_complete_answer() {
     let mut c = cluster(1, 1, 8);

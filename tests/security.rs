@@ -332,20 +332,11 @@ fn a_full_worker_sends_the_request_elsewhere_and_a_full_cluster_says_so() {
     let rt = runtime();
     rt.block_on(async {
         // Another client holds the one session each full worker allows.
-        let mut t = VerifierClient::connect(format!("http://{}", full.endpoint()))
-            .await
-            .unwrap();
-        let open = |s: &str| OpenSessionRequest {
-            session: s.into(),
-            prompt: vec![1, 2, 3],
-            sampling: None,
-        };
-        t.open_session(open("held")).await.unwrap();
-        let e = t.open_session(open("second")).await.unwrap_err();
+        let mut t = VerifierClient::new(worker_channel(&full.endpoint()).await);
+        t.open_session(open_request("held")).await.unwrap();
+        let e = t.open_session(open_request("second")).await.unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
-        let mut d = DrafterClient::connect(format!("http://{}", full_draft.endpoint()))
-            .await
-            .unwrap();
+        let mut d = DrafterClient::new(worker_channel(&full_draft.endpoint()).await);
         let mut s = d
             .draft(parse_proto::v1::DraftRequest {
                 session: "held".into(),

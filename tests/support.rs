@@ -138,6 +138,24 @@ pub fn target_server(
     })
 }
 
+/// A gRPC client straight to a worker (no router, no TLS, no cluster token).
+pub async fn worker_channel(endpoint: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect")
+}
+
+/// `OpenSession` for `session` on a three-token prompt.
+pub fn open_request(session: &str) -> parse_proto::v1::OpenSessionRequest {
+    parse_proto::v1::OpenSessionRequest {
+        session: session.into(),
+        prompt: vec![1, 2, 3],
+        sampling: None,
+    }
+}
+
 pub fn router_server(cfg: RouterConfig) -> Server<Router> {
     let rt = runtime();
     let router = rt.block_on(async { Router::new(cfg) }).expect("router");

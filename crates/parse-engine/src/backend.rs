@@ -109,6 +109,12 @@ pub struct EngineVerifier<E: EngineOps> {
 }
 
 impl<E: EngineOps> EngineVerifier<E> {
+    /// Whether `session` holds a cache but its open never finished (it failed, or was stopped mid-prefill): a
+    /// session no caller can use.
+    pub fn half_open(&self, session: &str) -> bool {
+        !self.samplers.contains_key(session) && self.engine.engine().session_len(session).is_ok()
+    }
+
     pub fn new(engine: E) -> Self {
         let tok = engine.engine().tokenizer();
         let yes_no = tok.token_to_id("Yes").zip(tok.token_to_id("No"));

@@ -13,7 +13,7 @@ pub mod info;
 pub mod metrics;
 pub mod scheduler;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -89,12 +89,34 @@ pub fn admit<B: Backend>(backend: &B, session: &str, max: usize) -> Result<(), C
     ))
 }
 
+/// Released session ids a worker remembers at most (see [`SessionBook::mark_released`]); past it the oldest go first.
+pub const RELEASED_KEPT: usize = 16_384;
+
+/// The answer to a call that would create a session released here (see [`SessionBook::was_released`]):
+/// ALREADY_EXISTS, as the id is spent.
+pub fn released_error(session: &str) -> CoreError {
+    CoreError::new(
+        parse_core::ErrorKind::AlreadyExists,
+        format!(
+            "session `{session}` was released on this worker before this call reached it (a call its caller gave \
+             up on); a new session needs a new id"
+        ),
+    )
+}
+
 /// Per session: the epoch of its current draft (a newer draft supersedes older producers), its last use, and the
-/// worker time charged to it.
+/// worker time charged to it; and the ids of sessions released here.
 #[derive(Debug, Default)]
 pub struct SessionBook {
     entries: HashMap<String, (u64, Instant)>,
     charged: HashMap<String, f64>,
+    /// Ids released by a `Release` call, oldest first, with when. The router never uses a session id on a worker
+    /// again after releasing it there (ids are unique per request, and a request does not go back to a worker it
+    /// left), so a call that would create one of these sessions is a stale one: a call the router gave up on (its
+    /// worker was stopped, or the connection dropped) that arrives after the release the router sent on leaving.
+    /// Refusing it keeps a session nobody will use from holding KV until its TTL.
+    released: VecDeque<(Instant, String)>,
+    released_ids: HashSet<String>,
 }
 
 impl SessionBook {
@@ -133,6 +155,28 @@ impl SessionBook {
         self.charged.remove(session);
     }
 
+    /// Removes `session` and remembers that it was released (whether or not this worker held it): see
+    /// [`SessionBook::was_released`]. Sessions the reaper expires are only removed: a router that comes back to one
+    /// opens it again under the same id.
+    pub fn mark_released(&mut self, session: &str) {
+        self.remove(session);
+        if self.released_ids.insert(session.to_string()) {
+            self.released
+                .push_back((Instant::now(), session.to_string()));
+        }
+        while self.released.len() > RELEASED_KEPT {
+            if let Some((_, s)) = self.released.pop_front() {
+                self.released_ids.remove(&s);
+            }
+        }
+    }
+
+    /// Whether `session` was released here (within the TTL the reaper prunes with): a call that would create it
+    /// again is refused with [`released_error`].
+    pub fn was_released(&self, session: &str) -> bool {
+        self.released_ids.contains(session)
+    }
+
     /// Adds `ms` of forward-pass time to what `session` was charged (see [`Task::charge`]).
     pub fn charge(&mut self, session: &str, ms: f64) {
         *self.charged.entry(session.to_string()).or_default() += ms;
@@ -145,10 +189,17 @@ impl SessionBook {
     }
 
     /// Forgets the charges of sessions that are not in the book (a task that ended after its session was
-    /// released); the reaper runs it.
-    pub fn prune(&mut self) {
+    /// released), and released ids older than `ttl`; the reaper runs it.
+    pub fn prune(&mut self, ttl: Duration) {
         let entries = &self.entries;
         self.charged.retain(|s, _| entries.contains_key(s));
+        while let Some((t, _)) = self.released.front()
+            && t.elapsed() > ttl
+        {
+            if let Some((_, s)) = self.released.pop_front() {
+                self.released_ids.remove(&s);
+            }
+        }
     }
 
     /// Sessions unused for longer than `ttl`.
@@ -512,7 +563,7 @@ impl<B: Backend> Shell<B> {
         let name = self.cfg.name;
         self.call_waiting("expire", move |st| {
             let old = st.book.idle(ttl);
-            st.book.prune();
+            st.book.prune(ttl);
             for s in &old {
                 st.book.remove(s);
                 if st.backend.has_session(s)
@@ -574,8 +625,40 @@ mod tests {
         b.touch("kept");
         b.charge("kept", 1.0);
         b.charge("gone", 1.0);
-        b.prune();
+        b.prune(Duration::from_secs(60));
         assert_eq!(b.charged("gone"), 0.0);
         assert_eq!(b.charged("kept"), 1.0);
+    }
+
+    #[test]
+    fn the_book_remembers_released_ids_for_the_ttl_and_a_bounded_number() {
+        let mut b = SessionBook::default();
+        b.touch("a");
+        b.charge("a", 1.0);
+        b.mark_released("a");
+        b.mark_released("never-held");
+        assert!(!b.contains("a"));
+        assert_eq!(b.charged("a"), 0.0);
+        assert!(b.was_released("a") && b.was_released("never-held"));
+        assert!(!b.was_released("b"));
+        // Expired sessions are not remembered as released.
+        b.touch("b");
+        b.remove("b");
+        assert!(!b.was_released("b"));
+        b.prune(Duration::from_secs(60));
+        assert!(b.was_released("a"));
+        std::thread::sleep(Duration::from_millis(20));
+        b.mark_released("late");
+        b.prune(Duration::from_millis(10));
+        assert!(!b.was_released("a") && !b.was_released("never-held"));
+        assert!(b.was_released("late"));
+        // Bounded: the oldest go first.
+        for i in 0..RELEASED_KEPT + 10 {
+            b.mark_released(&format!("s{i}"));
+        }
+        assert_eq!(b.released.len(), RELEASED_KEPT);
+        assert_eq!(b.released_ids.len(), RELEASED_KEPT);
+        assert!(!b.was_released("late") && !b.was_released("s9"));
+        assert!(b.was_released("s10") && b.was_released(&format!("s{}", RELEASED_KEPT + 9)));
     }
 }

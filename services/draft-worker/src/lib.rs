@@ -172,6 +172,9 @@ impl Drafter for DraftWorker {
                         "the draft worker is draining",
                     ));
                 }
+                if st.book.was_released(&session) {
+                    return Err(parse_worker::released_error(&session));
+                }
                 parse_worker::admit(&st.backend, &session, max_sessions)?;
                 epoch.store(st.book.next_epoch(&session), Ordering::Relaxed);
                 Ok(true)
@@ -301,7 +304,9 @@ impl Drafter for DraftWorker {
             check_session(&r.session)?;
             self.shell
                 .call_waiting("release", move |st| {
-                    st.book.remove(&r.session);
+                    // Remembered even when this worker does not hold it: a draft its caller gave up on may still
+                    // be on its way here.
+                    st.book.mark_released(&r.session);
                     st.backend.release(&r.session)
                 })
                 .await?;

@@ -250,6 +250,10 @@ impl TargetWorker {
                 steps,
                 move |st: &mut State<Backend>, out| {
                     let charged = st.book.charged(&session);
+                    if !matches!(out, Ok(Some(_))) && st.backend.half_open(&session) {
+                        // An open that failed or whose caller went away mid-prefill: nobody will use its cache.
+                        let _ = st.backend.release(&session);
+                    }
                     if st.backend.engine().sessions().len(&session).is_ok() {
                         st.book.touch(&session);
                     } else {
@@ -325,6 +329,9 @@ impl Verifier for TargetWorker {
                     "open",
                     session,
                     move |st| {
+                        if st.book.was_released(&admitted) {
+                            return Err(parse_worker::released_error(&admitted));
+                        }
                         parse_worker::admit(&st.backend, &admitted, max_sessions).map(|()| true)
                     },
                     steps,
@@ -424,8 +431,19 @@ impl Verifier for TargetWorker {
         let span = parse_proto::telemetry::call_span("target", "release", &request);
         async move {
             let session = request.into_inner().session;
-            self.call("release", session.clone(), move |v| v.release(&session))
+            check_session(&session)?;
+            let (out, healthy) = self
+                .shell
+                .call("release", move |st: &mut State<Backend>| {
+                    // Remembered even when this worker does not hold it: an open the caller gave up on may still
+                    // be on its way here.
+                    st.book.mark_released(&session);
+                    let out = st.backend.release(&session);
+                    Ok((out, st.backend.ops().healthy()))
+                })
                 .await?;
+            self.note_group(healthy);
+            out.map_err(status_from_core)?;
             Ok(Response::new(ReleaseResponse {}))
         }
         .instrument(span)
