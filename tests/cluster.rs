@@ -629,6 +629,112 @@ fn an_open_whose_caller_goes_away_mid_prefill_frees_its_cache() {
     assert_eq!(kv.as_deref(), Some("0"), "KV bytes still held");
 }
 
+/// A target worker's front that answers the first `Release` with UNAVAILABLE (as a worker stopped just as a request
+/// finished: the release never reached it) and passes everything else to the worker.
+#[derive(Clone)]
+struct MissesFirstRelease {
+    worker: parse_proto::v1::verifier_client::VerifierClient<tonic::transport::Channel>,
+    releases: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl parse_proto::v1::verifier_server::Verifier for MissesFirstRelease {
+    async fn open_session(
+        &self,
+        r: tonic::Request<parse_proto::v1::OpenSessionRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::OpenSessionResponse>, tonic::Status> {
+        self.worker.clone().open_session(r.into_inner()).await
+    }
+    async fn verify(
+        &self,
+        r: tonic::Request<parse_proto::v1::VerifyRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::VerifyResponse>, tonic::Status> {
+        self.worker.clone().verify(r.into_inner()).await
+    }
+    async fn extend(
+        &self,
+        r: tonic::Request<parse_proto::v1::ExtendRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::ExtendResponse>, tonic::Status> {
+        self.worker.clone().extend(r.into_inner()).await
+    }
+    async fn truncate(
+        &self,
+        r: tonic::Request<parse_proto::v1::TruncateRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::TruncateResponse>, tonic::Status> {
+        self.worker.clone().truncate(r.into_inner()).await
+    }
+    async fn release(
+        &self,
+        r: tonic::Request<parse_proto::v1::ReleaseRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::ReleaseResponse>, tonic::Status> {
+        if self
+            .releases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            == 0
+        {
+            return Err(tonic::Status::unavailable("the worker did not answer"));
+        }
+        self.worker.clone().release(r.into_inner()).await
+    }
+    async fn get_model_info(
+        &self,
+        r: tonic::Request<parse_proto::v1::GetModelInfoRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::GetModelInfoResponse>, tonic::Status> {
+        self.worker.clone().get_model_info(r.into_inner()).await
+    }
+    async fn drain(
+        &self,
+        r: tonic::Request<parse_proto::v1::DrainRequest>,
+    ) -> Result<tonic::Response<parse_proto::v1::DrainResponse>, tonic::Status> {
+        self.worker.clone().drain(r.into_inner()).await
+    }
+}
+
+#[test]
+fn a_release_the_worker_did_not_answer_at_a_requests_end_is_sent_again() {
+    let target = target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default());
+    let rt = runtime();
+    let releases = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let port = free_port();
+    let front = MissesFirstRelease {
+        worker: parse_proto::v1::verifier_client::VerifierClient::new(
+            rt.block_on(worker_channel(&target.endpoint())),
+        )
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20),
+        releases: releases.clone(),
+    };
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                parse_proto::v1::verifier_server::VerifierServer::new(front)
+                    .max_decoding_message_size(64 << 20)
+                    .max_encoding_message_size(64 << 20),
+            )
+            .serve(([127, 0, 0, 1], port).into()),
+    );
+    assert!(eventually(Duration::from_secs(10), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    }));
+    let router = router_server(RouterConfig {
+        targets: vec![format!("127.0.0.1:{port}")],
+        ..Default::default()
+    });
+    rt.block_on(async {
+        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        let out = client.generate(req("target", 6)).await.unwrap();
+        assert_eq!(out.token_ids.len(), 6);
+    });
+    assert!(releases.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    assert!(
+        eventually(Duration::from_secs(20), || target.worker.open_sessions()
+            == 0),
+        "the session is still held ({} releases sent)",
+        releases.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert_eq!(releases.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
 #[test]
 fn a_killed_draft_worker_still_yields_a_complete_answer() {
     let mut c = cluster(1, 1, 8);

@@ -97,14 +97,20 @@ enum Side {
     Target,
 }
 
+impl Side {
+    fn role(self) -> &'static str {
+        match self {
+            Side::Draft => "draft",
+            Side::Target => "target",
+        }
+    }
+}
+
 /// Leaves a worker for the rest of a request after `e`: a lost one is marked failed for every request, a full one
 /// only skipped by this one; either way the request's session there is freed in the background.
 fn leave(ctx: &CallCtx, l: Lease, session: &str, side: Side, e: &Error, lost: &mut Vec<String>) {
     release_orphan(&ctx.handle, &l, session, side);
-    let role = match side {
-        Side::Draft => "draft",
-        Side::Target => "target",
-    };
+    let role = side.role();
     if is_lost(ctx, e) {
         tracing::warn!(addr = %l.worker.addr, "{role} worker lost: {}", e.message);
         l.worker.mark_failed();
@@ -112,6 +118,43 @@ fn leave(ctx: &CallCtx, l: Lease, session: &str, side: Side, e: &Error, lost: &m
         tracing::info!(addr = %l.worker.addr, "{role} worker skipped for this request: {}", e.message);
     }
     lost.push(l.worker.addr.clone());
+}
+
+/// One `Release` of `session` on `channel`'s worker, within `timeout`.
+async fn release_once(
+    channel: &WorkerChannel,
+    session: &str,
+    side: Side,
+    timeout: Duration,
+) -> std::result::Result<(), tonic::Status> {
+    let mut req = tonic::Request::new(ReleaseRequest {
+        session: session.to_string(),
+    });
+    parse_proto::telemetry::inject(req.metadata_mut());
+    req.set_timeout(timeout);
+    match side {
+        Side::Draft => DrafterClient::new(channel.clone())
+            .release(req)
+            .await
+            .map(drop),
+        Side::Target => VerifierClient::new(channel.clone())
+            .release(req)
+            .await
+            .map(drop),
+    }
+}
+
+/// Whether a failed release is worth sending again: the worker did not answer (wedged, unreachable, its connection
+/// dropped) or was full. Any other answer (NOT_FOUND from a restarted worker among them) ends the session's life.
+fn release_again(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Unknown
+            | tonic::Code::ResourceExhausted
+    )
 }
 
 /// Frees `session` on a worker this request left (lost, wedged or full), in the background: a worker that comes
@@ -124,38 +167,32 @@ fn release_orphan(handle: &Handle, lease: &Lease, session: &str, side: Side) {
     handle.spawn(async move {
         let until = Instant::now() + ORPHAN_RELEASE_FOR;
         while Instant::now() < until {
-            let mut req = tonic::Request::new(ReleaseRequest {
-                session: session.clone(),
-            });
-            req.set_timeout(Duration::from_secs(5));
-            let r = match side {
-                Side::Draft => DrafterClient::new(channel.clone())
-                    .release(req)
-                    .await
-                    .map(drop),
-                Side::Target => VerifierClient::new(channel.clone())
-                    .release(req)
-                    .await
-                    .map(drop),
-            };
-            match r {
-                Ok(()) => return,
-                Err(s)
-                    if !matches!(
-                        s.code(),
-                        tonic::Code::Unavailable
-                            | tonic::Code::DeadlineExceeded
-                            | tonic::Code::Cancelled
-                            | tonic::Code::Unknown
-                            | tonic::Code::ResourceExhausted
-                    ) =>
-                {
-                    return;
-                }
-                Err(_) => tokio::time::sleep(Duration::from_secs(2)).await,
+            match release_once(&channel, &session, side, Duration::from_secs(5)).await {
+                Err(s) if release_again(&s) => tokio::time::sleep(Duration::from_secs(2)).await,
+                _ => return,
             }
         }
     });
+}
+
+/// Frees a finished request's `session` on its worker: once, within [`RELEASE_TIMEOUT`] (the request's own
+/// deadline does not bound the cleanup, and a wedged worker must not hold the request's end longer), and, when the
+/// worker did not answer, again in the background as for a worker the request left ([`release_orphan`]): a worker
+/// stopped just as the request finished frees the session when it runs again, not after its TTL.
+fn release_at_end(ctx: &CallCtx, lease: &Lease, session: &str, side: Side) {
+    let r = ctx.handle.block_on(release_once(
+        &lease.worker.channel,
+        session,
+        side,
+        RELEASE_TIMEOUT,
+    ));
+    if let Err(s) = r {
+        let role = side.role();
+        tracing::warn!(addr = %lease.worker.addr, "{role} release failed: {}", s.message());
+        if release_again(&s) {
+            release_orphan(&ctx.handle, lease, session, side);
+        }
+    }
 }
 
 /// Whether a worker call failed because the worker (or the connection to it) is gone. A dropped HTTP/2
@@ -744,20 +781,9 @@ impl Drafter for RemoteDrafter {
         self.stream = None;
         self.prefetch = None;
         self.warming = None;
-        if let Some(mut client) = self.client() {
-            // Release even when the request itself was cancelled: the request's deadline does not bound the
-            // cleanup, a short one of its own does (a wedged worker must not hold the request's end).
-            let mut req = tonic::Request::new(ReleaseRequest {
-                session: session.to_string(),
-            });
-            parse_proto::telemetry::inject(req.metadata_mut());
-            req.set_timeout(RELEASE_TIMEOUT);
-            if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
-                // A lost worker frees its sessions with its process; a live one expires them after its TTL.
-                tracing::warn!("draft release failed: {}", s.message());
-            }
+        if let Some(l) = self.lease.take() {
+            release_at_end(&self.ctx, &l, session, Side::Draft);
         }
-        self.lease = None;
         Ok(())
     }
 
@@ -989,18 +1015,9 @@ impl Verifier for RemoteVerifier {
     }
 
     fn release(&mut self, session: &str) -> Result<()> {
-        if let Some(l) = &self.lease {
-            let mut client = VerifierClient::new(l.worker.channel.clone());
-            let mut req = tonic::Request::new(ReleaseRequest {
-                session: session.to_string(),
-            });
-            parse_proto::telemetry::inject(req.metadata_mut());
-            req.set_timeout(RELEASE_TIMEOUT);
-            if let Err(s) = self.ctx.handle.block_on(client.release(req)) {
-                tracing::warn!("target release failed: {}", s.message());
-            }
+        if let Some(l) = self.lease.take() {
+            release_at_end(&self.ctx, &l, session, Side::Target);
         }
-        self.lease = None;
         self.opened = false;
         Ok(())
     }
