@@ -11,6 +11,9 @@ bench` at --concurrency streams. Faults, each during one bench, with a bench aft
   etcd-stop       stop etcd for --etcd-down-s (longer than the workers' lease), then start it again
   junk-flood      --junk connections writing garbage to every worker port and etcd's during the bench
 
+A fault on one worker waits until that worker holds sessions, so that it hits requests in flight however fast the
+machine is (the table says how many it held); every round drafts (`--adaptive false`), so draft workers hold sessions.
+
 It counts requests lost (failed: must be 0), requests that failed over (draft or target), latency p50/p99 per bench,
 and, at the end, sessions still open on every worker (must be 0), and prints a Markdown table (and --out JSON).
 The default models are the draft model for both roles: this exercises the cluster's fault handling, not quality, and
@@ -113,9 +116,12 @@ def start(name):
                "--lease-ttl-s", "3", "--metrics-listen", f"127.0.0.1:{metrics[name]}", "--kv-mib", "1024"]
         e = role_env("worker")
     else:
+        # The per-call limit must exceed the longest call a busy worker answers in time: a call waits its turn
+        # behind the other streams' steps, which took over 20 s on a slow 2-core machine (CI once), and a call past
+        # the limit counts its worker as lost. A stopped target is found by HTTP/2 keep-alive (10 s), not by it.
         cmd = [os.path.join(BIN, "parse-router"), "--listen", f"127.0.0.1:{ports['router']}",
                "--admin-listen", f"127.0.0.1:{ports['admin']}", "--no-openai", "--etcd", etcd_url,
-               "--worker-call-timeout-s", "20"]
+               "--worker-call-timeout-s", "120"]
         e = role_env("router")
         e["PARSE_TLS_SERVER_NAME"] = "parse-worker"
         e["PARSE_ADMIN_TOKEN"] = "faults"
@@ -150,7 +156,10 @@ def wait_for(cond, seconds, what):
 def bench():
     r = subprocess.run([os.path.join(BIN, "parsectl"), "bench", "--router", f"127.0.0.1:{ports['router']}",
                         "-n", str(args.requests), "-c", str(args.concurrency), "--max-new-tokens",
-                        str(args.max_new_tokens), "--mode", "parse+token-spec", "--timeout-s", "300", "--json"],
+                        str(args.max_new_tokens), "--mode", "parse+token-spec", "--timeout-s", "300", "--json",
+                        # Every round drafts: with the pace on, a draft model as large as the target (both roles run
+                        # the same model here) rests, and a killed draft worker would hold no session to lose.
+                        "--adaptive", "false"],
                        env=client_env, capture_output=True, text=True)
     if r.returncode not in (0, 1) or not r.stdout.strip():
         raise SystemExit(f"fault-suite: bench failed to run: {r.stderr[-2000:]}")
@@ -176,41 +185,59 @@ def junk_flood(stop):
         s.close()
 
 
+def sessions_of(name):
+    """Sessions open on worker `name` (its metrics' gauge), or why there is no figure."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics[name]}/metrics", timeout=5).read().decode()
+    except OSError as e:
+        return f"unreachable ({e})"
+    v = [line.split()[-1] for line in text.splitlines() if line.startswith("parse_worker_open_sessions")]
+    return int(float(v[0])) if v else "absent"
+
+
 def open_sessions():
-    out = {}
-    for name, port in metrics.items():
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        except OSError as e:
-            out[name] = f"unreachable ({e})"
-            continue
-        v = [line.split()[-1] for line in text.splitlines() if line.startswith("parse_worker_open_sessions")]
-        out[name] = int(float(v[0])) if v else "absent"
-    return out
+    return {name: sessions_of(name) for name in metrics}
 
 
 rows = []
 
 
-def record(phase, fault, r):
+def record(phase, fault, r, held=None):
     c = r["cells"][0] if r.get("cells") else {}
     rows.append({
         "phase": phase, "fault": fault, "ok": r["ok"], "failed": r["failed"],
         "draft_failovers": r.get("draft_failovers", 0), "target_failovers": r.get("target_failovers", 0),
         "p50_ms": c.get("latency_p50_ms"), "p99_ms": c.get("latency_p99_ms"), "errors": c.get("errors", [])[:3],
+        "held": held,
     })
     print(f"  {phase:7} {fault:12} ok {r['ok']:3} failed {r['failed']:2} failovers draft "
           f"{r.get('draft_failovers', 0):2} target {r.get('target_failovers', 0):2} p50 {c.get('latency_p50_ms', 0):8.0f} ms "
-          f"p99 {c.get('latency_p99_ms', 0):8.0f} ms", flush=True)
+          f"p99 {c.get('latency_p99_ms', 0):8.0f} ms" + (f" (hit holding {held} sessions)" if held is not None else ""),
+          flush=True)
 
 
-def during(fault, inject, recover=None):
-    """A bench with `inject` run 3 s into it (in a thread), then `recover`, then a bench after."""
-    t = threading.Thread(target=lambda: (time.sleep(3), inject()))
+def during(fault, inject, recover=None, victim=None):
+    """A bench with `inject` run in a thread, then `recover`, then a bench after. A fault on worker `victim` waits
+    until it holds sessions (at most 30 s), so that it hits requests in flight on a machine of any speed; another
+    is injected 3 s into the bench."""
+    hit = {}
+
+    def go():
+        time.sleep(1 if victim else 3)
+        t0 = time.time()
+        while victim and time.time() - t0 < 30:
+            n = sessions_of(victim)
+            if isinstance(n, int) and n > 0:
+                hit["held"] = n
+                break
+            time.sleep(0.05)
+        inject()
+
+    t = threading.Thread(target=go)
     t.start()
     r = bench()
     t.join()
-    record("during", fault, r)
+    record("during", fault, r, hit.get("held", 0) if victim else None)
     if recover:
         recover()
     record("after", fault, bench())
@@ -244,15 +271,15 @@ try:
             raise SystemExit(f"fault-suite: {n} did not come back (logs in {run})")
         wait_for(lambda: workers() == everyone, 60, f"{n} registering again")
 
-    during("draft-kill", lambda: kill("draft1"), lambda: restart("draft1"))
-    during("target-kill", lambda: kill("target1"), lambda: restart("target1"))
+    during("draft-kill", lambda: kill("draft1"), lambda: restart("draft1"), "draft1")
+    during("target-kill", lambda: kill("target1"), lambda: restart("target1"), "target1")
 
     def stop_target():
         kill("target2", signal.SIGSTOP)
         time.sleep(args.stop_s)
         kill("target2", signal.SIGCONT)
 
-    during("target-stop", stop_target, lambda: wait_for(lambda: workers() == everyone, 60, "target2 back"))
+    during("target-stop", stop_target, lambda: wait_for(lambda: workers() == everyone, 60, "target2 back"), "target2")
 
     def stop_etcd():
         procs["etcd"].terminate()
@@ -278,11 +305,11 @@ try:
     lost = sum(r["failed"] for r in rows)
     left = sum(v for v in sessions.values() if isinstance(v, int))
     print()
-    print("| bench | fault | ok | lost | failed over (draft / target) | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| bench | fault | sessions on the worker hit | ok | lost | failed over (draft / target) | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['phase']} | {r['fault']} | {r['ok']} | {r['failed']} | {r['draft_failovers']} / "
-              f"{r['target_failovers']} | {r['p50_ms'] or 0:.0f} | {r['p99_ms'] or 0:.0f} |")
+        print(f"| {r['phase']} | {r['fault']} | {'-' if r['held'] is None else r['held']} | {r['ok']} | {r['failed']} | "
+              f"{r['draft_failovers']} / {r['target_failovers']} | {r['p50_ms'] or 0:.0f} | {r['p99_ms'] or 0:.0f} |")
     print(f"\nrequests lost: {lost}; sessions open afterwards: {sessions}")
     for r in rows:
         for e in r["errors"]:
