@@ -518,6 +518,21 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
         drop(stream);
     });
     sessions_end(&c, "sessions left after the client went away");
+    // Counted as a request its client left, not as the cluster's error.
+    let count = |outcome: &str| {
+        let series = format!("parse_requests_total{{mode=\"parse\",outcome=\"{outcome}\"}} ");
+        let text = c.router.worker.metrics.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || count("cancelled") == 1.0),
+        "{}",
+        c.router.worker.metrics.render()
+    );
+    assert_eq!(count("error"), 0.0);
+    assert_eq!(count("ok"), 0.0);
 }
 
 /// Packed forward passes `worker` has run.

@@ -673,6 +673,8 @@ impl Router {
             let mut verifier = RemoteVerifier::new(targets, ctx.clone());
             let mut text_sink = TextSink::new(tok, stop);
             let mut failure: Option<CoreError> = None;
+            // Tokens the client was sent: a request that ends early (its client left) counts these.
+            let mut sent = 0u64;
             let mut sink = |tokens: &[u32], source: Source| -> bool {
                 let text = match text_sink.push(tokens) {
                     Ok(t) => t,
@@ -696,6 +698,7 @@ impl Router {
                     // The client went away or stopped reading: stop the loop (it releases the sessions).
                     return false;
                 }
+                sent += tokens.len() as u64;
                 !stopped && ctx.deadline.is_none_or(|d| Instant::now() < d)
             };
             // Both stand ready; the loop uses the ones the request's mode needs.
@@ -726,9 +729,12 @@ impl Router {
             metrics.record(&metrics::RequestRecord {
                 mode: req.mode.as_str(),
                 ok: result.is_ok(),
+                // A client that stops reading once it has its answer (a stop rule of its own) ends the request
+                // this way too: not the cluster's failure.
+                cancelled: result.is_err() && tx.is_closed(),
                 latency_s: latency_ms / 1e3,
                 ttft_s: first_text,
-                output_tokens: n(|s| s.output_tokens),
+                output_tokens: s.map_or(sent, |s| s.output_tokens as u64),
                 draft_tokens_proposed: n(|s| s.draft_tokens_proposed),
                 draft_tokens_accepted: n(|s| s.draft_tokens_accepted),
                 segments_proposed: n(|s| s.segments_proposed),

@@ -1,7 +1,9 @@
 //! The router's Prometheus metrics, one registry per router, served as text at `GET /metrics` on the OpenAI HTTP
 //! port. Names and units follow Prometheus conventions (`parse_..._total`, `_seconds`).
 //!
-//! Per request (labels: `mode`, and `outcome` = ok | error on the request counter): requests, latency, time to
+//! Per request (labels: `mode`, and `outcome` = ok | error | cancelled on the request counter; cancelled: the client
+//! went away before the end, as a client that stops reading at its answer's end does, which is not the server's
+//! failure): requests, latency, time to
 //! first token, time per output token (after the first), output tokens, draft tokens proposed and accepted, segments
 //! proposed and accepted, target forward passes, tokens written while speculation was paused, entries into
 //! speculation declined (it would not have paid for the draft catching up), failovers (by role) and fallbacks to the
@@ -41,6 +43,8 @@ pub const POSITIONS: usize = 32;
 pub struct RequestRecord<'a> {
     pub mode: &'a str,
     pub ok: bool,
+    /// Not ok because the client went away before the end (outcome `cancelled`, not `error`).
+    pub cancelled: bool,
     pub latency_s: f64,
     /// Seconds to the first output text (none: no output).
     pub ttft_s: Option<f64>,
@@ -163,7 +167,7 @@ impl Metrics {
         let requests = counter(
             &r,
             "parse_requests_total",
-            "Generation requests finished, by mode and outcome (ok, error).",
+            "Generation requests finished, by mode and outcome (ok, error, cancelled: the client went away).",
             &["mode", "outcome"],
         );
         let latency = histogram(
@@ -282,7 +286,7 @@ impl Metrics {
         let worker_requests = counter(
             &r,
             "parse_worker_requests_total",
-            "Requests a worker served, by role, worker id and outcome (ok, error).",
+            "Requests a worker served, by role, worker id and outcome (ok, error, cancelled: the client went away).",
             &["role", "worker", "outcome"],
         );
         let worker_output_tokens = counter(
@@ -350,7 +354,11 @@ impl Metrics {
 
     pub fn record(&self, r: &RequestRecord) {
         let m = [r.mode];
-        let outcome = if r.ok { "ok" } else { "error" };
+        let outcome = match (r.ok, r.cancelled) {
+            (true, _) => "ok",
+            (false, true) => "cancelled",
+            (false, false) => "error",
+        };
         self.requests.with_label_values(&[r.mode, outcome]).inc();
         self.latency.with_label_values(&m).observe(r.latency_s);
         if let Some(t) = r.ttft_s {
@@ -584,7 +592,8 @@ struct Tally {
 impl Tally {
     fn requests(&mut self, n: u64, outcome: &str) {
         self.requests += n;
-        if outcome != "ok" {
+        // A request its client left is not a failure of the cluster's.
+        if outcome == "error" {
             self.failed += n;
         }
     }
@@ -646,6 +655,13 @@ mod tests {
             latency_s: 0.1,
             ..Default::default()
         });
+        m.record(&RequestRecord {
+            mode: "target",
+            ok: false,
+            cancelled: true,
+            latency_s: 0.2,
+            ..Default::default()
+        });
         m.rejected("busy");
         let t = m.render();
         assert_eq!(
@@ -656,6 +672,13 @@ mod tests {
             value(
                 &t,
                 "parse_requests_total{mode=\"target\",outcome=\"error\"}"
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &t,
+                "parse_requests_total{mode=\"target\",outcome=\"cancelled\"}"
             ),
             1.0
         );
@@ -763,7 +786,7 @@ mod tests {
         let m = Metrics::new();
         let both = [("draft", "d1".to_string()), ("target", "t1".to_string())];
         let target = [("target", "t1".to_string())];
-        // 100 parse requests of 10 ms .. 1 s, and one failed target-only request.
+        // 100 parse requests of 10 ms .. 1 s, one failed target-only request and one its client left (not failed).
         for i in 1..=100 {
             m.record(&RequestRecord {
                 mode: "parse",
@@ -784,6 +807,14 @@ mod tests {
             workers: &target,
             ..Default::default()
         });
+        m.record(&RequestRecord {
+            mode: "target",
+            ok: false,
+            cancelled: true,
+            latency_s: 0.5,
+            workers: &target,
+            ..Default::default()
+        });
         let s = m.stats();
         let o = s.overall.unwrap();
         assert_eq!(
@@ -793,7 +824,7 @@ mod tests {
                 o.output_tokens,
                 o.draft_tokens_proposed
             ),
-            (101, 1, 1000, 800)
+            (102, 1, 1000, 800)
         );
         assert_eq!((o.draft_tokens_accepted, o.target_passes), (600, 200));
         assert_eq!((o.acceptance, o.target_passes_per_token), (0.75, 0.2));
@@ -823,7 +854,7 @@ mod tests {
             per,
             [
                 ("draft", "d1", 100, 0, 1000),
-                ("target", "t1", 101, 1, 1000)
+                ("target", "t1", 102, 1, 1000)
             ]
         );
     }
