@@ -99,7 +99,10 @@ struct Args {
     /// Seconds a streaming client may leave its stream unread before its request is cancelled.
     #[arg(long, default_value_t = 30)]
     stalled_reader_timeout_s: u64,
-    /// The longest one worker call may take when the client sent no deadline.
+    /// The longest one worker call may take (within the client's deadline, if any), its wait behind other requests'
+    /// work on the worker included. A call past it counts its worker as lost (wedged) and moves the request, so set
+    /// it well above the longest call at peak load: a stopped or unreachable worker is found by HTTP/2 keep-alive
+    /// (about 10 s) whatever this is.
     #[arg(long, default_value_t = 300)]
     worker_call_timeout_s: u64,
     #[command(flatten)]
