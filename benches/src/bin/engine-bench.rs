@@ -403,8 +403,19 @@ fn main() -> Result<()> {
             .map(|n| n.get())
             .unwrap_or(1)
     );
+    let choices = parse_engine::kernels::choose::chooser().choices();
+    if !choices.is_empty() {
+        println!("Row groups or panels, as timed on this run's first calls (kernels::choose):");
+        for line in parse_engine::kernels::choose::summary(&choices) {
+            println!("  {line}");
+        }
+    }
     let report = json!({
         "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "row_group_choices": choices.iter().map(|c| json!({
+            "format": c.key.format, "rows": c.key.n, "cols": c.key.k, "block_rows": c.key.m,
+            "groups": c.groups, "panels_ns": c.panels_ns, "groups_ns": c.groups_ns,
+        })).collect::<Vec<_>>(),
         "cpu": cpu,
         "kernels": kernels,
         "models": reports,

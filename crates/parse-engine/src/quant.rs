@@ -859,6 +859,16 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
+        // The row groups or the panels, where both could take the block: timed on the first calls of a shape and
+        // row count (kernels::choose), then fixed.
+        let pick = match self {
+            QMatrix::Q4K(_) => kernels::groups_k("Q4_K", n, k, m),
+            QMatrix::Q6K(_) => kernels::groups_k("Q6_K", n, k, m),
+            QMatrix::Q8_0(_) => kernels::groups_32("Q8_0", n, k, m),
+            QMatrix::Q5_0(_) => kernels::groups_32("Q5_0", n, k, m),
+            _ => kernels::choose::Pick::fixed(false),
+        };
+        let groups = pick.groups;
         match self {
             #[cfg(target_arch = "x86_64")]
             QMatrix::Q4K(mat) if kernels::use_amx(m) => matmul_k_amx(
@@ -877,7 +887,7 @@ impl QMatrix {
                 kernels::q6k_panel,
             ),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q4K(mat) if kernels::use_groups(m) => matmul_k_groups(
+            QMatrix::Q4K(mat) if groups => matmul_k_groups(
                 mat,
                 input,
                 out,
@@ -885,7 +895,7 @@ impl QMatrix {
                 kernels::q4k_panel,
             ),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q6K(mat) if kernels::use_groups(m) => matmul_k_groups(
+            QMatrix::Q6K(mat) if groups => matmul_k_groups(
                 mat,
                 input,
                 out,
@@ -895,7 +905,7 @@ impl QMatrix {
             QMatrix::Q4K(mat) => matmul_k(mat, input, out, kernels::q4k_panel),
             QMatrix::Q6K(mat) => matmul_k(mat, input, out, kernels::q6k_panel),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q8_0(mat) if kernels::use_groups_32(m) => matmul_32_groups(
+            QMatrix::Q8_0(mat) if groups => matmul_32_groups(
                 mat,
                 input,
                 out,
@@ -903,7 +913,7 @@ impl QMatrix {
                 kernels::q8_0_panel,
             ),
             #[cfg(target_arch = "x86_64")]
-            QMatrix::Q5_0(mat) if kernels::use_groups_32(m) => matmul_32_groups(
+            QMatrix::Q5_0(mat) if groups => matmul_32_groups(
                 mat,
                 input,
                 out,
@@ -914,6 +924,7 @@ impl QMatrix {
             QMatrix::Q5_0(mat) => matmul_32(mat, input, out, kernels::q5_0_panel),
             _ => dispatch!(self, mat => mat.matmul(x, m, out)),
         }
+        pick.finish();
         Ok(())
     }
 }
@@ -1085,6 +1096,32 @@ mod tests {
         }
     }
 
+    /// The calls that time the row groups against the panels (kernels::choose) give the bits the chosen kernel
+    /// gives afterwards: a block's output is the same on every call, trial or not. (On a CPU without AVX-512 VNNI
+    /// every call takes the panels and this holds trivially.)
+    #[test]
+    fn timed_trials_of_the_kernels_give_the_same_bits_as_the_choice() {
+        let (n, k, m) = (48, 512, 9);
+        let w = random(n * k, 5);
+        let x = random(m * k, 6);
+        for dtype in [
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q8_0,
+            GgmlDType::Q5_0,
+        ] {
+            let q = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            let bits = |q: &QMatrix| {
+                let mut out = vec![0f32; m * n];
+                q.matmul(&x, m, &mut out).unwrap();
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let first = bits(&q);
+            for call in 1..3 * crate::kernels::choose::TRIALS {
+                assert_eq!(bits(&q), first, "{dtype:?} call {call}");
+            }
+        }
+    }
     #[test]
     fn bad_shapes_are_errors() {
         assert!(QMatrix::from_f32(GgmlDType::Q4K, 2, 100, &[0.0; 200]).is_err());

@@ -21,8 +21,8 @@ use std::sync::OnceLock;
 
 use super::*;
 
-/// Blocks with fewer activation rows use the row groups of [`super::groups`] (4 rows and more where this variant is
-/// active, [`super::groups::MIN_ROWS_WITH_AMX`]) or the panels:
+/// Blocks with fewer activation rows use the row groups of [`super::groups`] or the panels, whichever is faster
+/// there ([`super::choose`]):
 /// unpacking the weights for the tiles costs about as much as a one-row pass whatever the rows, and a 16-row tile
 /// of fewer rows is mostly padding. Measured on a 2-core AMX machine, `engine-bench --models target --blocks
 /// 8,10,12,14,16 --decode-steps 10 --reps 2`, `PARSE_CPU_KERNELS=vnni` (row groups) against `amx`, alternated twice,

@@ -19,20 +19,9 @@ use std::arch::x86_64::*;
 
 use super::*;
 
-/// Blocks with fewer activation rows use the panels: transposing and unpacking 16 weight rows costs about what a
-/// panel spends on a few activation rows. Measured with `engine-bench --models target --blocks 4,8,24`, alternating
-/// `PARSE_CPU_ROW_GROUPS=off` and on, on a 2-core AVX-512 VNNI machine (AMD EPYC): 4 rows 88-93 ms on the panels
-/// against 112 here (logits at every row), 8 rows 139-162 against 145-147, 24 rows 387-392 against 263-272.
-/// Software prefetching of the 16 rows' next super-blocks was tried and changed nothing.
-pub const MIN_ROWS: usize = 8;
-
-/// [`MIN_ROWS`] where the `amx` variant is active (an Intel CPU with AMX): there the row groups beat the panels from
-/// 4 rows. Measured on a 2-core AMX machine, `engine-bench --models target --blocks 2,3,4,5,6,7`, alternating
-/// `PARSE_CPU_ROW_GROUPS=off` and on (a build with the groups from 2 and from 4 rows), ms with logits at every row,
-/// panels against row groups: 2 rows 78-83 against 75-82, 3 rows 85-88 against 84-87, 4 rows 97-104 against 87-98,
-/// 5 rows 123 against 94-99, 6 rows 130-135 against 98-107, 7 rows 143-149 against 103-112; and 8 rows 153-165
-/// against 118-119 (the groups from 8).
-pub const MIN_ROWS_WITH_AMX: usize = 4;
+// Which blocks come here is timed per matrix and block size ([`super::choose`]): transposing and unpacking 16
+// weight rows costs about what a panel spends on a few activation rows, and how many depends on the CPU. Software
+// prefetching of the 16 rows' next super-blocks was tried and changed nothing.
 
 /// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
 const Q4K_QS: usize = 16;
@@ -353,12 +342,6 @@ pub unsafe fn q6k_groups(
         }
     }
 }
-
-/// [`MIN_ROWS`] of [`q5_0_groups`] and [`q8_0_groups`]. Measured (Q5_0) with `engine-bench --models draft --blocks 4,6,8,12,16`, three rounds
-/// of `PARSE_CPU_GROUPS32_MIN_ROWS=100000|8|4`, on a 2-core AVX-512 VNNI machine (AMD EPYC), ms with logits at every
-/// row, panels against row groups: 4 rows 28-32 against 39-44, 6 rows 42-48 against 44-50, 8 rows 51-74 against
-/// 50-57, 12 rows 75-91 against 60-70.
-pub const MIN_ROWS_32: usize = 8;
 
 /// Byte offset of the nibbles in a Q5_0 block (ggml's `block_q5_0`: `d`, the 32 fifth bits `qh`, then them).
 const Q5_0_QS: usize = 6;

@@ -34,6 +34,7 @@ use half::f16;
 pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod choose;
 #[cfg(target_arch = "x86_64")]
 pub mod groups;
 #[cfg(target_arch = "x86_64")]
@@ -547,25 +548,26 @@ fn amx_min_rows() -> usize {
     *MIN.get_or_init(|| rows_from_env("PARSE_CPU_AMX_MIN_ROWS").unwrap_or(amx::MIN_ROWS))
 }
 
-/// Whether a block of `m` rows of a Q4_K or Q6_K matrix goes to the row-group kernels of [`groups`] (an AVX-512
-/// VNNI variant is active, the block is large enough, and it does not go to the AMX tiles).
-/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two);
-/// `PARSE_CPU_GROUPS_MIN_ROWS=N` moves the threshold ([`groups::MIN_ROWS`], [`groups::MIN_ROWS_WITH_AMX`] with AMX).
-pub fn use_groups(m: usize) -> bool {
+/// The kernel for a block of `m` rows of a Q4_K or Q6_K matrix of `n` rows by `k` columns: the row groups of
+/// [`groups`] or the panels. Only with an AVX-512 VNNI variant active and where the block does not go to the AMX
+/// tiles; then by timing ([`choose`]), or from the row count in `PARSE_CPU_GROUPS_MIN_ROWS` where it is set.
+/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two).
+pub fn groups_k(format: &'static str, n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     #[cfg(target_arch = "x86_64")]
     {
         static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        let set = *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS_MIN_ROWS"));
-        let min = set.unwrap_or(match active() {
-            Kernels::Amx => groups::MIN_ROWS_WITH_AMX,
-            _ => groups::MIN_ROWS,
-        });
-        row_groups_on() && m >= min && active() >= Kernels::Vnni && !use_amx(m)
+        if !row_groups_on() || active() < Kernels::Vnni || use_amx(m) {
+            return choose::Pick::fixed(false);
+        }
+        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS_MIN_ROWS")) {
+            Some(min) => choose::Pick::fixed(m >= min),
+            None => choose::chooser().pick(choose::Key { format, n, k, m }),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = m;
-        false
+        let _ = (format, n, k, m);
+        choose::Pick::fixed(false)
     }
 }
 
@@ -577,22 +579,24 @@ fn row_groups_on() -> bool {
     !*OFF.get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"))
 }
 
-/// Whether a block of `m` rows of a Q5_0 or Q8_0 matrix goes to [`groups::q5_0_groups`] or [`groups::q8_0_groups`] (an AVX-512 VNNI variant is
-/// active and the block has at least [`groups::MIN_ROWS_32`] rows, or `PARSE_CPU_GROUPS32_MIN_ROWS`);
-/// `PARSE_CPU_ROW_GROUPS=off` turns it off as it does the K-quants' row groups.
-pub fn use_groups_32(m: usize) -> bool {
+/// The kernel for a block of `m` rows of a Q5_0 or Q8_0 matrix ([`groups::q5_0_groups`], [`groups::q8_0_groups`]
+/// or the panels), as [`groups_k`] chooses, with `PARSE_CPU_GROUPS32_MIN_ROWS` fixing the threshold where set.
+pub fn groups_32(format: &'static str, n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     #[cfg(target_arch = "x86_64")]
     {
-        static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let min = *MIN.get_or_init(|| {
-            rows_from_env("PARSE_CPU_GROUPS32_MIN_ROWS").unwrap_or(groups::MIN_ROWS_32)
-        });
-        row_groups_on() && m >= min && active() >= Kernels::Vnni
+        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        if !row_groups_on() || active() < Kernels::Vnni {
+            return choose::Pick::fixed(false);
+        }
+        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS32_MIN_ROWS")) {
+            Some(min) => choose::Pick::fixed(m >= min),
+            None => choose::chooser().pick(choose::Key { format, n, k, m }),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = m;
-        false
+        let _ = (format, n, k, m);
+        choose::Pick::fixed(false)
     }
 }
 
@@ -967,7 +971,7 @@ mod tests {
         }
         let mut w6 = blocks::<BlockQ6K>(&wf);
         q6k_extremes(&mut w6, kb);
-        for m in [1, 2, 5, groups::MIN_ROWS, 17, 33] {
+        for m in [1, 2, 5, 8, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
             xf[..k].fill(2.5);
@@ -1033,7 +1037,7 @@ mod tests {
                     raw.d = f16::from_f32(-0.02).to_bits();
                 }
             }
-            for m in [1, 2, 5, groups::MIN_ROWS_32, 17] {
+            for m in [1, 2, 5, 8, 17] {
                 let mut xf = random(&mut rng, m * k, 3.0);
                 // One row at the activations' extreme: every value the block's largest (quantized to 127).
                 xf[..k].fill(2.5);
