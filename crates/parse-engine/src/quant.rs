@@ -869,6 +869,8 @@ impl QMatrix {
             _ => kernels::choose::Pick::fixed(false),
         };
         let groups = pick.groups;
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = groups; // the row groups exist on x86-64 only
         match self {
             #[cfg(target_arch = "x86_64")]
             QMatrix::Q4K(mat) if kernels::use_amx(m) => matmul_k_amx(
