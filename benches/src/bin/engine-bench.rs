@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use parse_bench::{median, model_dir};
-use parse_engine::{Engine, EngineConfig, Message};
 use parse_engine::kernels::choose;
+use parse_engine::{Engine, EngineConfig, Message};
 use serde_json::json;
 
 #[derive(Parser)]
