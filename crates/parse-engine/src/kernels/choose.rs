@@ -165,7 +165,9 @@ pub fn chooser() -> &'static Chooser {
 /// One line per format and shape: the rows from which the groups were chosen (`none` where the panels won every
 /// size timed), with the sizes that broke ranks (a size the other kernel won inside the range) named.
 pub fn summary(choices: &[Choice]) -> Vec<String> {
-    let mut by_shape: Vec<((&str, usize, usize), Vec<(usize, bool)>)> = Vec::new();
+    /// A matrix: format, rows, columns.
+    type Shape<'a> = (&'a str, usize, usize);
+    let mut by_shape: Vec<(Shape<'_>, Vec<(usize, bool)>)> = Vec::new();
     for c in choices {
         let shape = (c.key.format, c.key.n, c.key.k);
         match by_shape.last_mut() {
@@ -216,7 +218,7 @@ mod tests {
         let c = Chooser::default();
         let took = trials(&c, key(8), 1_000, 1_500);
         assert_eq!(took.iter().filter(|&&g| g).count() as u32, TRIALS);
-        assert_eq!(took[0], true, "the groups go first");
+        assert!(took[0], "the groups go first");
         for _ in 0..5 {
             let p = c.pick(key(8));
             assert!(!p.groups, "the panels were faster");
