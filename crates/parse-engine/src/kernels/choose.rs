@@ -10,8 +10,8 @@
 //! (format, matrix shape, rows) between [`MIN_TRIED`] and [`MAX_TRIED`] rows alternates the two kernels for its
 //! first [`TRIALS`] calls each, then keeps the one whose fastest call was faster; the fastest call, not the mean,
 //! because a first call that faults the weights in or a call that another process slowed tells nothing of the
-//! kernel. Blocks of fewer rows take the panels and blocks of more the groups without timing (the groups were
-//! 0.65x the panels' time at 64 rows on the machine where they won latest).
+//! kernel. Blocks of fewer rows take the panels and blocks of more the groups without timing (at 64 rows the
+//! groups took 0.65x the panels' time on the CPU where they started latest).
 //!
 //! `PARSE_CPU_GROUPS_MIN_ROWS` / `PARSE_CPU_GROUPS32_MIN_ROWS` fix the threshold instead (benchmarks compare
 //! thresholds in one build), and `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels.
@@ -20,8 +20,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-/// Blocks of fewer rows take the panels untimed (a one-token step has one row; the groups lost at 2-4 rows on
-/// every machine measured without AMX, and tied with the panels at 2-3 with it).
+/// Blocks of fewer rows (one: a one-token step) take the panels untimed; from 2 rows the groups can win on some
+/// matrices (on the AVX-512 EPYC above, `ffn_down` from 4 rows while whole 4-row blocks were a tie).
 pub const MIN_TRIED: usize = 2;
 
 /// Blocks of more rows take the row groups untimed.
