@@ -14,7 +14,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Parser;
 use parse_bench::{median, model_dir};
-use parse_engine::kernels::choose;
+use parse_engine::kernels::{self, choose};
 use parse_engine::{Engine, EngineConfig, Message};
 use serde_json::json;
 
@@ -179,9 +179,12 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
         let all: Vec<usize> = (0..n).collect();
         let mut all_ms = Vec::new();
         let mut last_ms = Vec::new();
-        // A block size's first calls time the row groups against the panels (kernels::choose); the output head,
-        // called once per pass, needs 2 x TRIALS passes to settle. Measure what a running server runs after them.
-        if (choose::MIN_TRIED..=choose::MAX_TRIED).contains(&n) {
+        // A block size's first calls time the row groups against the panels (kernels::choose; only with an AVX-512
+        // VNNI variant, the only ones with row groups); the output head, called once per pass, needs 2 x TRIALS
+        // passes to settle. Measure what a running server runs after them.
+        if kernels::active() >= kernels::Kernels::Vnni
+            && (choose::MIN_TRIED..=choose::MAX_TRIED).contains(&n)
+        {
             for _ in 0..2 * choose::TRIALS {
                 e.forward_causal("bench", &tokens, &all)?;
                 e.truncate("bench", base)?;

@@ -1124,6 +1124,7 @@ mod tests {
             }
         }
     }
+
     #[test]
     fn bad_shapes_are_errors() {
         assert!(QMatrix::from_f32(GgmlDType::Q4K, 2, 100, &[0.0; 200]).is_err());
