@@ -617,14 +617,14 @@ fn an_open_whose_caller_goes_away_mid_prefill_frees_its_cache() {
     // Polled every millisecond, not at `eventually`'s 20 ms: on a fast CPU (a 2-core AMD EPYC with AVX-512, where
     // this failed in most runs) the abort could come after the prefill's last pass, and the open then completes and
     // keeps its session, which is not what this test is about.
-    let start = std::time::Instant::now();
-    while passes(&target.worker) < before + 2.0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the open never started"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    assert!(
+        eventually_every(
+            Duration::from_secs(20),
+            Duration::from_millis(1),
+            || passes(&target.worker) >= before + 2.0
+        ),
+        "the open never started"
+    );
     call.abort();
     let r = rt.block_on(call);
 

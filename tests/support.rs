@@ -192,13 +192,22 @@ fn serve_router(rt: Runtime, router: Router) -> Server<Router> {
 }
 
 /// Polls `cond` until it holds or `timeout` passes.
-pub fn eventually(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+pub fn eventually(timeout: Duration, cond: impl FnMut() -> bool) -> bool {
+    eventually_every(timeout, Duration::from_millis(20), cond)
+}
+
+/// [`eventually`], checking every `every`.
+pub fn eventually_every(
+    timeout: Duration,
+    every: Duration,
+    mut cond: impl FnMut() -> bool,
+) -> bool {
     let start = Instant::now();
     while start.elapsed() < timeout {
         if cond() {
             return true;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(every);
     }
     cond()
 }
