@@ -4,7 +4,7 @@
 //! Conversions from the wire validate what they read (lengths, ranges) and answer with `parse_core::Error`s of kind
 //! `InvalidInput`, which servers return as INVALID_ARGUMENT.
 
-use parse_core::plan::check_boundaries;
+use parse_core::plan::{Scoring, check_boundaries};
 use parse_core::policy::{JudgeScore, RowScore, VerifyOutput};
 use parse_core::speculative::{SampleCheck, SampledRow};
 use parse_core::{
@@ -170,6 +170,11 @@ pub fn verify_request(session: &str, plan: &VerifyPlan) -> v1::VerifyRequest {
             draft_probs: c.draft_probs.clone(),
             uniforms: c.uniforms.clone(),
         }),
+        scoring: match plan.scoring {
+            Scoring::All => v1::RowScoring::All,
+            Scoring::Mismatches => v1::RowScoring::Mismatches,
+            Scoring::Greedy => v1::RowScoring::Greedy,
+        } as i32,
     }
 }
 
@@ -241,6 +246,17 @@ fn plan_from(r: &v1::VerifyRequest) -> Result<VerifyPlan, CoreError> {
         boundaries,
         suffix_rows,
         sample: None,
+        scoring: match v1::RowScoring::try_from(r.scoring) {
+            Ok(v1::RowScoring::All) => Scoring::All,
+            Ok(v1::RowScoring::Mismatches) => Scoring::Mismatches,
+            Ok(v1::RowScoring::Greedy) => Scoring::Greedy,
+            Err(_) => {
+                return Err(CoreError::invalid(format!(
+                    "unknown row scoring {}",
+                    r.scoring
+                )));
+            }
+        },
     };
     match &r.sample {
         None => Ok(plan),
@@ -401,6 +417,15 @@ mod tests {
             .unwrap();
         let wire = verify_request("s", &plan);
         assert_eq!(VerifyPlan::try_from(&wire).unwrap(), plan);
+        // Which rows are scored travels too; a value this build does not know is refused.
+        for scoring in [Scoring::Mismatches, Scoring::Greedy, Scoring::All] {
+            let plan = plan.clone().with_scoring(scoring);
+            assert_eq!(VerifyPlan::try_from(&verify_request("s", &plan)).unwrap(), plan);
+        }
+        let mut bad = wire.clone();
+        bad.scoring = 7;
+        let e = VerifyPlan::try_from(&bad).unwrap_err();
+        assert!(e.message.contains("row scoring"), "{}", e.message);
         let mut bad = wire.clone();
         bad.positions.pop();
         assert_eq!(
@@ -495,6 +520,7 @@ mod tests {
                     proptest::collection::vec(floats(), 0..40),
                     proptest::collection::vec(floats(), 0..40),
                 )),
+                scoring in -1i32..4,
             ) -> v1::VerifyRequest {
                 v1::VerifyRequest {
                     session: "s".into(),
@@ -505,6 +531,7 @@ mod tests {
                     boundaries,
                     suffix_rows,
                     sample: sample.map(|(draft_probs, uniforms)| v1::SampleCheck { draft_probs, uniforms }),
+                    scoring,
                 }
             }
         }

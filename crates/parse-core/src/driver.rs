@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::pace::{Advice, Pace, Pacing, Spent};
-use crate::plan::VerifyPlan;
-use crate::policy::{AcceptPolicy, VerifyOutput, decide};
+use crate::plan::{Scoring, VerifyPlan};
+use crate::policy::{AcceptPolicy, Verdict, VerifyOutput, decide};
 use crate::segmenter::{self, SegmenterConfig};
 use crate::speculative::{self, SampleCheck};
 
@@ -826,7 +826,15 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let l = draft.len();
         let judge = !exact_only && self.req.policy.verdict == crate::policy::Verdict::Judge;
         let suffix = judge.then_some(self.req.judge_suffix.as_slice());
-        let plan = VerifyPlan::build(self.cached, self.pending, draft, boundaries, suffix)?;
+        // Scores only where the verdict reads them: token-level rounds agree exactly or not, `relative` and
+        // `entropy` read only the rows whose greedy token is not the draft's.
+        let scoring = match self.req.policy.verdict {
+            _ if exact_only => Scoring::Greedy,
+            Verdict::Relative | Verdict::Entropy => Scoring::Mismatches,
+            Verdict::Likelihood | Verdict::Judge => Scoring::All,
+        };
+        let plan = VerifyPlan::build(self.cached, self.pending, draft, boundaries, suffix)?
+            .with_scoring(scoring);
         let t = Instant::now();
         let out = self.v.verify(&self.req.session, &plan)?;
         self.stats.verify_ms += ms(t);
@@ -887,6 +895,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let l = draft.len();
         let uniforms = (0..l).map(|_| self.rng.random::<f32>()).collect();
         let plan = VerifyPlan::build(self.cached, self.pending, draft, &[l], None)?
+            // Acceptance comes from the sample check alone.
+            .with_scoring(Scoring::Greedy)
             .with_sample_check(SampleCheck {
                 draft_probs: probs.to_vec(),
                 uniforms,

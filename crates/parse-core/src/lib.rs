@@ -21,7 +21,7 @@ pub use driver::{
 pub use error::{Error, ErrorKind, Result};
 pub use mask::{BlockMask, MaskRow};
 pub use ngram::{DrafterKind, NgramConfig, NgramDrafter, PieceFn};
-pub use plan::VerifyPlan;
+pub use plan::{Scoring, VerifyPlan};
 pub use policy::{AcceptPolicy, Acceptance, JudgeScore, RowScore, Verdict, VerifyOutput, decide};
 pub use segmenter::SegmenterConfig;
 pub use speculative::{SampleCheck, SampledRow};

@@ -36,6 +36,39 @@ pub struct VerifyPlan {
     pub suffix_rows: Vec<usize>,
     /// Stochastic acceptance (token-level speculation at temperature > 0); `None` for greedy and PARSE verdicts.
     pub sample: Option<SampleCheck>,
+    /// Which draft rows the verifier scores beyond their greedy token ([`Scoring`]).
+    pub scoring: Scoring,
+}
+
+/// Which rows of a verification the verifier scores (probabilities and entropy, [`RowScore`]) beyond their greedy
+/// token. A score is a pass over the row's whole vocabulary (a softmax in `f64`: about 0.6 ms for the default
+/// pair's 152k logits on one core), which a verdict reads only where it needs it: a 7-row token-level round spent
+/// 4-5 ms of its 116 on them, a 64-row PARSE block about 40 ms, where the rounds read none (exact agreement) or
+/// only the rows whose greedy token differs from the draft's (`relative`, `entropy`). Rows left unscored carry NaN.
+/// What is scored never changes a score, so the verdicts are the same bits whatever is asked.
+///
+/// [`RowScore`]: crate::policy::RowScore
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scoring {
+    /// Every row (`likelihood` reads each draft token's probability; the default, and what older callers get).
+    #[default]
+    All,
+    /// Only the draft rows whose greedy token is not the draft token (`relative` and `entropy` read no others).
+    Mismatches,
+    /// None: greedy tokens only (exact agreement).
+    Greedy,
+}
+
+impl Scoring {
+    /// Whether row `t` of a plan with draft `draft` is scored, given its greedy token `argmax`. The row after the
+    /// draft (`t == draft.len()`) predicts no draft token: only [`Scoring::All`] scores it.
+    pub fn scores(&self, t: usize, draft: &[u32], argmax: u32) -> bool {
+        match self {
+            Scoring::All => true,
+            Scoring::Mismatches => draft.get(t).is_some_and(|&d| d != argmax),
+            Scoring::Greedy => false,
+        }
+    }
 }
 
 impl VerifyPlan {
@@ -97,7 +130,14 @@ impl VerifyPlan {
             boundaries: boundaries.to_vec(),
             suffix_rows,
             sample: None,
+            scoring: Scoring::All,
         })
+    }
+
+    /// Asks the verifier to score only the rows `scoring` names ([`Scoring`]).
+    pub fn with_scoring(mut self, scoring: Scoring) -> Self {
+        self.scoring = scoring;
+        self
     }
 
     /// Asks the verifier for stochastic acceptance (see `speculative`); one entry per draft token.

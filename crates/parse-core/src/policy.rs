@@ -251,9 +251,17 @@ pub fn decide(plan: &VerifyPlan, out: &VerifyOutput, policy: &AcceptPolicy) -> R
         let probs = &out.rows[start..b];
         mean_probs.push(probs.iter().map(|r| r.prob).sum::<f32>() / probs.len() as f32);
         let score = match policy.verdict {
-            Verdict::Likelihood | Verdict::Relative | Verdict::Entropy => {
-                (start..b).map(row_score).fold(f32::INFINITY, f32::min)
-            }
+            // A segment's score is its lowest row's; a row left unscored (NaN, `Scoring`) makes it NaN, which
+            // passes no verdict (`f32::min` would drop it and pass the segment on its other rows).
+            Verdict::Likelihood | Verdict::Relative | Verdict::Entropy => (start..b)
+                .map(row_score)
+                .fold(f32::INFINITY, |lowest, s| {
+                    if lowest.is_nan() || s.is_nan() {
+                        f32::NAN
+                    } else {
+                        lowest.min(s)
+                    }
+                }),
             Verdict::Judge => {
                 let j = out.judge.get(i).ok_or_else(|| {
                     Error::internal("verifier returned no judge score for a segment")
@@ -467,5 +475,76 @@ mod tests {
                 .accepted,
             5
         );
+    }
+
+    #[test]
+    fn rows_left_unscored_decide_as_scored_rows_do_and_pass_no_verdict_that_reads_them() {
+        use crate::plan::Scoring;
+        // Draft 10..16 in segments [2, 4, 6]; the target agrees on rows 0, 2, 3 and 5 and differs on 1 and 4
+        // (a near tie on 1, a confident target on 4); row 6 predicts the token after the draft.
+        let draft = [10, 11, 12, 13, 14, 15];
+        let plan = VerifyPlan::build(5, 0, &draft, &[2, 4, 6], None).unwrap();
+        let full = vec![
+            row(10, 0.9, 0.9, 0.4),
+            row(99, 0.45, 0.4, 1.2),
+            row(12, 0.8, 0.8, 0.7),
+            row(13, 0.95, 0.95, 0.2),
+            row(98, 0.9, 0.02, 0.5),
+            row(15, 0.6, 0.6, 1.0),
+            row(7, 0.7, f32::NAN, 0.9),
+        ];
+        // What a verifier returns for `scoring`: rows it does not score carry NaN.
+        let reduced = |scoring: Scoring| {
+            outcome(
+                full.iter()
+                    .enumerate()
+                    .map(|(t, r)| {
+                        if scoring.scores(t, &draft, r.argmax) {
+                            *r
+                        } else {
+                            row(r.argmax, f32::NAN, f32::NAN, f32::NAN)
+                        }
+                    })
+                    .collect(),
+            )
+        };
+        let exact = AcceptPolicy {
+            verdict: Verdict::Likelihood,
+            tau: f32::INFINITY,
+            exact_floor: true,
+            ..Default::default()
+        };
+        let cases = [
+            (Scoring::Greedy, exact),
+            (Scoring::Mismatches, policy(Verdict::Relative, 0.9)),
+            (Scoring::Mismatches, policy(Verdict::Relative, 0.5)),
+            (Scoring::Mismatches, policy(Verdict::Relative, 0.01)),
+            (Scoring::Mismatches, policy(Verdict::Entropy, 0.3)),
+            (Scoring::Mismatches, policy(Verdict::Entropy, 0.6)),
+        ];
+        let mut accepted = Vec::new();
+        for (scoring, p) in cases {
+            let a = decide(&plan, &outcome(full.clone()), &p).unwrap();
+            let b = decide(&plan, &reduced(scoring), &p).unwrap();
+            assert_eq!(
+                (a.accepted, a.segments_accepted, a.exact_match),
+                (b.accepted, b.segments_accepted, b.exact_match),
+                "{scoring:?} {p:?}"
+            );
+            accepted.push(a.accepted);
+        }
+        // The cases differ (the comparison above is not between rejections only): exact agreement keeps 1, the
+        // near tie passes `relative` at 0.5 and everything passes at 0.01.
+        assert_eq!(&accepted[..4], &[1, 1, 4, 6]);
+        // Which rows are scored.
+        assert!(Scoring::All.scores(6, &draft, 7));
+        assert!(!Scoring::Mismatches.scores(0, &draft, 10) && Scoring::Mismatches.scores(1, &draft, 99));
+        assert!(!Scoring::Mismatches.scores(6, &draft, 7) && !Scoring::Greedy.scores(1, &draft, 99));
+        // A segment with an unscored row passes no verdict that reads it (`f32::min` alone would drop the NaN and
+        // pass all six): only the exact-match floor keeps anything.
+        let unscored = reduced(Scoring::Greedy);
+        let a = decide(&plan, &unscored, &policy(Verdict::Likelihood, 1e-3)).unwrap();
+        assert_eq!((a.accepted, a.segments_accepted), (1, 0));
+        assert!(a.scores.iter().all(|s| s.is_nan()));
     }
 }

@@ -8,6 +8,7 @@ use parse_core::policy::{JudgeScore, RowScore, VerifyOutput};
 use parse_core::segmenter::{self, SegmenterConfig};
 use parse_core::speculative::{self, SampledRow};
 use parse_core::{Error as CoreError, Result as CoreResult, VerifyPlan};
+use rayon::prelude::*;
 
 use crate::engine::{Block, Engine, EngineOps};
 use crate::generate::PREFILL_CHUNK;
@@ -156,12 +157,24 @@ impl<E: EngineOps> EngineVerifier<E> {
         logits: &Logits,
     ) -> CoreResult<VerifyOutput> {
         let l = plan.draft.len();
+        // Rows scored only where the plan asks (`parse_core::Scoring`), each on its own thread: a score is a pass over the
+        // whole vocabulary, and the rows are independent (each row's arithmetic is the same on any thread).
         let rows = (0..=l)
+            .into_par_iter()
             .map(|t| {
                 let row = logits.row(t);
+                let argmax = argmax(row);
+                if !plan.scoring.scores(t, &plan.draft, argmax) {
+                    return RowScore {
+                        argmax,
+                        prob: f32::NAN,
+                        top_prob: f32::NAN,
+                        entropy: f32::NAN,
+                    };
+                }
                 let (prob, top_prob, entropy) = row_view(row, plan.draft.get(t).copied());
                 RowScore {
-                    argmax: argmax(row),
+                    argmax,
                     prob,
                     top_prob,
                     entropy,

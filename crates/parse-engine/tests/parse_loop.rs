@@ -274,3 +274,64 @@ fn a_paced_parse_request_lets_the_target_write_while_speculation_loses() {
     let fresh = run(&mut target, &mut draft, &r);
     assert!(fresh.stats.draft_tokens_proposed > 0, "{:?}", fresh.stats);
 }
+
+/// One verification of `draft` after `prompt` (opened as a session), scored as `scoring` asks; the cache is cut
+/// back afterwards.
+fn verify_scored(
+    v: &mut EngineVerifier<&mut Engine>,
+    prompt: &[u32],
+    draft: &[u32],
+    scoring: parse_core::Scoring,
+) -> parse_core::VerifyOutput {
+    use parse_core::driver::Verifier;
+    let cached = prompt.len() - 1;
+    let plan = VerifyPlan::build(cached, prompt[cached], draft, &[draft.len()], None)
+        .unwrap()
+        .with_scoring(scoring);
+    let out = v.verify("s", &plan).unwrap();
+    v.truncate("s", cached).unwrap();
+    out
+}
+
+#[test]
+fn a_verification_scores_only_the_rows_asked_for_and_those_with_the_same_bits() {
+    use parse_core::Scoring;
+    use parse_core::driver::Verifier;
+    let mut e = tiny_engine(33);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let prompt: Vec<u32> = (0..30).map(|_| rng.random_range(0..151_000)).collect();
+    let mut v = EngineVerifier::new(&mut e);
+    v.open("s", &prompt, &Default::default()).unwrap();
+    let mut draft: Vec<u32> = (0..6).map(|_| rng.random_range(0..151_000)).collect();
+    // Row 0 sees only the cache and the pending token: making the draft's first token its greedy one gives a row
+    // that agrees, beside the random draft's rows that do not.
+    draft[0] = verify_scored(&mut v, &prompt, &draft, Scoring::All).rows[0].argmax;
+    let all = verify_scored(&mut v, &prompt, &draft, Scoring::All);
+    assert!(all.rows.iter().all(|r| r.top_prob > 0.0 && r.entropy >= 0.0));
+    let mismatches: Vec<usize> = (0..=draft.len())
+        .filter(|&t| Scoring::Mismatches.scores(t, &draft, all.rows[t].argmax))
+        .collect();
+    assert!(
+        !mismatches.is_empty() && !mismatches.contains(&0),
+        "{mismatches:?}"
+    );
+    for scoring in [Scoring::Mismatches, Scoring::Greedy] {
+        let out = verify_scored(&mut v, &prompt, &draft, scoring);
+        assert_eq!(out.rows.len(), all.rows.len());
+        for (t, (a, b)) in all.rows.iter().zip(&out.rows).enumerate() {
+            assert_eq!(a.argmax, b.argmax, "{scoring:?} row {t}");
+            if scoring.scores(t, &draft, a.argmax) {
+                let bits = |r: &parse_core::RowScore| {
+                    (r.prob.to_bits(), r.top_prob.to_bits(), r.entropy.to_bits())
+                };
+                assert_eq!(bits(a), bits(b), "{scoring:?} row {t}");
+            } else {
+                assert!(
+                    b.prob.is_nan() && b.top_prob.is_nan() && b.entropy.is_nan(),
+                    "{scoring:?} row {t}: {b:?}"
+                );
+            }
+        }
+    }
+    v.release("s").unwrap();
+}
