@@ -420,7 +420,10 @@ mod tests {
         // Which rows are scored travels too; a value this build does not know is refused.
         for scoring in [Scoring::Mismatches, Scoring::Greedy, Scoring::All] {
             let plan = plan.clone().with_scoring(scoring);
-            assert_eq!(VerifyPlan::try_from(&verify_request("s", &plan)).unwrap(), plan);
+            assert_eq!(
+                VerifyPlan::try_from(&verify_request("s", &plan)).unwrap(),
+                plan
+            );
         }
         let mut bad = wire.clone();
         bad.scoring = 7;

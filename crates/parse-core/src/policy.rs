@@ -253,15 +253,15 @@ pub fn decide(plan: &VerifyPlan, out: &VerifyOutput, policy: &AcceptPolicy) -> R
         let score = match policy.verdict {
             // A segment's score is its lowest row's; a row left unscored (NaN, `Scoring`) makes it NaN, which
             // passes no verdict (`f32::min` would drop it and pass the segment on its other rows).
-            Verdict::Likelihood | Verdict::Relative | Verdict::Entropy => (start..b)
-                .map(row_score)
-                .fold(f32::INFINITY, |lowest, s| {
+            Verdict::Likelihood | Verdict::Relative | Verdict::Entropy => {
+                (start..b).map(row_score).fold(f32::INFINITY, |lowest, s| {
                     if lowest.is_nan() || s.is_nan() {
                         f32::NAN
                     } else {
                         lowest.min(s)
                     }
-                }),
+                })
+            }
             Verdict::Judge => {
                 let j = out.judge.get(i).ok_or_else(|| {
                     Error::internal("verifier returned no judge score for a segment")
@@ -538,8 +538,12 @@ mod tests {
         assert_eq!(&accepted[..4], &[1, 1, 4, 6]);
         // Which rows are scored.
         assert!(Scoring::All.scores(6, &draft, 7));
-        assert!(!Scoring::Mismatches.scores(0, &draft, 10) && Scoring::Mismatches.scores(1, &draft, 99));
-        assert!(!Scoring::Mismatches.scores(6, &draft, 7) && !Scoring::Greedy.scores(1, &draft, 99));
+        assert!(
+            !Scoring::Mismatches.scores(0, &draft, 10) && Scoring::Mismatches.scores(1, &draft, 99)
+        );
+        assert!(
+            !Scoring::Mismatches.scores(6, &draft, 7) && !Scoring::Greedy.scores(1, &draft, 99)
+        );
         // A segment with an unscored row passes no verdict that reads it (`f32::min` alone would drop the NaN and
         // pass all six): only the exact-match floor keeps anything.
         let unscored = reduced(Scoring::Greedy);

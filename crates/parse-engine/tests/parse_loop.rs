@@ -307,7 +307,11 @@ fn a_verification_scores_only_the_rows_asked_for_and_those_with_the_same_bits() 
     // that agrees, beside the random draft's rows that do not.
     draft[0] = verify_scored(&mut v, &prompt, &draft, Scoring::All).rows[0].argmax;
     let all = verify_scored(&mut v, &prompt, &draft, Scoring::All);
-    assert!(all.rows.iter().all(|r| r.top_prob > 0.0 && r.entropy >= 0.0));
+    assert!(
+        all.rows
+            .iter()
+            .all(|r| r.top_prob > 0.0 && r.entropy >= 0.0)
+    );
     let mismatches: Vec<usize> = (0..=draft.len())
         .filter(|&t| Scoring::Mismatches.scores(t, &draft, all.rows[t].argmax))
         .collect();
