@@ -157,8 +157,8 @@ impl<E: EngineOps> EngineVerifier<E> {
         logits: &Logits,
     ) -> CoreResult<VerifyOutput> {
         let l = plan.draft.len();
-        // Rows scored only where the plan asks (`parse_core::Scoring`), each on its own thread: a score is a pass over the
-        // whole vocabulary, and the rows are independent (each row's arithmetic is the same on any thread).
+        // Rows scored only where the plan asks (`parse_core::Scoring`), each on its own thread: a score is a pass
+        // over the whole vocabulary, and the rows are independent (a row's arithmetic is the same on any thread).
         let rows = (0..=l)
             .into_par_iter()
             .map(|t| {
