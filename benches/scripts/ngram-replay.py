@@ -8,7 +8,7 @@ the figures behind `CopyFirst`'s 5-token minimum. Needs `pip install tokenizers`
 shared/eval the way parse-bench builds it (XSum, HumanEval, ASDiv), inside a Qwen chat layout (the system line does
 not change what matches in the prompt).
 
-    benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20]
+    benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20] [--row-cost 0.35]
     # RUN_DIR: <out-dir>/<suite>-runs/target-b<budget>-la3-r2 of `parse-bench --suite <suite> --modes target`
 
 It also replays rounds whose first token waits for a longer match (3+ tokens) and shorter rounds (3 tokens).
@@ -27,6 +27,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")
 ap.add_argument("--suite", default="xsum", choices=["xsum", "humaneval", "asdiv"])
 ap.add_argument("--n", type=int, default=20)
+ap.add_argument("--row-cost", type=float, action="append", default=[],
+                help="a verification row's cost past the first, in one-token steps, as `engine-bench --blocks "
+                     "2,4,8` measures it on the machine at hand (repeatable); replayed beside the fixed costs, "
+                     "with draft lengths 1-6 and a round's first token from matches of 2-5 tokens")
 args = ap.parse_args()
 
 tok = Tokenizer.from_file(str(SHARED / "models" / "qwen2.5-tokenizer.json"))
@@ -92,6 +96,11 @@ def speedup(lo, hi, k, c_row, first=None):
             i += a + 1
     return steps / cost
 
+
+for c_row in args.row_cost:
+    for f in (2, 3, 4, 5):
+        print(f"per-row cost {c_row}, first>={f}: " + "  ".join(
+            f"k={k}: {speedup(2, 8, k, c_row, first=f):.2f}x" for k in (1, 2, 3, 4, 6)))
 
 for c_row in (0.6, 0.2, 0.1, 0.05):
     print(f"per-row cost {c_row}: " + "  ".join(f"k={k}: {speedup(2, 4, k, c_row):.2f}x" for k in (2, 4, 6)))
