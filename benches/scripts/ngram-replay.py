@@ -32,6 +32,9 @@ ap.add_argument("--row-cost", type=float, action="append", default=[],
                      "2,4,8` measures it on the machine at hand (repeatable); replayed beside the fixed costs, "
                      "with draft lengths 1-6 and a round's first token from matches of 2-5 tokens")
 args = ap.parse_args()
+for c in args.row_cost:
+    if not 0.0 <= c < float("inf"):
+        ap.error(f"--row-cost {c}: a row's cost is a finite number of steps, 0 or more")
 
 tok = Tokenizer.from_file(str(SHARED / "models" / "qwen2.5-tokenizer.json"))
 recs = [json.loads(line) for line in open(SHARED / "eval" / f"{args.suite}-dev.jsonl") if line.strip()][: args.n]
