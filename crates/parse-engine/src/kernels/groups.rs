@@ -20,8 +20,9 @@ use std::arch::x86_64::*;
 use super::*;
 
 // Which blocks come here is timed per matrix and block size ([`super::choose`]): transposing and unpacking 16
-// weight rows costs about what a panel spends on a few activation rows, and how many depends on the CPU. Software
-// prefetching of the 16 rows' next super-blocks was tried and changed nothing.
+// weight rows costs about what a panel spends on a few activation rows, and how many depends on the CPU. Each kernel
+// prefetches the next group's weights (contiguous) a share at a time while it computes this group
+// ([`prefetch_share`]); prefetching only the 16 rows' next super-blocks, all at once, changed nothing.
 
 /// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
 const Q4K_QS: usize = 16;
@@ -50,6 +51,22 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
         _mm512_unpacklo_epi64(t1, t3),
         _mm512_unpackhi_epi64(t1, t3),
     ]
+}
+
+/// Prefetches share `b` of `kb` of the `bytes` bytes at `next` (the next group's weight rows, contiguous) into L2,
+/// so that they arrive while this group computes. The hardware prefetchers do not follow 16 short rows at once: on a
+/// 2-core AVX-512 VNNI EPYC a 62 MB Q4_K matrix took 1.8x as long for 8 activation rows as its weights would in L3
+/// (memory time and compute added up), 1.1-1.3x with this; requesting all of a group's lines at its start got less
+/// than half of that gain (docs/figures.md, "Row groups that prefetch"), hence the shares spread over its work.
+#[inline]
+fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
+    let (from, to) = (bytes * b / kb, bytes * (b + 1) / kb);
+    let mut off = from & !63;
+    while off < to {
+        // SAFETY: a prefetch reads nothing and cannot fault; `wrapping_add` keeps the address arithmetic defined.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(off).cast()) };
+        off += 64;
+    }
 }
 
 /// Per activation row and super-block, the sums of its sub-blocks' Q8_K sums (`bsums[2s] + bsums[2s + 1]`, at most
@@ -114,6 +131,8 @@ pub unsafe fn q4k_groups(
     let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
     let bsp = bsum_pairs(&xs, kb);
     let row_bytes = kb * std::mem::size_of::<RawQ4K>();
+    let groups = cols / 16;
+    let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
     let (mask6, mask4, mask2) = (
         _mm512_set1_epi32(0x3f3f_3f3f),
@@ -123,7 +142,7 @@ pub unsafe fn q4k_groups(
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut acc_m = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
-    for g in 0..cols / 16 {
+    for g in 0..groups {
         acc.fill(_mm512_setzero_ps());
         acc_m.fill(_mm512_setzero_ps());
         for b in 0..kb {
@@ -157,6 +176,14 @@ pub unsafe fn q4k_groups(
             let wd = half_to_f32(dd, false);
             let wdm = half_to_f32(dd, true);
             for j in 0..4 {
+                if g + 1 < groups {
+                    prefetch_share(
+                        wp.wrapping_add((g + 1) * 16 * row_bytes),
+                        16 * row_bytes,
+                        4 * b + j,
+                        4 * kb,
+                    );
+                }
                 // Word t of chunk j: its low nibbles are values 64j + 4t..+4 (sub-block 2j), its high nibbles
                 // values 64j + 32 + 4t..+4 (sub-block 2j + 1).
                 let mut lo = [_mm512_setzero_si512(); 8];
@@ -236,11 +263,13 @@ pub unsafe fn q6k_groups(
     let m = xs.len();
     let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
     let row_bytes = kb * std::mem::size_of::<RawQ6K>();
+    let groups = cols / 16;
+    let wp = w.as_ptr().cast::<u8>();
     let (m4, m2) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(3));
     let lo16 = _mm512_set1_epi32(0xFFFF);
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
-    for g in 0..cols / 16 {
+    for g in 0..groups {
         acc.fill(_mm512_setzero_ps());
         for b in 0..kb {
             let first = g * 16 * kb + b;
@@ -271,6 +300,15 @@ pub unsafe fn q6k_groups(
             let mut first_part = true;
             for n in 0..2 {
                 for h in 0..2 {
+                    if g + 1 < groups {
+                        let share = 4 * b + 2 * n + h;
+                        prefetch_share(
+                            wp.wrapping_add((g + 1) * 16 * row_bytes),
+                            16 * row_bytes,
+                            share,
+                            4 * kb,
+                        );
+                    }
                     // Words t = 4h..4h + 4 of half n: `ql` at 64n + 4t (A, parts 0 and 2) and 64n + 32 + 4t (B,
                     // parts 1 and 3), `qh` at 32n + 4t (2 bits per part); part p of word t holds values
                     // 128n + 32p + 4t..+4, of group 8n + 2p + h.
@@ -377,11 +415,15 @@ unsafe fn group_rows(
     wd: &[__m512],
     xs: &[Act32Row<'_>],
     q8: bool,
+    next: Option<(*const u8, usize)>,
     out: &mut [f32],
     stride: usize,
 ) {
     let kb = wd.len();
     for (r, x) in xs.iter().enumerate() {
+        if let Some((p, bytes)) = next {
+            prefetch_share(p, bytes, r, xs.len());
+        }
         let off = if q8 { x.off8 } else { x.off5 };
         let mut acc = [_mm512_setzero_ps(); 8];
         let x_qs = x.qs.as_ptr();
@@ -427,6 +469,8 @@ pub unsafe fn q5_0_groups(
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
     let row_bytes = kb * std::mem::size_of::<RawQ5_0>();
+    let groups = cols / 16;
+    let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
     let fifth = _mm512_set1_epi8(0x10);
     // Word k's shuffle takes byte k / 2 of each lane's qh into all four of its bytes; byte j of a lane then holds
@@ -443,7 +487,7 @@ pub unsafe fn q5_0_groups(
     });
     let mut wq = vec![_mm512_setzero_si512(); 8 * kb];
     let mut wd = vec![_mm512_setzero_ps(); kb];
-    for g in 0..cols / 16 {
+    for g in 0..groups {
         for b in 0..kb {
             let base = (&w[g * 16 * kb + b] as *const RawQ5_0).cast::<u8>();
             // SAFETY: lane n reads row g * 16 + n's block b (the caller's bounds): bytes 0..16 (d, qh, the first 10
@@ -463,8 +507,10 @@ pub unsafe fn q5_0_groups(
                 wq[8 * b + k] = _mm512_mask_add_epi8(v, set, v, fifth);
             }
         }
+        let next =
+            (g + 1 < groups).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
-        unsafe { group_rows(&wq, &wd, xs, false, &mut out[16 * g..], stride) };
+        unsafe { group_rows(&wq, &wd, xs, false, next, &mut out[16 * g..], stride) };
     }
 }
 
@@ -489,10 +535,12 @@ pub unsafe fn q8_0_groups(
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
     let row_bytes = kb * std::mem::size_of::<RawQ8_0>();
+    let groups = cols / 16;
+    let wp = w.as_ptr().cast::<u8>();
     let top = _mm512_set1_epi8(-128);
     let mut wq = vec![_mm512_setzero_si512(); 8 * kb];
     let mut wd = vec![_mm512_setzero_ps(); kb];
-    for g in 0..cols / 16 {
+    for g in 0..groups {
         for b in 0..kb {
             let base = (&w[g * 16 * kb + b] as *const RawQ8_0).cast::<u8>();
             // SAFETY: lane n reads row g * 16 + n's block b (the caller's bounds): bytes 0..16, 2..18 and 18..34 of
@@ -510,7 +558,9 @@ pub unsafe fn q8_0_groups(
                 wq[8 * b + 4 + k] = _mm512_xor_si512(hi[k], top);
             }
         }
+        let next =
+            (g + 1 < groups).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
-        unsafe { group_rows(&wq, &wd, xs, true, &mut out[16 * g..], stride) };
+        unsafe { group_rows(&wq, &wd, xs, true, next, &mut out[16 * g..], stride) };
     }
 }
