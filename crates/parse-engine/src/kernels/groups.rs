@@ -69,6 +69,16 @@ fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     }
 }
 
+/// The groups whose successors are prefetched: all but the last, or none where `PARSE_CPU_GROUPS_PREFETCH=off`
+/// (benchmarks compare the two in one build).
+fn prefetched(groups: usize) -> usize {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| {
+        std::env::var("PARSE_CPU_GROUPS_PREFETCH").is_ok_and(|v| v.trim() == "off")
+    });
+    if off { 0 } else { groups.saturating_sub(1) }
+}
+
 /// Per activation row and super-block, the sums of its sub-blocks' Q8_K sums (`bsums[2s] + bsums[2s + 1]`, at most
 /// 2 x 16 x 128 in magnitude) packed in pairs of i16: word `i` holds sub-blocks `2i` (low half) and `2i + 1`.
 fn bsum_pairs(xs: &[&[RawQ8K]], kb: usize) -> Vec<i32> {
@@ -132,6 +142,7 @@ pub unsafe fn q4k_groups(
     let bsp = bsum_pairs(&xs, kb);
     let row_bytes = kb * std::mem::size_of::<RawQ4K>();
     let groups = cols / 16;
+    let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
     let (mask6, mask4, mask2) = (
@@ -176,7 +187,7 @@ pub unsafe fn q4k_groups(
             let wd = half_to_f32(dd, false);
             let wdm = half_to_f32(dd, true);
             for j in 0..4 {
-                if g + 1 < groups {
+                if g < ahead {
                     prefetch_share(
                         wp.wrapping_add((g + 1) * 16 * row_bytes),
                         16 * row_bytes,
@@ -264,6 +275,7 @@ pub unsafe fn q6k_groups(
     let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
     let row_bytes = kb * std::mem::size_of::<RawQ6K>();
     let groups = cols / 16;
+    let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let (m4, m2) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(3));
     let lo16 = _mm512_set1_epi32(0xFFFF);
@@ -300,7 +312,7 @@ pub unsafe fn q6k_groups(
             let mut first_part = true;
             for n in 0..2 {
                 for h in 0..2 {
-                    if g + 1 < groups {
+                    if g < ahead {
                         let share = 4 * b + 2 * n + h;
                         prefetch_share(
                             wp.wrapping_add((g + 1) * 16 * row_bytes),
@@ -470,6 +482,7 @@ pub unsafe fn q5_0_groups(
     debug_assert_eq!(cols % 16, 0);
     let row_bytes = kb * std::mem::size_of::<RawQ5_0>();
     let groups = cols / 16;
+    let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
     let fifth = _mm512_set1_epi8(0x10);
@@ -507,8 +520,7 @@ pub unsafe fn q5_0_groups(
                 wq[8 * b + k] = _mm512_mask_add_epi8(v, set, v, fifth);
             }
         }
-        let next =
-            (g + 1 < groups).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
+        let next = (g < ahead).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
         unsafe { group_rows(&wq, &wd, xs, false, next, &mut out[16 * g..], stride) };
     }
@@ -536,6 +548,7 @@ pub unsafe fn q8_0_groups(
     debug_assert_eq!(cols % 16, 0);
     let row_bytes = kb * std::mem::size_of::<RawQ8_0>();
     let groups = cols / 16;
+    let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let top = _mm512_set1_epi8(-128);
     let mut wq = vec![_mm512_setzero_si512(); 8 * kb];
@@ -558,8 +571,7 @@ pub unsafe fn q8_0_groups(
                 wq[8 * b + 4 + k] = _mm512_xor_si512(hi[k], top);
             }
         }
-        let next =
-            (g + 1 < groups).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
+        let next = (g < ahead).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
         unsafe { group_rows(&wq, &wd, xs, true, next, &mut out[16 * g..], stride) };
     }
