@@ -34,6 +34,9 @@ struct Args {
     reps: usize,
 }
 
+/// The most a matrix, or the activations or outputs of a call, may take (a mistyped shape is refused, not allocated).
+const MAX_BYTES: usize = 4 << 30;
+
 fn format(name: &str) -> Result<GgmlDType> {
     Ok(match name.trim() {
         "q4k" => GgmlDType::Q4K,
@@ -66,6 +69,15 @@ fn main() -> Result<()> {
     }
     for name in &args.formats {
         let dtype = format(name)?;
+        let bytes = parse_engine::quant::storage_bytes(dtype, n, k)
+            .with_context(|| format!("--shape {n}x{k} does not fit {name} (its block size)"))?;
+        let rows = args.rows.iter().max().copied().unwrap_or(1);
+        let buffers = n.max(k).saturating_mul(rows).saturating_mul(4);
+        if bytes > MAX_BYTES || buffers > MAX_BYTES {
+            bail!(
+                "--shape {n}x{k} with {rows} rows needs more than {MAX_BYTES} bytes; this bench stays under it"
+            );
+        }
         let w = parse_engine::quant::random_matrix(dtype, n, k, 7)
             .with_context(|| format!("a {name} matrix of {n}x{k}"))?;
         let mb = w.storage_bytes() as f64 / 1e6;
