@@ -69,6 +69,12 @@ fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     }
 }
 
+/// Where the weights of group `g + 1` start (from the first group's at `w`, rows `row_bytes` long), and their size.
+#[inline]
+fn next_group(w: *const u8, row_bytes: usize, g: usize) -> (*const u8, usize) {
+    (w.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes)
+}
+
 /// The groups whose successors are prefetched: all but the last, or none where `PARSE_CPU_GROUPS_PREFETCH=off`
 /// (benchmarks compare the two in one build).
 fn prefetched(groups: usize) -> usize {
@@ -188,12 +194,8 @@ pub unsafe fn q4k_groups(
             let wdm = half_to_f32(dd, true);
             for j in 0..4 {
                 if g < ahead {
-                    prefetch_share(
-                        wp.wrapping_add((g + 1) * 16 * row_bytes),
-                        16 * row_bytes,
-                        4 * b + j,
-                        4 * kb,
-                    );
+                    let (next, bytes) = next_group(wp, row_bytes, g);
+                    prefetch_share(next, bytes, 4 * b + j, 4 * kb);
                 }
                 // Word t of chunk j: its low nibbles are values 64j + 4t..+4 (sub-block 2j), its high nibbles
                 // values 64j + 32 + 4t..+4 (sub-block 2j + 1).
@@ -314,12 +316,8 @@ pub unsafe fn q6k_groups(
                 for h in 0..2 {
                     if g < ahead {
                         let share = 4 * b + 2 * n + h;
-                        prefetch_share(
-                            wp.wrapping_add((g + 1) * 16 * row_bytes),
-                            16 * row_bytes,
-                            share,
-                            4 * kb,
-                        );
+                        let (next, bytes) = next_group(wp, row_bytes, g);
+                        prefetch_share(next, bytes, share, 4 * kb);
                     }
                     // Words t = 4h..4h + 4 of half n: `ql` at 64n + 4t (A, parts 0 and 2) and 64n + 32 + 4t (B,
                     // parts 1 and 3), `qh` at 32n + 4t (2 bits per part); part p of word t holds values
@@ -520,7 +518,7 @@ pub unsafe fn q5_0_groups(
                 wq[8 * b + k] = _mm512_mask_add_epi8(v, set, v, fifth);
             }
         }
-        let next = (g < ahead).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
+        let next = (g < ahead).then(|| next_group(wp, row_bytes, g));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
         unsafe { group_rows(&wq, &wd, xs, false, next, &mut out[16 * g..], stride) };
     }
@@ -571,7 +569,7 @@ pub unsafe fn q8_0_groups(
                 wq[8 * b + 4 + k] = _mm512_xor_si512(hi[k], top);
             }
         }
-        let next = (g < ahead).then(|| (wp.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes));
+        let next = (g < ahead).then(|| next_group(wp, row_bytes, g));
         // SAFETY: out holds every row's 16 values of group g (the caller's layout).
         unsafe { group_rows(&wq, &wd, xs, true, next, &mut out[16 * g..], stride) };
     }
