@@ -141,7 +141,11 @@ def lookup_size(ctx, hi):
 if args.spec_run:
     tot = {}
     for i in range(args.n):
-        st = json.load(open(pathlib.Path(args.spec_run) / f"{i}.json"))["stats"]
+        saved = pathlib.Path(args.spec_run) / f"{i}.json"
+        if not saved.is_file():
+            raise SystemExit(f"--spec-run {args.spec_run}: no {saved.name} (a speculative run of the same --suite "
+                             f"and at least --n {args.n} prompts)")
+        st = json.load(open(saved))["stats"]
         for key in ("extend_ms", "extend_passes", "verify_ms", "verify_passes", "target_positions",
                     "output_tokens", "target_passes", "pauses", "paused_tokens"):
             tot[key] = tot.get(key, 0) + st.get(key, 0)
