@@ -49,6 +49,54 @@ struct Args {
     /// Repetitions for llama-bench.
     #[arg(long, default_value_t = 3)]
     llama_reps: usize,
+    /// Instead of the report: load each model twice in this process, its Q4_K matrices in rows and in the lanes
+    /// layout (`quant::set_lanes`), and time the two pass by pass, alternating, so that the machine's drift falls
+    /// on both alike (one-token steps, then each of `--blocks` with logits at every row, `--reps` pairs each).
+    #[arg(long)]
+    ab_lanes: bool,
+}
+
+/// `--ab-lanes`: medians of alternating passes of the same model loaded with and without the lanes layout.
+fn ab_lanes(name: &str, args: &Args) -> Result<()> {
+    let path = model_dir().join(file_for(name)?);
+    let mut engines = Vec::new();
+    for on in [false, true] {
+        parse_engine::quant::set_lanes(on);
+        let mut e = Engine::load(&config_for(name, &path))
+            .with_context(|| format!("loading {}", path.display()))?;
+        let ctx = context_tokens(&e, args.context)?;
+        e.open_session("bench")?;
+        e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
+        let base = e.session_len("bench")?;
+        engines.push((e, ctx, base));
+    }
+    println!("\n### {name}: rows against the lanes layout, alternating pass by pass (median ms)\n");
+    println!("| block | rows | lanes | lanes / rows |");
+    println!("|---:|---:|---:|---:|");
+    let mut sizes = vec![1];
+    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
+    for n in sizes {
+        let mut ms = [Vec::new(), Vec::new()];
+        // Untimed first passes: the kernel choice's trials (kernels::choose) and the caches.
+        for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
+            // Which goes first alternates too.
+            let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+            for j in order {
+                let (e, ctx, base) = &mut engines[j];
+                let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
+                let all: Vec<usize> = (0..n).collect();
+                let t = Instant::now();
+                e.forward_causal("bench", &tokens, &all)?;
+                if i >= 2 * choose::TRIALS as usize {
+                    ms[j].push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                e.truncate("bench", *base)?;
+            }
+        }
+        let [rows, lanes] = ms.map(median);
+        println!("| {n} | {rows:.1} | {lanes:.1} | {:.3} |", lanes / rows);
+    }
+    Ok(())
 }
 
 /// llama.cpp's figures for one model: decode tok/s (`tg32` after `context` tokens) and 64-token prompt tok/s
@@ -317,6 +365,12 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.ab_lanes {
+        for m in &args.models {
+            ab_lanes(m, &args)?;
+        }
+        return Ok(());
+    }
     let mut reports = Vec::new();
     for m in &args.models {
         let r = bench_model(m, &args)?;

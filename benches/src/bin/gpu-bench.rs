@@ -401,7 +401,7 @@ fn check_formats(args: &Args, dev: &candle_core::Device) -> Result<Vec<serde_jso
     {
         let w = parse_engine::quant::random_matrix(dtype, n, k, 77 + i as u64)?;
         let wf = w.to_f32();
-        let q = ggml_file::qtensor_from_ggml(dtype, w.raw_bytes(), vec![n, k], dev)?;
+        let q = ggml_file::qtensor_from_ggml(dtype, &w.raw_bytes(), vec![n, k], dev)?;
         let mm = QMatMul::from_qtensor(q)?;
         for &r in &args.format_rows {
             let x: Vec<f32> = (0..r * k)

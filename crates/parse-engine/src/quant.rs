@@ -47,6 +47,9 @@ pub enum QMatrix {
     Q4K(Mat<BlockQ4K>),
     Q5K(Mat<BlockQ5K>),
     Q6K(Mat<BlockQ6K>),
+    /// Q4_K in the lanes layout ([`q4k_to_lanes`]): the AVX-512 VNNI row groups read it without transposing, at
+    /// every block size including the one-token step. Only ever made by [`QMatrix::into_fast_cpu_format`].
+    Q4KLanes(Mat<BlockQ4K>),
 }
 
 macro_rules! dispatch {
@@ -64,6 +67,7 @@ macro_rules! dispatch {
             QMatrix::Q4K($m) => $body,
             QMatrix::Q5K($m) => $body,
             QMatrix::Q6K($m) => $body,
+            QMatrix::Q4KLanes($m) => $body,
         }
     };
 }
@@ -84,6 +88,7 @@ macro_rules! dispatch_map {
             QMatrix::Q4K($m) => QMatrix::Q4K($body),
             QMatrix::Q5K($m) => QMatrix::Q5K($body),
             QMatrix::Q6K($m) => QMatrix::Q6K($body),
+            QMatrix::Q4KLanes($m) => QMatrix::Q4KLanes($body),
         }
     };
 }
@@ -100,6 +105,83 @@ fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr().cast::<u8>(), bytes.len());
     }
     v
+}
+
+/// Bytes of one Q4_K super-block.
+const Q4K_BYTES: usize = std::mem::size_of::<BlockQ4K>();
+
+/// The lanes layout of Q4_K weights (`w`: whole rows of `kb` super-blocks, a multiple of 16 rows): the same bytes,
+/// permuted so that tile `(g, b)` (super-blocks `(g * kb + b) * 16..+16`) holds super-block `b` of rows
+/// `16g..16g + 16` word by word, word `i` of row `16g + n` at byte `64 i + 4 n` of the tile. One 64-byte load is
+/// then a word of all 16 rows, one row per 32-bit lane, which the row groups ([`kernels::groups`]) otherwise gather
+/// from 16 rows and transpose at every step: in one process, alternating the two layouts pass by pass
+/// (`engine-bench --ab-lanes`), a one-token step of the default target took 10-18% less time and blocks of 2-8 rows
+/// 4-12% less on an AVX-512 VNNI EPYC (docs/figures.md, "Q4_K in the lanes layout").
+pub(crate) fn q4k_to_lanes(w: &[BlockQ4K], kb: usize) -> Vec<BlockQ4K> {
+    permute_q4k(w, kb, true)
+}
+
+/// The row-major layout back from [`q4k_to_lanes`]'s.
+pub(crate) fn q4k_from_lanes(w: &[BlockQ4K], kb: usize) -> Vec<BlockQ4K> {
+    permute_q4k(w, kb, false)
+}
+
+#[allow(unsafe_code)]
+fn permute_q4k(w: &[BlockQ4K], kb: usize, to_lanes: bool) -> Vec<BlockQ4K> {
+    assert!(
+        kb > 0 && w.len().is_multiple_of(16 * kb),
+        "whole groups of 16 rows"
+    );
+    let mut out = w.to_vec();
+    // SAFETY: BlockQ4K is #[repr(C)] plain-old-data of Q4K_BYTES bytes; both views span the same number of whole
+    // blocks, and `out` is a distinct allocation.
+    let (src, dst) = unsafe {
+        (
+            std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
+            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
+        )
+    };
+    let row_bytes = kb * Q4K_BYTES;
+    for g in 0..w.len() / (16 * kb) {
+        for b in 0..kb {
+            let tile = (g * kb + b) * 16 * Q4K_BYTES;
+            for n in 0..16 {
+                let row = (g * 16 + n) * row_bytes + b * Q4K_BYTES;
+                for i in 0..Q4K_BYTES / 4 {
+                    let (lanes, rows) = (tile + 64 * i + 4 * n, row + 4 * i);
+                    let (from, to) = if to_lanes {
+                        (rows, lanes)
+                    } else {
+                        (lanes, rows)
+                    };
+                    dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Row `r`'s super-blocks out of a lanes-layout matrix of `kb` super-blocks per row.
+#[allow(unsafe_code)]
+fn q4k_lanes_row(w: &[BlockQ4K], kb: usize, r: usize) -> Vec<BlockQ4K> {
+    let mut out = vec![BlockQ4K::zeros(); kb];
+    // SAFETY: as in `permute_q4k`.
+    let (src, dst) = unsafe {
+        (
+            std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
+            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), kb * Q4K_BYTES),
+        )
+    };
+    let (g, n) = (r / 16, r % 16);
+    for b in 0..kb {
+        let tile = (g * kb + b) * 16 * Q4K_BYTES;
+        for i in 0..Q4K_BYTES / 4 {
+            let from = tile + 64 * i + 4 * n;
+            dst[b * Q4K_BYTES + 4 * i..][..4].copy_from_slice(&src[from..from + 4]);
+        }
+    }
+    out
 }
 
 impl<T: GgmlType> Mat<T> {
@@ -236,6 +318,35 @@ impl<T: GgmlType> Mat<T> {
             },
             out,
         );
+    }
+}
+
+/// The lanes layout's switch: 0 as `PARSE_CPU_LANES` says (on unless `off`), 1 off, 2 on ([`set_lanes`]).
+static LANES: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Turns the lanes layout off or on for matrices loaded from now on, whatever `PARSE_CPU_LANES` says (a benchmark
+/// loads the model both ways in one process and alternates them: `engine-bench --ab-lanes`).
+pub fn set_lanes(on: bool) {
+    LANES.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a Q4_K matrix of `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]).
+fn lanes_wanted(rows: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = match LANES.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => false,
+            2 => true,
+            _ => !*OFF
+                .get_or_init(|| std::env::var("PARSE_CPU_LANES").is_ok_and(|v| v.trim() == "off")),
+        };
+        on && rows > 0 && rows.is_multiple_of(16) && kernels::active() == kernels::Kernels::Vnni
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = rows;
+        false
     }
 }
 
@@ -737,6 +848,19 @@ impl QMatrix {
             QMatrix::Q4K(_) => GgmlDType::Q4K,
             QMatrix::Q5K(_) => GgmlDType::Q5K,
             QMatrix::Q6K(_) => GgmlDType::Q6K,
+            QMatrix::Q4KLanes(_) => GgmlDType::Q4K,
+        }
+    }
+
+    /// The row-major Q4_K matrix of a lanes-layout one; `None` for every other.
+    fn row_major(&self) -> Option<QMatrix> {
+        match self {
+            QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(Mat {
+                rows: m.rows,
+                cols: m.cols,
+                blocks: q4k_from_lanes(&m.blocks, m.blocks_per_row()),
+            })),
+            _ => None,
         }
     }
 
@@ -755,29 +879,46 @@ impl QMatrix {
         dispatch!(self, m => m.blocks.len() * std::mem::size_of_val(&m.blocks[0]))
     }
 
-    /// The storage as raw ggml bytes, row after row (what a GGUF file holds for this format).
-    pub fn raw_bytes(&self) -> &[u8] {
-        dispatch!(self, m => m.raw_bytes())
+    /// The storage as raw ggml bytes, row after row (what a GGUF file holds for this format; a copy for the lanes
+    /// layout, which is not).
+    pub fn raw_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self.row_major() {
+            Some(plain) => std::borrow::Cow::Owned(plain.raw_bytes().into_owned()),
+            None => std::borrow::Cow::Borrowed(dispatch!(self, m => m.raw_bytes())),
+        }
     }
 
     /// Dequantizes row `r` (used for embedding look-ups).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        if let QMatrix::Q4KLanes(m) = self {
+            BlockQ4K::to_float(&q4k_lanes_row(&m.blocks, m.blocks_per_row(), r), out);
+            return;
+        }
         dispatch!(self, m => m.row_to_f32(r, out))
     }
 
     /// Dequantizes the whole matrix, row-major.
     pub fn to_f32(&self) -> Vec<f32> {
-        dispatch!(self, m => m.to_f32())
+        match self.row_major() {
+            Some(plain) => plain.to_f32(),
+            None => dispatch!(self, m => m.to_f32()),
+        }
     }
 
     /// A copy of output rows `range` (a shard along the output dimension).
     pub fn select_rows(&self, range: std::ops::Range<usize>) -> Self {
-        dispatch_map!(self, m => m.select_rows(range))
+        match self.row_major() {
+            Some(plain) => plain.select_rows(range).into_fast_cpu_format(),
+            None => dispatch_map!(self, m => m.select_rows(range)),
+        }
     }
 
     /// Output rows `ranges`, concatenated (a shard of heads, possibly repeating a shared KV head).
     pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Self {
-        dispatch_map!(self, m => m.gather_rows(ranges))
+        match self.row_major() {
+            Some(plain) => plain.gather_rows(ranges).into_fast_cpu_format(),
+            None => dispatch_map!(self, m => m.gather_rows(ranges)),
+        }
     }
 
     /// Items of storage along the input dimension (1 for f32/f16; a column shard must be a multiple of it).
@@ -800,6 +941,9 @@ impl QMatrix {
                 "columns {range:?} cut through {b}-wide {:?} blocks",
                 self.dtype()
             )));
+        }
+        if let Some(plain) = self.row_major() {
+            return Ok(plain.select_cols(range)?.into_fast_cpu_format());
         }
         Ok(dispatch_map!(self, m => m.select_cols(range.clone())))
     }
@@ -830,12 +974,24 @@ impl QMatrix {
     /// 8 bits per weight, more than the 5 or 4 of the source, so the change in outputs is far below the source
     /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
     /// main format, has its own kernels and is read as stored: 22 bytes per 32 weights instead of Q8_0's 34).
+    ///
+    /// Where the AVX-512 VNNI kernels are active (not the AMX tiles, which read rows), a Q4_K matrix of whole 16-row
+    /// groups takes the lanes layout ([`q4k_to_lanes`]; the same bytes, the same results bit for bit);
+    /// `PARSE_CPU_LANES=off` keeps the rows (benchmarks compare the two in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
                 let (rows, cols) = (self.rows(), self.cols());
                 let data = self.to_f32();
                 QMatrix::Q8_0(Mat::<BlockQ8_0>::from_f32(rows, cols, &data))
+            }
+            QMatrix::Q4K(m) if lanes_wanted(m.rows) => {
+                let blocks = q4k_to_lanes(&m.blocks, m.blocks_per_row());
+                QMatrix::Q4KLanes(Mat {
+                    rows: m.rows,
+                    cols: m.cols,
+                    blocks,
+                })
             }
             other => other,
         }
@@ -871,6 +1027,27 @@ impl QMatrix {
         let groups = pick.groups;
         #[cfg(not(target_arch = "x86_64"))]
         let _ = groups; // the row groups exist on x86-64 only
+        if let QMatrix::Q4KLanes(mat) = self {
+            #[cfg(target_arch = "x86_64")]
+            if kernels::active() >= kernels::Kernels::Vnni && !kernels::use_amx(m) {
+                // Whole 16-row groups in every chunk (the matrix is whole groups and chunks are multiples of 16),
+                // so the panels given for a remainder are never called on this layout.
+                matmul_k_groups(
+                    mat,
+                    input,
+                    out,
+                    kernels::groups::q4k_lanes,
+                    kernels::q4k_panel,
+                );
+                pick.finish();
+                return Ok(());
+            }
+            // Another variant made active after loading (tests and benchmarks switch them): through the rows.
+            let _ = mat;
+            pick.finish();
+            let plain = self.row_major().expect("a lanes-layout matrix");
+            return plain.matmul_input(input, out);
+        }
         match self {
             #[cfg(target_arch = "x86_64")]
             QMatrix::Q4K(mat) if kernels::use_amx(m) => matmul_k_amx(
@@ -1147,6 +1324,62 @@ mod shard_tests {
 
     /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:
     /// the partial products add up to the whole within rounding).
+    #[test]
+    fn the_lanes_layout_reads_and_multiplies_as_the_rows_do() {
+        let (n, k) = (48, 3 * 256);
+        let w = random(n * k, 21);
+        let rows = QMatrix::from_f32(GgmlDType::Q4K, n, k, &w).unwrap();
+        let QMatrix::Q4K(mat) = &rows else {
+            unreachable!("made as Q4_K")
+        };
+        let kb = mat.blocks_per_row();
+        let lanes = QMatrix::Q4KLanes(Mat {
+            rows: n,
+            cols: k,
+            blocks: q4k_to_lanes(&mat.blocks, kb),
+        });
+        assert_eq!(lanes.dtype(), GgmlDType::Q4K);
+        assert_eq!(
+            q4k_from_lanes(&q4k_to_lanes(&mat.blocks, kb), kb).len(),
+            mat.blocks.len()
+        );
+        assert_eq!(
+            lanes.raw_bytes(),
+            rows.raw_bytes(),
+            "the layout is a permutation, undone for readers"
+        );
+        assert_eq!(lanes.to_f32(), rows.to_f32());
+        for r in [0, 15, 16, 47] {
+            let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);
+            lanes.row_to_f32(r, &mut a);
+            rows.row_to_f32(r, &mut b);
+            assert_eq!(a, b, "row {r}");
+        }
+        // Every block size, on whichever kernels this CPU runs (the lanes kernel where VNNI is active, the rows
+        // otherwise): the same bits as the rows.
+        for m in [1, 2, 3, 8, 9, 17] {
+            let x = random(m * k, 22 + m as u64);
+            let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+            lanes.matmul(&x, m, &mut a).unwrap();
+            rows.matmul(&x, m, &mut b).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "{m} rows");
+        }
+        // Shards come out in the rows' values.
+        assert_eq!(
+            lanes.select_rows(16..32).to_f32(),
+            rows.select_rows(16..32).to_f32()
+        );
+        assert_eq!(
+            lanes.gather_rows(&[0..16, 32..48]).to_f32(),
+            rows.gather_rows(&[0..16, 32..48]).to_f32()
+        );
+        assert_eq!(
+            lanes.select_cols(256..768).unwrap().to_f32(),
+            rows.select_cols(256..768).unwrap().to_f32()
+        );
+    }
+
     #[test]
     fn row_and_column_shards_compute_the_whole_product() {
         let (n, k, m) = (24, 1024, 5);

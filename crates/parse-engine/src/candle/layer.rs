@@ -17,7 +17,7 @@ use super::cache::TensorCache;
 pub(crate) fn upload(m: &QMatrix, device: &Device) -> Result<QTensor> {
     Ok(ggml_file::qtensor_from_ggml(
         m.dtype(),
-        m.raw_bytes(),
+        &m.raw_bytes(),
         vec![m.rows(), m.cols()],
         device,
     )?)

@@ -9,6 +9,10 @@
 //! each of the 16 rows, and a sub-block's scale is one `vpmulld` by the 16 rows' scales. The weights of a super-block
 //! are transposed and unpacked once and serve every activation row; nothing is reduced across lanes.
 //!
+//! Q4_K matrices loaded for this variant are stored in the lanes layout (`quant::q4k_to_lanes`), where one 64-byte
+//! load is already a word of 16 rows: [`q4k_lanes`] runs the same arithmetic without the gathering and transposing,
+//! for every block size including the one-token step.
+//!
 //! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: the super-block integers
 //! (`S`, and for Q4_K the min term `M`) are exact however their products are grouped, and the float chains are the
 //! definitions' (`fma(d_x * d_w, S, acc)` per super-block, one row per lane).
@@ -140,6 +144,47 @@ pub unsafe fn q4k_groups(
     out: &mut [f32],
     stride: usize,
 ) {
+    // SAFETY: the caller's guarantees are this function's.
+    unsafe { q4k_16::<false>(w, kb, xs, out, stride) }
+}
+
+/// [`q4k_groups`] over weights in the lanes layout (`quant::q4k_to_lanes`): the 16 rows' words come from plain
+/// vector loads instead of being gathered and transposed from 16 rows at every step.
+///
+/// # Safety
+/// As [`q4k_groups`], with `w` in the lanes layout (a multiple of 16 rows of `kb` super-blocks).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q4k_lanes(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller's guarantees are this function's.
+    unsafe { q4k_16::<true>(w, kb, xs, out, stride) }
+}
+
+/// Bytes of a tile of 16 rows' super-block `b` in the lanes layout.
+const Q4K_TILE: usize = 16 * std::mem::size_of::<RawQ4K>();
+
+/// Words `off / 4 .. off / 4 + 4` of the 16 rows of a lanes-layout tile at `tile`, as [`words4`] gives them.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_words4(tile: *const u8, off: usize) -> [__m512i; 4] {
+    // SAFETY: the caller guarantees a whole tile at `tile` (`off + 16` at most the block's bytes).
+    std::array::from_fn(|k| unsafe { _mm512_loadu_si512(tile.add(16 * off + 64 * k).cast()) })
+}
+
+/// The Q4_K row-group kernel over either layout.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4k_16<const LANES: bool>(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
     let w = raw_q4k(w);
     let cols = w.len() / kb;
     debug_assert_eq!(cols % 16, 0);
@@ -163,10 +208,23 @@ pub unsafe fn q4k_groups(
         acc.fill(_mm512_setzero_ps());
         acc_m.fill(_mm512_setzero_ps());
         for b in 0..kb {
-            let base = (&w[g * 16 * kb + b] as *const RawQ4K).cast::<u8>();
-            // SAFETY: lane n reads row g * 16 + n's super-block b (the caller's bounds): d and dmin, then the 12
-            // scale bytes.
-            let [dd, u0, u1, u2] = unsafe { words4(base, row_bytes, 0) };
+            let base = if LANES {
+                wp.wrapping_add((g * kb + b) * Q4K_TILE)
+            } else {
+                (&w[g * 16 * kb + b] as *const RawQ4K).cast::<u8>()
+            };
+            // Words `off / 4..+4` of the 16 rows' super-block b, in either layout.
+            // SAFETY: lane n reads row g * 16 + n's super-block b, inside `w` by the caller's bounds (whole 16-row
+            // groups of kb blocks; in the lanes layout tile (g, b) is those same 16 blocks' bytes).
+            let words = |off: usize| unsafe {
+                if LANES {
+                    tile_words4(base, off)
+                } else {
+                    words4(base, row_bytes, off)
+                }
+            };
+            // d and dmin, then the 12 scale bytes.
+            let [dd, u0, u1, u2] = words(0);
             // The 6-bit scales and mins of `scales_mins`, one row per lane: bytes 0..4 of sc_lo are sub-blocks
             // 0..4, of sc_hi 4..8 (and the same for the mins).
             let sc_lo = _mm512_and_si512(u0, mask6);
@@ -202,8 +260,8 @@ pub unsafe fn q4k_groups(
                 let mut lo = [_mm512_setzero_si512(); 8];
                 let mut hi = [_mm512_setzero_si512(); 8];
                 for h in 0..2 {
-                    // SAFETY: as above; words 8j + 4h..+4 of qs.
-                    let q = unsafe { words4(base, row_bytes, Q4K_QS + 32 * j + 16 * h) };
+                    // Words 8j + 4h..+4 of qs.
+                    let q = words(Q4K_QS + 32 * j + 16 * h);
                     for (k, qk) in q.into_iter().enumerate() {
                         lo[4 * h + k] = _mm512_and_si512(qk, nib);
                         hi[4 * h + k] = _mm512_and_si512(_mm512_srli_epi32::<4>(qk), nib);

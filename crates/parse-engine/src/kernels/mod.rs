@@ -987,6 +987,17 @@ mod tests {
             check_block("q4k", &out, stride, m, cols, |r, c| {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
+            // The same weights in the lanes layout, through its kernel.
+            let lanes = crate::quant::q4k_to_lanes(&w, kb);
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: as above; `lanes` is whole 16-row groups in the lanes layout.
+            unsafe {
+                groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
+            };
+            check_block("q4k lanes", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+            });
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: as above.
