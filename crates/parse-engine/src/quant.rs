@@ -1322,8 +1322,7 @@ mod shard_tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:
-    /// the partial products add up to the whole within rounding).
+    /// A Q4_K matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in rows.
     #[test]
     fn the_lanes_layout_reads_and_multiplies_as_the_rows_do() {
         let (n, k) = (48, 3 * 256);
@@ -1380,6 +1379,8 @@ mod shard_tests {
         );
     }
 
+    /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:
+    /// the partial products add up to the whole within rounding).
     #[test]
     fn row_and_column_shards_compute_the_whole_product() {
         let (n, k, m) = (24, 1024, 5);
