@@ -899,7 +899,7 @@ impl Pace {
             // against its blocks, the default at one request in process never paused and wrote 0.76-0.78x
             // `target`'s tokens per second on ASDiv and MT-bench on an AVX-512 VNNI machine (docs/figures.md,
             // "Speculation judged against the target's own step").
-            return self.pause(Self::FIRST_PAUSE);
+            return self.pause(Self::FIRST_PAUSE, "speculation beats only the cheapest verification seen: a short pause measures the target");
         }
         if estimate.is_none()
             && self.rounds > 0
@@ -913,7 +913,10 @@ impl Pace {
             // the draft model's rounds wrote at a third of the target's speed, the first request of a fresh process
             // wrote its first 56 tokens that way and took twice `target`'s time (docs/figures.md, "A first round
             // judged before the next").
-            return self.pause(Self::FIRST_PAUSE);
+            return self.pause(
+                Self::FIRST_PAUSE,
+                "the first rounds here lose by far, or the target's step is not known",
+            );
         }
         let catch_up = self.catch_up_tokens(alone);
         if estimate.is_none()
@@ -926,7 +929,7 @@ impl Pace {
             // request, or to this one later. At the end of a run on a router at 8 clients, each load the falling
             // count of requests reached was first measured by a request hundreds of tokens in.
             self.entries_declined += 1;
-            return self.pause(Self::MAX_PAUSE);
+            return self.pause(Self::MAX_PAUSE, "no figure here yet, and its drafter has more to catch up on than a first round is worth");
         }
         // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
         let alone = rival(alone, copies);
@@ -937,7 +940,7 @@ impl Pace {
             // Speculation pays per token, not for its entry: a full pause, after which the figures are read again
             // (the lag will be longer and the tokens left fewer, unless the load has fallen).
             self.entries_declined += 1;
-            return self.pause(Self::MAX_PAUSE);
+            return self.pause(Self::MAX_PAUSE, "speculation does not pay for catching up");
         }
         let speculate = match (estimate, alone) {
             (Some(spec), Some(alone)) => spec <= alone,
@@ -974,7 +977,7 @@ impl Pace {
                 .until_probe(kind, self.level)
                 .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
         };
-        self.pause(pause)
+        self.pause(pause, "speculation loses to the target alone")
     }
 
     /// What the drafter's catching up before a round would cost (its lag at its measured prefill price per context
@@ -997,8 +1000,25 @@ impl Pace {
         }
     }
 
-    /// Advice to write `tokens` alone, with the bookkeeping of a pause.
-    fn pause(&mut self, tokens: usize) -> Advice {
+    /// Advice to write `tokens` alone, with the bookkeeping of a pause; `why` and the figures it was judged by go to
+    /// the log at debug level (`RUST_LOG=parse_core::pace=debug`), for an operator asking why a request stopped
+    /// speculating.
+    fn pause(&mut self, tokens: usize, why: &'static str) -> Advice {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let costs = &self.pacing.costs;
+            tracing::debug!(
+                kind = %self.pacing.kind,
+                level = self.level,
+                tokens,
+                written = self.written,
+                rounds = self.rounds,
+                own_ms_per_token = ?self.own.get(),
+                estimate_ms_per_token = ?self.estimate(),
+                shared_ms_per_token = ?costs.spec_ms(&self.pacing.kind, self.level),
+                alone_ms_per_token = ?costs.alone_ms(self.level).or_else(|| costs.alone_near(self.level)),
+                "pace: the target writes alone: {why}"
+            );
+        }
         self.paused = tokens;
         if !self.alone_last {
             self.pauses += 1;
