@@ -78,8 +78,10 @@ fn main() -> Result<()> {
                 "--shape {n}x{k} with {rows} rows needs more than {MAX_BYTES} bytes; this bench stays under it"
             );
         }
+        // In the layout a model's matrix takes at load on this CPU (`PARSE_CPU_LANES=off` keeps Q4_K in rows).
         let w = parse_engine::quant::random_matrix(dtype, n, k, 7)
-            .with_context(|| format!("a {name} matrix of {n}x{k}"))?;
+            .with_context(|| format!("a {name} matrix of {n}x{k}"))?
+            .into_fast_cpu_format();
         let mb = w.storage_bytes() as f64 / 1e6;
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k)

@@ -341,7 +341,7 @@ fn lanes_wanted(rows: usize) -> bool {
             _ => !*OFF
                 .get_or_init(|| std::env::var("PARSE_CPU_LANES").is_ok_and(|v| v.trim() == "off")),
         };
-        on && rows > 0 && rows.is_multiple_of(16) && kernels::active() == kernels::Kernels::Vnni
+        on && rows > 0 && rows.is_multiple_of(16) && kernels::active() >= kernels::Kernels::Vnni
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -534,8 +534,10 @@ fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     let kb = mat.blocks_per_row();
     let lanes = |w: &[T], rows: &[&[BlockQ8K]], dst: &mut [f32], stride: usize| {
         #[allow(unsafe_code)]
-        // SAFETY: use_groups only lets an AVX-512 VNNI variant through (F16C is in the build's baseline); `w` is
-        // whole 16-row groups; every activation row has kb blocks.
+        // SAFETY: callers pass a row-group kernel only where an AVX-512 VNNI variant is active (F16C is in the
+        // build's baseline), and the AMX tiles' only where the AMX variant is (`kernels::amx_lanes`), which
+        // is handed out only where the CPU and the OS allow it; `w` is whole 16-row groups; every activation row
+        // has kb blocks.
         unsafe {
             groups(w, kb, rows, dst, stride)
         }
@@ -975,9 +977,10 @@ impl QMatrix {
     /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
     /// main format, has its own kernels and is read as stored: 22 bytes per 32 weights instead of Q8_0's 34).
     ///
-    /// Where the AVX-512 VNNI kernels are active (not the AMX tiles, which read rows), a Q4_K matrix of whole 16-row
-    /// groups takes the lanes layout ([`q4k_to_lanes`]; the same bytes, the same results bit for bit);
-    /// `PARSE_CPU_LANES=off` keeps the rows (benchmarks compare the two in one build).
+    /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
+    /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`q4k_to_lanes`];
+    /// the same bytes, the same results bit for bit); `PARSE_CPU_LANES=off` keeps the rows (benchmarks compare the
+    /// two in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
@@ -1015,13 +1018,15 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        // The row groups or the panels, where both could take the block: timed on the first calls of a shape and
-        // row count (kernels::choose), then fixed.
+        // The row groups or the panels, where both could take the block (for Q4_K in the lanes layout on an AMX
+        // machine, the tiles or the row groups): timed on the first calls of a shape and row count
+        // (kernels::choose), then fixed.
         let pick = match self {
             QMatrix::Q4K(_) => kernels::groups_k("Q4_K", n, k, m),
             QMatrix::Q6K(_) => kernels::groups_k("Q6_K", n, k, m),
             QMatrix::Q8_0(_) => kernels::groups_32("Q8_0", n, k, m),
             QMatrix::Q5_0(_) => kernels::groups_32("Q5_0", n, k, m),
+            QMatrix::Q4KLanes(_) => kernels::amx_lanes(n, k, m),
             _ => kernels::choose::Pick::fixed(false),
         };
         let groups = pick.groups;
@@ -1029,16 +1034,15 @@ impl QMatrix {
         let _ = groups; // the row groups exist on x86-64 only
         if let QMatrix::Q4KLanes(mat) = self {
             #[cfg(target_arch = "x86_64")]
-            if kernels::active() >= kernels::Kernels::Vnni && !kernels::use_amx(m) {
+            if kernels::active() >= kernels::Kernels::Vnni {
                 // Whole 16-row groups in every chunk (the matrix is whole groups and chunks are multiples of 16),
                 // so the panels given for a remainder are never called on this layout.
-                matmul_k_groups(
-                    mat,
-                    input,
-                    out,
-                    kernels::groups::q4k_lanes,
-                    kernels::q4k_panel,
-                );
+                let groups: RowGroups<BlockQ4K> = if groups {
+                    kernels::amx::q4k_lanes
+                } else {
+                    kernels::groups::q4k_lanes
+                };
+                matmul_k_groups(mat, input, out, groups, kernels::q4k_panel);
                 pick.finish();
                 return Ok(());
             }
@@ -1356,7 +1360,7 @@ mod shard_tests {
         }
         // Every block size, on whichever kernels this CPU runs (the lanes kernel where VNNI is active, the rows
         // otherwise): the same bits as the rows.
-        for m in [1, 2, 3, 8, 9, 17] {
+        for m in [1, 2, 3, 8, 9, 17, 40] {
             let x = random(m * k, 22 + m as u64);
             let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
             lanes.matmul(&x, m, &mut a).unwrap();

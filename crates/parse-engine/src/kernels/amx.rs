@@ -7,7 +7,8 @@
 //! the min term `M` is an exact integer too, through `vpdpwssd`); the float chains are those of the definitions.
 //! Only blocks of at least [`MIN_ROWS`] rows come here; one-token steps use the VNNI panels, which give the same
 //! bits. The weights are walked 16 rows at a time, one super-block per step, with the blocks of a later step
-//! prefetched.
+//! prefetched. Q4_K matrices stored in the lanes layout (`quant::q4k_to_lanes`) take [`q4k_lanes`] instead, with
+//! the weights as the B operand, for the blocks where it is faster than the row groups (`super::amx_lanes`).
 //!
 //! Tiles are programmed with inline assembly (the AMX intrinsics are not stable in Rust): `ldtilecfg` on entry,
 //! `tilerelease` on exit, so no tile state outlives a call. The process asks the kernel for the AMX tile data
@@ -124,6 +125,7 @@ impl TileConfig {
 struct Unpacked([[i8; 256]; 16]);
 
 #[repr(C, align(64))]
+#[derive(Clone, Copy)]
 struct CTile([i32; 256]);
 
 /// `q * v` for `q` in 0..16, for each `v` in 0..8: the scaled weights of a Q4_K sub-block, by table look-up.
@@ -491,6 +493,236 @@ pub unsafe fn q6k_groups(w: &[BlockQ6K], kb: usize, acts: &Acts, out: &mut [f32]
             for n in 0..16 {
                 out[row * stride + g * 16 + n] = acc[(t * 16 + n) * 16 + r];
             }
+        }
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// The B operands of one Q4_K super-block of 16 weight rows: per chunk `j` (values `64j..64j + 64`: sub-blocks `2j`
+/// and `2j + 1`), the weights times the low and the high 3 bits of their sub-block's scale, 16 rows of 64 bytes each.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct BTiles([[[[u8; 64]; 16]; 2]; 4]);
+
+/// `out[r * stride + c] = q4k_dot_scalar(W[c], xs[r])` for Q4_K weights `w` in the lanes layout
+/// (`quant::q4k_to_lanes`: a multiple of 16 rows of `kb` super-blocks) and every activation row `r`.
+///
+/// Here the weights are the tiles' B operand and the activations A, the other way round from [`q4k_groups`]: a word
+/// of the lanes layout is 16 weight rows of 4 bytes, which masked to its low or high nibbles is a row of a B operand
+/// as `tdpbsud` reads it (unsigned bytes, 4 consecutive values of each of 16 columns). As in [`q4k_groups`] each
+/// weight is multiplied by the low and the high 3 bits of its sub-block's scale (`sc = 8 hi + lo`; here two
+/// `vpmullw` per 64 weights, the product of a nibble and 3 bits never carrying into the next byte), so that two
+/// chains of 64-value products over the super-block give `S = L + 8 H` exactly, with one tile store each per
+/// super-block. The activation rows are read where they lie, one tile row per row, up to 16 rows a tile. A
+/// super-block's B operands are made once and serve every tile of activation rows; a tile's products are read back
+/// while the next tile's multiply. The float chains are those of [`super::groups::q4k_lanes`]
+/// ([`super::groups::q4k_super_block`]).
+///
+/// # Safety
+/// The CPU must support the VNNI variant and [`available`] must have returned true; `w` must be whole 16-row
+/// groups of `kb` blocks in the lanes layout; `xs` rows must hold at least `kb` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,fma,f16c")]
+pub unsafe fn q4k_lanes(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    use super::groups::{
+        Q4K_QS, Q4K_TILE, bsum_pairs, next_group, prefetch_share, prefetched, q4k_scales,
+        q4k_super_block, tile_words4,
+    };
+    let w = raw_q4k(w);
+    let cols = w.len() / kb;
+    debug_assert_eq!(cols % 16, 0);
+    let m = xs.len();
+    let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
+    let bsp = bsum_pairs(&xs, kb);
+    let row_bytes = kb * std::mem::size_of::<RawQ4K>();
+    let x_bytes = kb * std::mem::size_of::<RawQ8K>();
+    let groups = cols / 16;
+    let ahead = prefetched(groups);
+    let wp = w.as_ptr().cast::<u8>();
+    // The A operands: tiles of `rows` activation rows, `x_bytes` apart. Where the rows lie that way already (the
+    // quantized rows of a block are one vector), whole tiles are read in place; the rest (a last tile of fewer
+    // rows, or rows that lie apart) from a copy padded with zero rows.
+    let rows = m.min(16);
+    let tiles = m.div_ceil(rows);
+    let x0 = xs[0].as_ptr().cast::<u8>();
+    let contiguous = xs
+        .iter()
+        .enumerate()
+        .all(|(r, x)| x.as_ptr().cast::<u8>() == x0.wrapping_add(r * x_bytes));
+    let in_place = if contiguous { m / rows } else { 0 };
+    let zero = RawQ8K {
+        d: 0.0,
+        qs: [0; QK_K],
+        bsums: [0; QK_K / 16],
+    };
+    let mut pad = vec![zero; (tiles - in_place) * rows * kb];
+    for (i, x) in xs[in_place * rows..].iter().enumerate() {
+        pad[i * kb..(i + 1) * kb].copy_from_slice(&x[..kb]);
+    }
+    let tile_x = |t: usize| {
+        if t < in_place {
+            x0.wrapping_add(t * rows * x_bytes)
+        } else {
+            pad.as_ptr()
+                .cast::<u8>()
+                .wrapping_add((t - in_place) * rows * x_bytes)
+        }
+    };
+    let qs_at = std::mem::offset_of!(RawQ8K, qs);
+    // tmm0, tmm1: L and H (rows x 16 i32); tmm2, tmm3: the activations of even and odd chunks (rows x 64 bytes);
+    // tmm4, tmm5 and tmm6, tmm7: their weights times lo and hi (16 x 64 bytes).
+    let r8 = rows as u8;
+    let cfg = TileConfig::new(&[
+        (64, r8),
+        (64, r8),
+        (64, r8),
+        (64, r8),
+        (64, 16),
+        (64, 16),
+        (64, 16),
+        (64, 16),
+    ]);
+    // The B operands of super-block b: `bt[b % 2]`.
+    let mut bt = vec![BTiles([[[[0; 64]; 16]; 2]; 4]); 2];
+    // L and H of activation tile t: `c[t % 2]`, 16 rows of 16 i32 each.
+    let mut c = [[CTile([0; 256]); 2]; 2];
+    let (nib, low3, one16) = (
+        _mm512_set1_epi8(0xF),
+        _mm512_set1_epi32(7),
+        _mm512_set1_epi32(0x0001_0001),
+    );
+    let zf = _mm512_setzero_ps();
+    let mut acc = vec![zf; m];
+    let mut acc_m = vec![zf; m];
+    // SAFETY: the configuration is a valid palette-1 layout; the caller guarantees AMX is usable.
+    unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack)) };
+    for g in 0..groups {
+        acc.fill(zf);
+        acc_m.fill(zf);
+        for b in 0..kb {
+            if g < ahead {
+                let (next, bytes) = next_group(wp, row_bytes, g);
+                prefetch_share(next, bytes, b, kb);
+            }
+            let tile = wp.wrapping_add((g * kb + b) * Q4K_TILE);
+            // SAFETY: tile (g, b) is 16 whole blocks inside `w` (the caller's bounds).
+            let (scale, mins, wd, wdm) = q4k_scales(unsafe { tile_words4(tile, 0) });
+            // The low and high 3 bits of each sub-block's scale, in both i16 halves of the row's lane.
+            let lo: [__m512i; 8] = std::array::from_fn(|s| {
+                _mm512_mullo_epi32(_mm512_and_si512(scale[s], low3), one16)
+            });
+            let hi: [__m512i; 8] = std::array::from_fn(|s| {
+                _mm512_mullo_epi32(_mm512_srli_epi32::<3>(scale[s]), one16)
+            });
+            let bb = &mut bt[b % 2];
+            for j in 0..4 {
+                // Word t of chunk j: low nibbles values 64j + 4t..+4 (sub-block 2j), high nibbles values
+                // 64j + 32 + 4t..+4 (sub-block 2j + 1), of the 16 weight rows: rows t and 8 + t of the B operands.
+                let [bl, bh] = &mut bb.0[j];
+                for h in 0..2 {
+                    // SAFETY: words 8j + 4h..+4 of qs lie inside the tile; the stores fill rows of the
+                    // 64-byte-aligned B operands.
+                    unsafe {
+                        let q = tile_words4(tile, Q4K_QS + 32 * j + 16 * h);
+                        for (k, qk) in q.into_iter().enumerate() {
+                            let t = 4 * h + k;
+                            let (q0, q1) = (
+                                _mm512_and_si512(qk, nib),
+                                _mm512_and_si512(_mm512_srli_epi32::<4>(qk), nib),
+                            );
+                            let st = |dst: &mut [u8; 64], v: __m512i| {
+                                _mm512_store_si512(dst.as_mut_ptr().cast(), v)
+                            };
+                            st(&mut bl[t], _mm512_mullo_epi16(q0, lo[2 * j]));
+                            st(&mut bl[8 + t], _mm512_mullo_epi16(q1, lo[2 * j + 1]));
+                            st(&mut bh[t], _mm512_mullo_epi16(q0, hi[2 * j]));
+                            st(&mut bh[8 + t], _mm512_mullo_epi16(q1, hi[2 * j + 1]));
+                        }
+                    }
+                }
+            }
+            // Tile t's products are read back after tile t + 1's are under way.
+            let mut finish = |t: usize, [l, h]: &[CTile; 2]| {
+                let (r0, n) = (t * rows, rows.min(m - t * rows));
+                for rr in 0..n {
+                    // SAFETY: row rr of L and H is 16 i32 inside its CTile.
+                    let s = unsafe {
+                        let l = _mm512_load_si512(l.0[16 * rr..].as_ptr().cast());
+                        let h = _mm512_load_si512(h.0[16 * rr..].as_ptr().cast());
+                        _mm512_add_epi32(l, _mm512_slli_epi32::<3>(h))
+                    };
+                    let r = r0 + rr;
+                    let p = &bsp[(r * kb + b) * 4..(r * kb + b) * 4 + 4];
+                    q4k_super_block(
+                        s,
+                        p,
+                        &mins,
+                        xs[r][b].d,
+                        (wd, wdm),
+                        (&mut acc[r], &mut acc_m[r]),
+                    );
+                }
+            };
+            let bb = &bt[b % 2];
+            for t in 0..tiles {
+                let a = tile_x(t).wrapping_add(b * std::mem::size_of::<RawQ8K>() + qs_at);
+                let [cl, ch] = &mut c[t % 2];
+                // Chunk j's weights times lo at byte 2048 j of the super-block's B operands, times hi 1024 after.
+                const _: () = assert!(std::mem::size_of::<BTiles>() == 8192);
+                // SAFETY: the A operands are `rows` rows of 64 bytes, `x_bytes` apart, inside the activation rows
+                // (read in place) or `pad`; the B operands 16 rows of 64 bytes; L and H are stored as `rows` rows of
+                // 64 bytes into 16-row CTiles; the tiles were configured above.
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tileloadd tmm2, [{a} + {xs}*1]",
+                        "tileloadd tmm4, [{b} + {s64}*1]",
+                        "tileloadd tmm5, [{b} + {s64}*1 + 1024]",
+                        "tileloadd tmm3, [{a} + {xs}*1 + 64]",
+                        "tileloadd tmm6, [{b} + {s64}*1 + 2048]",
+                        "tileloadd tmm7, [{b} + {s64}*1 + 3072]",
+                        "tdpbsud tmm0, tmm2, tmm4",
+                        "tdpbsud tmm1, tmm2, tmm5",
+                        "tileloadd tmm2, [{a} + {xs}*1 + 128]",
+                        "tileloadd tmm4, [{b} + {s64}*1 + 4096]",
+                        "tileloadd tmm5, [{b} + {s64}*1 + 5120]",
+                        "tdpbsud tmm0, tmm3, tmm6",
+                        "tdpbsud tmm1, tmm3, tmm7",
+                        "tileloadd tmm3, [{a} + {xs}*1 + 192]",
+                        "tileloadd tmm6, [{b} + {s64}*1 + 6144]",
+                        "tileloadd tmm7, [{b} + {s64}*1 + 7168]",
+                        "tdpbsud tmm0, tmm2, tmm4",
+                        "tdpbsud tmm1, tmm2, tmm5",
+                        "tdpbsud tmm0, tmm3, tmm6",
+                        "tdpbsud tmm1, tmm3, tmm7",
+                        "tilestored [{cl} + {s64}*1], tmm0",
+                        "tilestored [{ch} + {s64}*1], tmm1",
+                        a = in(reg) a,
+                        b = in(reg) (bb as *const BTiles).cast::<u8>(),
+                        xs = in(reg) x_bytes,
+                        cl = in(reg) cl.0.as_mut_ptr(),
+                        ch = in(reg) ch.0.as_mut_ptr(),
+                        s64 = in(reg) 64usize,
+                        options(nostack),
+                    );
+                }
+                if t > 0 {
+                    finish(t - 1, &c[(t - 1) % 2]);
+                }
+            }
+            finish(tiles - 1, &c[(tiles - 1) % 2]);
+        }
+        for r in 0..m {
+            let v = _mm512_sub_ps(acc[r], acc_m[r]);
+            // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
+            unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), v) };
         }
     }
     // SAFETY: releases the tile state configured above.

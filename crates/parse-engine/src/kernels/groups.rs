@@ -29,7 +29,7 @@ use super::*;
 // ([`prefetch_share`]); prefetching only the 16 rows' next super-blocks, all at once, changed nothing.
 
 /// Byte offset of the nibbles in a Q4_K super-block (ggml's `block_q4_K`: `d`, `dmin`, 12 scale bytes, then them).
-const Q4K_QS: usize = 16;
+pub(super) const Q4K_QS: usize = 16;
 
 /// Words `off / 4 .. off / 4 + 4` of 16 weight rows `row_bytes` apart from `base`, one vector per word with row `n`
 /// in lane `n`: the rows' 16-byte runs are loaded four to a vector (rows `a`, `a + 4`, `a + 8`, `a + 12` in its
@@ -63,7 +63,7 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
 /// in L3 (memory time and compute added up), 1.1-1.3x with this; requesting all of a group's lines at its start got
 /// less than half of that gain (docs/figures.md, "Row groups that prefetch"), hence the shares spread over its work.
 #[inline]
-fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
+pub(super) fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     let (from, to) = (bytes * b / kb, bytes * (b + 1) / kb);
     let mut off = from & !63;
     while off < to {
@@ -75,13 +75,13 @@ fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
 
 /// Where the weights of group `g + 1` start (from the first group's at `w`, rows `row_bytes` long), and their size.
 #[inline]
-fn next_group(w: *const u8, row_bytes: usize, g: usize) -> (*const u8, usize) {
+pub(super) fn next_group(w: *const u8, row_bytes: usize, g: usize) -> (*const u8, usize) {
     (w.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes)
 }
 
 /// The groups whose successors are prefetched: all but the last, or none where `PARSE_CPU_GROUPS_PREFETCH=off`
 /// (benchmarks compare the two in one build).
-fn prefetched(groups: usize) -> usize {
+pub(super) fn prefetched(groups: usize) -> usize {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| {
         std::env::var("PARSE_CPU_GROUPS_PREFETCH").is_ok_and(|v| v.trim() == "off")
@@ -91,7 +91,7 @@ fn prefetched(groups: usize) -> usize {
 
 /// Per activation row and super-block, the sums of its sub-blocks' Q8_K sums (`bsums[2s] + bsums[2s + 1]`, at most
 /// 2 x 16 x 128 in magnitude) packed in pairs of i16: word `i` holds sub-blocks `2i` (low half) and `2i + 1`.
-fn bsum_pairs(xs: &[&[RawQ8K]], kb: usize) -> Vec<i32> {
+pub(super) fn bsum_pairs(xs: &[&[RawQ8K]], kb: usize) -> Vec<i32> {
     let mut out = Vec::with_capacity(xs.len() * kb * 4);
     for x in xs {
         for xb in &x[..kb] {
@@ -130,6 +130,43 @@ fn half_to_f32(v: __m512i, high: bool) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
 }
 
+/// What a Q4_K super-block's first four words give, one weight row per lane (`words`: its d and dmin, then its 12
+/// scale bytes, as [`tile_words4`] or [`words4`] give them at offset 0): the 6-bit scales of sub-blocks 0..8 as i32
+/// (those of `scales_mins`), the mins of sub-blocks `2i` and `2i + 1` as a pair of i16 for `vpdpwssd` with
+/// [`bsum_pairs`], and d and dmin as f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+#[inline]
+pub(super) fn q4k_scales(words: [__m512i; 4]) -> ([__m512i; 8], [__m512i; 4], __m512, __m512) {
+    let [dd, u0, u1, u2] = words;
+    let (mask6, mask4, mask2) = (
+        _mm512_set1_epi32(0x3f3f_3f3f),
+        _mm512_set1_epi32(0x0f0f_0f0f),
+        _mm512_set1_epi32(0x0303_0303),
+    );
+    // Bytes 0..4 of sc_lo are sub-blocks 0..4, of sc_hi 4..8 (and the same for the mins).
+    let sc_lo = _mm512_and_si512(u0, mask6);
+    let sc_hi = _mm512_or_si512(
+        _mm512_and_si512(u2, mask4),
+        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), mask2)),
+    );
+    let m_lo = _mm512_and_si512(u1, mask6);
+    let m_hi = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32::<4>(u2), mask4),
+        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), mask2)),
+    );
+    let scale: [__m512i; 8] =
+        std::array::from_fn(|t| byte_of(if t < 4 { sc_lo } else { sc_hi }, t as u32 % 4));
+    let mins: [__m512i; 4] = std::array::from_fn(|i| {
+        let src = if i < 2 { m_lo } else { m_hi };
+        let k = 2 * (i as u32 % 2);
+        _mm512_or_si512(
+            byte_of(src, k),
+            _mm512_slli_epi32::<16>(byte_of(src, k + 1)),
+        )
+    });
+    (scale, mins, half_to_f32(dd, false), half_to_f32(dd, true))
+}
+
 /// `out[r * stride + c] = q4k_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` (a multiple of 16 rows of `kb`
 /// super-blocks) and every activation row `r`.
 ///
@@ -165,13 +202,35 @@ pub unsafe fn q4k_lanes(
     unsafe { q4k_16::<true>(w, kb, xs, out, stride) }
 }
 
+/// The end of a Q4_K super-block for one activation row, 16 weight rows in the lanes: its integer `s` and its min
+/// term (the sub-block sum pairs `pairs` of [`bsum_pairs`] against `mins`) go into the float chains of the
+/// definition, `acc += (d_x * d) * S` and `acc_m += (d_x * dmin) * M`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+#[inline]
+pub(super) fn q4k_super_block(
+    s: __m512i,
+    pairs: &[i32],
+    mins: &[__m512i; 4],
+    dx: f32,
+    (wd, wdm): (__m512, __m512),
+    (acc, acc_m): (&mut __m512, &mut __m512),
+) {
+    let mut mn = _mm512_setzero_si512();
+    for (i, &pair) in pairs.iter().enumerate() {
+        mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(pair));
+    }
+    let dx = _mm512_set1_ps(dx);
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(dx, wd), _mm512_cvtepi32_ps(s), *acc);
+    *acc_m = _mm512_fmadd_ps(_mm512_mul_ps(dx, wdm), _mm512_cvtepi32_ps(mn), *acc_m);
+}
+
 /// Bytes of a tile of 16 rows' super-block `b` in the lanes layout.
-const Q4K_TILE: usize = 16 * std::mem::size_of::<RawQ4K>();
+pub(super) const Q4K_TILE: usize = 16 * std::mem::size_of::<RawQ4K>();
 
 /// Words `off / 4 .. off / 4 + 4` of the 16 rows of a lanes-layout tile at `tile`, as [`words4`] gives them.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile_words4(tile: *const u8, off: usize) -> [__m512i; 4] {
+pub(super) unsafe fn tile_words4(tile: *const u8, off: usize) -> [__m512i; 4] {
     // SAFETY: the caller guarantees a whole tile at `tile` (`off + 16` at most the block's bytes).
     std::array::from_fn(|k| unsafe { _mm512_loadu_si512(tile.add(16 * off + 64 * k).cast()) })
 }
@@ -196,11 +255,6 @@ unsafe fn q4k_16<const LANES: bool>(
     let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
-    let (mask6, mask4, mask2) = (
-        _mm512_set1_epi32(0x3f3f_3f3f),
-        _mm512_set1_epi32(0x0f0f_0f0f),
-        _mm512_set1_epi32(0x0303_0303),
-    );
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut acc_m = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
@@ -224,32 +278,7 @@ unsafe fn q4k_16<const LANES: bool>(
                 }
             };
             // d and dmin, then the 12 scale bytes.
-            let [dd, u0, u1, u2] = words(0);
-            // The 6-bit scales and mins of `scales_mins`, one row per lane: bytes 0..4 of sc_lo are sub-blocks
-            // 0..4, of sc_hi 4..8 (and the same for the mins).
-            let sc_lo = _mm512_and_si512(u0, mask6);
-            let sc_hi = _mm512_or_si512(
-                _mm512_and_si512(u2, mask4),
-                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), mask2)),
-            );
-            let m_lo = _mm512_and_si512(u1, mask6);
-            let m_hi = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi32::<4>(u2), mask4),
-                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), mask2)),
-            );
-            let scale: [__m512i; 8] =
-                std::array::from_fn(|t| byte_of(if t < 4 { sc_lo } else { sc_hi }, t as u32 % 4));
-            // Mins of sub-blocks 2i and 2i + 1 as a pair of i16 per lane, for `vpdpwssd` with `bsum_pairs`.
-            let mins: [__m512i; 4] = std::array::from_fn(|i| {
-                let src = if i < 2 { m_lo } else { m_hi };
-                let k = 2 * (i as u32 % 2);
-                _mm512_or_si512(
-                    byte_of(src, k),
-                    _mm512_slli_epi32::<16>(byte_of(src, k + 1)),
-                )
-            });
-            let wd = half_to_f32(dd, false);
-            let wdm = half_to_f32(dd, true);
+            let (scale, mins, wd, wdm) = q4k_scales(words(0));
             for j in 0..4 {
                 if g < ahead {
                     let (next, bytes) = next_group(wp, row_bytes, g);
@@ -291,14 +320,14 @@ unsafe fn q4k_16<const LANES: bool>(
             }
             for (r, x) in xs.iter().enumerate() {
                 let p = &bsp[(r * kb + b) * 4..(r * kb + b) * 4 + 4];
-                let mut mn = _mm512_setzero_si512();
-                for (i, &pair) in p.iter().enumerate() {
-                    mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(pair));
-                }
-                let dx = _mm512_set1_ps(x[b].d);
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dx, wd), _mm512_cvtepi32_ps(s[r]), acc[r]);
-                acc_m[r] =
-                    _mm512_fmadd_ps(_mm512_mul_ps(dx, wdm), _mm512_cvtepi32_ps(mn), acc_m[r]);
+                q4k_super_block(
+                    s[r],
+                    p,
+                    &mins,
+                    x[b].d,
+                    (wd, wdm),
+                    (&mut acc[r], &mut acc_m[r]),
+                );
             }
         }
         for r in 0..m {

@@ -66,6 +66,7 @@ struct RawQ6K {
 
 /// Byte layout of a Q8_K super-block (ggml's `block_q8_K`).
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct RawQ8K {
     d: f32,
     qs: [i8; QK_K],
@@ -530,6 +531,39 @@ pub fn use_amx(m: usize) -> bool {
     }
 }
 
+/// Whether a block of `m` rows of an `n` x `k` Q4_K matrix in the lanes layout goes to the AMX tiles
+/// ([`amx::q4k_lanes`]: `groups` in the pick) or to the row groups ([`groups::q4k_lanes`]: the pick's "panels"):
+/// never without the AMX variant, and with it by timing ([`choose`], under the format `Q4_K lanes: tiles or row
+/// groups`), or from the row count in `PARSE_CPU_AMX_LANES_MIN_ROWS` where it is set. The row groups read the
+/// layout as it lies; the tiles must scale every weight into a B operand first, whatever the rows, and cost about as
+/// much for 4 rows as for 16. On a 2-core AMX machine (`matmul-bench --formats q4k --shape 8960x1536 --rows
+/// 2,4,8,12,14,16 --reps 30`, alternating `PARSE_CPU_AMX_LANES_MIN_ROWS=1000` and `=2`) the row groups took
+/// 0.19-0.20 ms at 2 rows against 0.26-0.28, and the tiles 0.42 at 8 against 0.49-0.53, 0.59-0.60 at 16 against
+/// 0.88; the two were even at 5 rows.
+pub fn amx_lanes(n: usize, k: usize, m: usize) -> choose::Pick<'static> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        if active() != Kernels::Amx {
+            return choose::Pick::fixed(false);
+        }
+        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_AMX_LANES_MIN_ROWS")) {
+            Some(min) => choose::Pick::fixed(m >= min),
+            None => choose::chooser().pick(choose::Key {
+                format: "Q4_K lanes: tiles or row groups",
+                n,
+                k,
+                m,
+            }),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (n, k, m);
+        choose::Pick::fixed(false)
+    }
+}
+
 /// A row count from the environment variable `name` (benchmarks compare kernel thresholds in one build); `None`
 /// where unset, and where unreadable (logged).
 #[cfg(target_arch = "x86_64")]
@@ -944,6 +978,23 @@ mod tests {
         }
     }
 
+    /// The first super-block of the first 16 Q4_K rows (of `kb` blocks) at the extremes: every nibble 15, every
+    /// scale and min 63 (the 6-bit fields all ones), and d, dmin of both signs.
+    #[cfg(target_arch = "x86_64")]
+    fn q4k_extremes(w: &mut [BlockQ4K], kb: usize) {
+        for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ4K and RawQ4K have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ4K).cast::<RawQ4K>() };
+            raw.qs = [if n % 2 == 0 { 0xFF } else { 0x0F }; 128];
+            raw.scales = [0xFF; 12];
+            if n % 3 == 0 {
+                raw.d = f16::from_f32(-0.01).to_bits();
+                raw.dmin = f16::from_f32(0.02).to_bits();
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn row_groups_equal_the_scalar_definition_bit_for_bit() {
@@ -956,19 +1007,7 @@ mod tests {
         let k = kb * QK_K;
         let wf = random(&mut rng, cols * k, 1.0);
         let mut w = blocks::<BlockQ4K>(&wf);
-        // The first super-block of the first 16 Q4_K rows at the extremes: every nibble 15, every scale and min 63
-        // (the 6-bit fields all ones), and d, dmin of both signs.
-        for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
-            #[allow(unsafe_code)]
-            // SAFETY: BlockQ4K and RawQ4K have the same layout (asserted at compile time above).
-            let raw = unsafe { &mut *(b as *mut BlockQ4K).cast::<RawQ4K>() };
-            raw.qs = [if n % 2 == 0 { 0xFF } else { 0x0F }; 128];
-            raw.scales = [0xFF; 12];
-            if n % 3 == 0 {
-                raw.d = f16::from_f32(-0.01).to_bits();
-                raw.dmin = f16::from_f32(0.02).to_bits();
-            }
-        }
+        q4k_extremes(&mut w, kb);
         let mut w6 = blocks::<BlockQ6K>(&wf);
         q6k_extremes(&mut w6, kb);
         for m in [1, 2, 5, 8, 17, 33] {
@@ -1112,6 +1151,38 @@ mod tests {
             };
             check_block("q6k", &out, stride, m, cols, |r, c| {
                 q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], &xq[r * kb..(r + 1) * kb])
+            });
+        }
+        // Q4_K in the lanes layout with the activations as the tiles' A operand: blocks of one tile of fewer than 16
+        // rows, whole tiles read in place, a last tile of fewer rows (padded), and rows that do not lie one after
+        // the other (every second row of a larger block: all padded); at the weights' extremes too.
+        let mut w = w;
+        q4k_extremes(&mut w, kb);
+        let lanes = crate::quant::q4k_to_lanes(&w, kb);
+        for (m, spread) in [
+            (1, 1),
+            (2, 1),
+            (5, 1),
+            (16, 1),
+            (21, 1),
+            (32, 1),
+            (35, 1),
+            (7, 2),
+            (19, 2),
+        ] {
+            let mut xf = random(&mut rng, m * spread * k, 3.0);
+            xf[..k].fill(2.5);
+            let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&xf);
+            let xs: Vec<&[BlockQ8K]> = xq.chunks(kb).step_by(spread).collect();
+            let stride = cols + 5;
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: checked above that the AMX variant is supported; `lanes` is whole 16-row groups.
+            unsafe {
+                amx::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
+            };
+            check_block("q4k lanes tiles", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
         }
     }
