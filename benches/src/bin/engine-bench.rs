@@ -471,7 +471,7 @@ fn main() -> Result<()> {
     );
     let choices = choose::chooser().choices();
     if !choices.is_empty() {
-        println!("Row groups or panels, as timed on this run's first calls (kernels::choose):");
+        println!("Kernels as timed on this run's first calls (kernels::choose):");
         for line in choose::summary(&choices) {
             println!("  {line}");
         }

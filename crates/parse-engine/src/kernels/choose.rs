@@ -162,8 +162,9 @@ pub fn chooser() -> &'static Chooser {
     CHOOSER.get_or_init(Chooser::default)
 }
 
-/// One line per format and shape: the rows from which the groups were chosen (`none` where the panels won every
-/// size timed), with the sizes that broke ranks (a size the other kernel won inside the range) named.
+/// One line per format and shape: the row counts at which each kernel was chosen. A key's format of the form
+/// `<format>: <groups' kernel> or <panels' kernel>` names the two kernels a choice is between where they are not the
+/// row groups and the panels (`Q4_K lanes: tiles or row groups`, [`super::amx_lanes`]).
 pub fn summary(choices: &[Choice]) -> Vec<String> {
     /// A matrix: format, rows, columns.
     type Shape<'a> = (&'a str, usize, usize);
@@ -180,7 +181,13 @@ pub fn summary(choices: &[Choice]) -> Vec<String> {
         .map(|((format, n, k), sizes)| {
             let groups: Vec<usize> = sizes.iter().filter(|s| s.1).map(|s| s.0).collect();
             let panels: Vec<usize> = sizes.iter().filter(|s| !s.1).map(|s| s.0).collect();
-            format!("{format} {n}x{k}: row groups at {groups:?} rows, panels at {panels:?}")
+            let (name, (g, p)) = match format.split_once(": ") {
+                Some((name, kernels)) => {
+                    (name, kernels.split_once(" or ").unwrap_or((kernels, "?")))
+                }
+                None => (format, ("row groups", "panels")),
+            };
+            format!("{name} {n}x{k}: {g} at {groups:?} rows, {p} at {panels:?}")
         })
         .collect()
 }
@@ -241,6 +248,20 @@ mod tests {
         assert_eq!(
             summary(&made),
             vec!["Q4_K 64x256: row groups at [32] rows, panels at [8]".to_string()]
+        );
+        let named: Vec<Choice> = made
+            .iter()
+            .map(|c| Choice {
+                key: Key {
+                    format: "Q4_K lanes: tiles or row groups",
+                    ..c.key
+                },
+                ..*c
+            })
+            .collect();
+        assert_eq!(
+            summary(&named),
+            vec!["Q4_K lanes 64x256: tiles at [32] rows, row groups at [8]".to_string()]
         );
     }
 
