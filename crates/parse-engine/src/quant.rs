@@ -48,7 +48,8 @@ pub enum QMatrix {
     Q5K(Mat<BlockQ5K>),
     Q6K(Mat<BlockQ6K>),
     /// Q4_K in the lanes layout ([`q4k_to_lanes`]): the AVX-512 VNNI row groups read it without transposing, at
-    /// every block size including the one-token step. Only ever made by [`QMatrix::into_fast_cpu_format`].
+    /// every block size including the one-token step, and on AMX machines the tiles of [`kernels::amx::q4k_lanes`]
+    /// as their B operand. Only ever made by [`QMatrix::into_fast_cpu_format`].
     Q4KLanes(Mat<BlockQ4K>),
 }
 
