@@ -516,7 +516,7 @@ struct BTiles([[[[u8; 64]; 16]; 2]; 4]);
 /// chains of 64-value products over the super-block give `S = L + 8 H` exactly, with one tile store each per
 /// super-block. The activation rows are read where they lie, one tile row per row, up to 16 rows a tile. A
 /// super-block's B operands are made once and serve every tile of activation rows; a tile's products are read back
-/// while the next tile's multiply. The float chains are those of [`super::groups::q4k_lanes`]
+/// while the next tile's are multiplied. The float chains are those of [`super::groups::q4k_lanes`]
 /// ([`super::groups::q4k_super_block`]).
 ///
 /// # Safety

@@ -535,8 +535,8 @@ pub fn use_amx(m: usize) -> bool {
 /// ([`amx::q4k_lanes`]: `groups` in the pick) or to the row groups ([`groups::q4k_lanes`]: the pick's "panels"):
 /// never without the AMX variant, and with it by timing ([`choose`], under the format `Q4_K lanes: tiles or row
 /// groups`), or from the row count in `PARSE_CPU_AMX_LANES_MIN_ROWS` where it is set. The row groups read the
-/// layout as it lies; the tiles must scale every weight into a B operand first, whatever the rows, and cost about as
-/// much for 4 rows as for 16. On a 2-core AMX machine (`matmul-bench --formats q4k --shape 8960x1536 --rows
+/// layout as it lies; the tiles must scale every weight into a B operand first, whatever the rows (0.32-0.35 ms at 4
+/// rows against 0.59-0.60 at 16, below). On a 2-core AMX machine (`matmul-bench --formats q4k --shape 8960x1536 --rows
 /// 2,4,8,12,14,16 --reps 30`, alternating `PARSE_CPU_AMX_LANES_MIN_ROWS=1000` and `=2`) the row groups took
 /// 0.19-0.20 ms at 2 rows against 0.26-0.28, and the tiles 0.42 at 8 against 0.49-0.53, 0.59-0.60 at 16 against
 /// 0.88; the two were even at 5 rows.
