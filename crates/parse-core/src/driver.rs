@@ -684,10 +684,20 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     /// The pace's advice, given where the request stands ([`Pace::position`]).
     fn advise(&mut self) -> Advice {
+        self.position();
+        self.pace.advise()
+    }
+
+    /// [`Pace::advise_token_round`] for a token-level round of up to `max` tokens.
+    fn advise_token_round(&mut self, max: usize) -> Advice {
+        self.position();
+        self.pace.advise_token_round(max)
+    }
+
+    fn position(&mut self) {
         let synced = self.draft_synced.max(self.draft_warmed);
         let lag = (self.req.prompt.len() + self.out.len()).saturating_sub(synced);
         self.pace.position(self.out.len(), self.remaining(), lag);
-        self.pace.advise()
     }
 
     /// Before the target's prefill: where the request will most likely draft from its start (always without
@@ -964,7 +974,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// target writing alone for the pause's length. Both give the target's greedy tokens. Returns the tokens drafted.
     fn token_round(&mut self, adaptive: bool) -> Result<usize> {
         let (round, before) = (self.mark(), self.out.len());
-        if adaptive && let Advice::Alone(n) = self.advise() {
+        let max = self.req.window.token_spec_tokens;
+        if adaptive && let Advice::Alone(n) = self.advise_token_round(max) {
             // At most 16 per call, as in `target` mode, so that text streams out as it is written; the first token
             // on its own, as there.
             if before == 0 {
@@ -981,7 +992,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         // of each position being accepted, the price of a verification's rows: `Costs::draft_length`); the
         // request's own `token_spec_tokens` is the most it drafts. Greedy, so the output is the target's whatever
         // the length.
-        let max = self.req.window.token_spec_tokens;
         let want = if adaptive {
             self.pace.draft_length(max)
         } else {
