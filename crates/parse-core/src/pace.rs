@@ -1011,11 +1011,7 @@ impl Pace {
             if !speculate {
                 self.held.push((kind.to_string(), self.level));
             }
-            self.probing = !speculate;
-            self.alone_last = false;
-            self.in_round = true;
-            costs.round_begins();
-            return Advice::Speculate;
+            return self.begin_round(!speculate);
         }
         let pause = if known_alone.is_none() || estimate.is_none() {
             Self::FIRST_PAUSE
@@ -1043,13 +1039,19 @@ impl Pace {
             self.give_back_probes();
             self.level = 0;
             self.paused = 0;
-            self.probing = false;
-            self.alone_last = false;
-            self.in_round = true;
-            self.pacing.costs.round_begins();
-            return Advice::Speculate;
+            return self.begin_round(false);
         }
         self.advise()
+    }
+
+    /// Advice to speculate, with the bookkeeping of a round that begins (`probing`: a probe of a speculation that
+    /// was losing).
+    fn begin_round(&mut self, probing: bool) -> Advice {
+        self.probing = probing;
+        self.alone_last = false;
+        self.in_round = true;
+        self.pacing.costs.round_begins();
+        Advice::Speculate
     }
 
     /// What the drafter's catching up before a round would cost (its lag at its measured prefill price per context
@@ -1421,31 +1423,29 @@ mod tests {
         );
         assert_eq!(Pace::new(pacing).advise_token_round(6), Advice::Speculate);
 
-        // Drafts that are never kept: the best round (1 token drafted, 72 ms for about 1 token) loses to the
-        // target's 60.
-        let (costs, pacing) = pool(kind, 1);
-        lost(&costs, 0);
-        token_rounds(&costs, kind, 0, 0.01, |_| 0);
-        assert!(!costs.free_rounds_pay(kind, 0, 6));
-        assert!(matches!(
-            Pace::new(pacing).advise_token_round(6),
-            Advice::Alone(_)
-        ));
-
-        // Drafts from a model (20 ms a token, more than a hundredth of a row): judged as before.
-        let (costs, pacing) = pool(kind, 1);
-        lost(&costs, 0);
-        token_rounds(&costs, kind, 0, 20.0, |d| d);
-        assert!(!costs.free_rounds_pay(kind, 0, 6));
-        assert!(matches!(
-            Pace::new(pacing).advise_token_round(6),
-            Advice::Alone(_)
-        ));
+        // Drafts that are never kept (the best round, 1 token drafted, 72 ms for about 1 token, loses to the
+        // target's 60), and drafts from a model (20 ms a token, more than a hundredth of a row): judged as before.
+        let never_kept: fn(usize) -> usize = |_| 0;
+        let kept: fn(usize) -> usize = |d| d;
+        for (draft_ms, keep) in [(0.01, never_kept), (20.0, kept)] {
+            let (costs, pacing) = pool(kind, 1);
+            lost(&costs, 0);
+            token_rounds(&costs, kind, 0, draft_ms, keep);
+            assert!(!costs.free_rounds_pay(kind, 0, 6));
+            assert!(matches!(
+                Pace::new(pacing).advise_token_round(6),
+                Advice::Alone(_)
+            ));
+        }
 
         // At 8 requests the pauses stay: there they keep speculation from losing to a batched target.
         let (costs, pacing) = pool(kind, 8);
         lost(&costs, 3);
         token_rounds(&costs, kind, 3, 0.01, |d| d);
+        assert!(
+            costs.free_rounds_pay(kind, 3, 6),
+            "free rounds that would pay there"
+        );
         assert!(matches!(
             Pace::new(pacing).advise_token_round(6),
             Advice::Alone(_)
