@@ -297,15 +297,20 @@ impl Costs {
     /// Loads just above a power of two (9 requests at 8 clients, while one request ends as the next begins) are
     /// otherwise judged against a verification's cost until a pause there measures the target.
     pub fn alone_near(&self, level: u32) -> Option<f64> {
-        self.near(level, |l| l.alone.get())
+        self.near(level, false, |l| l.alone.get())
     }
 
-    /// `figure` at `level`, or at the nearest level that has it among those measured the same way (see
-    /// [`Costs::alone_near`]).
-    fn near(&self, level: u32, figure: impl Fn(&Level) -> Option<f64>) -> Option<f64> {
+    /// `figure` at `level`, or at the nearest level that has it (the lower of two as near): among those measured the
+    /// same way (see [`Costs::alone_near`]), or with `any_level`, among all.
+    fn near(
+        &self,
+        level: u32,
+        any_level: bool,
+        figure: impl Fn(&Level) -> Option<f64>,
+    ) -> Option<f64> {
         let levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
         let figure = |l: u32| levels.get(&l).and_then(&figure);
-        if level == 0 {
+        if level == 0 && !any_level {
             return figure(0);
         }
         let highest = levels.keys().copied().max().unwrap_or(0);
@@ -313,7 +318,7 @@ impl Costs {
             [level.checked_sub(d), level.checked_add(d)]
                 .into_iter()
                 .flatten()
-                .filter(|&l| l >= 1)
+                .filter(|&l| any_level || l >= 1)
                 .find_map(figure)
         })
     }
@@ -329,10 +334,16 @@ impl Costs {
         })
     }
 
-    /// What `kind`'s drafter costs per context token it catches up on, at `level` or the nearest level measured the
-    /// same way.
+    /// What `kind`'s drafter costs per context token it catches up on, at `level` or where it has not been measured
+    /// there, at the nearest level that has it, one request's wall time (level 0) and charged time alike: it is the
+    /// drafter's prefill, whose price does not follow the target's load the way the target's figures do. Without a
+    /// price from other levels, the last request of a run on a router at 8 clients, alone at last and hundreds of
+    /// tokens in, made the first round at one request with its whole context to prefill on the draft worker
+    /// (nothing to judge the catching up by), and the run's end waited for it.
     pub fn entry_ms(&self, kind: &str, level: u32) -> Option<f64> {
-        self.near(level, |l| l.spec.get(kind).and_then(|s| s.entry.get()))
+        self.near(level, true, |l| {
+            l.spec.get(kind).and_then(|s| s.entry.get())
+        })
     }
 
     /// A request of the pool finished with `tokens` of output.
@@ -1670,6 +1681,31 @@ mod tests {
             Spent::wall(100.0),
         );
         assert_eq!(costs.until_probe(kind, 2), 2240);
+    }
+
+    #[test]
+    fn at_one_request_the_drafters_catching_up_is_priced_by_what_other_loads_measured() {
+        let kind = "parse+token-spec/model";
+        let (costs, pacing) = pool(kind, 1);
+        // The drafter's prefill was measured at 5-8 requests only (5 ms per token); at one request the target alone
+        // writes at 60 ms per token and no round was made there yet.
+        costs.record_entry(kind, 3, 500.0, 100);
+        costs.record_alone(None, 0, 16.0 * 60.0, 16);
+        assert_eq!(costs.entry_ms(kind, 0), Some(5.0));
+        // 400 tokens behind: 2,000 ms of catching up, 34 of the target's tokens, more than the 0 written alone at one
+        // request so far pay for: no first round, a full pause.
+        let mut far = Pace::new(pacing.clone());
+        far.position(250, 40, 400);
+        assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+        assert_eq!(far.entries_declined, 1);
+        // Nothing to catch up on: it makes the first round.
+        let mut near = Pace::new(pacing);
+        near.position(0, 300, 0);
+        assert_eq!(near.advise(), Advice::Speculate);
+        // A price measured at one request stands in at the other loads as well.
+        let c = Costs::default();
+        c.record_entry(kind, 0, 300.0, 100);
+        assert_eq!(c.entry_ms(kind, 2), Some(3.0));
     }
 
     #[test]
