@@ -338,8 +338,9 @@ impl Costs {
     /// there, at the nearest level that has it, one request's wall time (level 0) and charged time alike: it is the
     /// drafter's prefill, whose price does not follow the target's load the way the target's figures do. Without a
     /// price from other levels, the last request of a run on a router at 8 clients, alone at last and hundreds of
-    /// tokens in, made the first round at one request with its whole context to prefill on the draft worker
-    /// (nothing to judge the catching up by), and the run's end waited for it.
+    /// tokens in, could make the first round at one request with its whole context to prefill on the draft worker
+    /// (nothing to judge the catching up by: 791 prefill rows on the draft worker in such a run, 297 without that
+    /// round; docs/figures.md, "Copies in the model's pauses under load").
     pub fn entry_ms(&self, kind: &str, level: u32) -> Option<f64> {
         self.near(level, true, |l| {
             l.spec.get(kind).and_then(|s| s.entry.get())
@@ -1113,6 +1114,11 @@ impl Pace {
         self.rounds = 0;
         self.reported = 0;
         Advice::Alone(self.paused)
+    }
+
+    /// The load level of the last advice.
+    pub fn level(&self) -> u32 {
+        self.level
     }
 
     /// Whether the last advice to speculate was a probe of a speculation that was losing (the round will most

@@ -635,40 +635,46 @@ impl Drafter for Copying {
 
 /// While the draft model rests, a drafter that copies gets PARSE rounds of copies, verified as any draft (here by
 /// exact agreement, so the output is the target's), unless copies lose to the target: then none is made until a
-/// probe is due.
+/// probe is due. Under load, only where the context's end repeats at least `LOADED_COPY_MATCH` tokens (this
+/// output never does: its tokens follow their positions).
 #[test]
 fn copy_rounds_fill_the_models_pauses_unless_they_lose() {
-    use parse_core::pace::{Costs, Pacing};
+    use parse_core::pace::{Costs, Pacing, load_level};
     use std::sync::Arc;
     let kind = "parse/model";
     let mut r = request(Mode::Parse, 1e9, Verdict::Likelihood, PROMPTS[2], 60);
     r.window.adaptive = true;
-    let run = |copies_lose: bool| {
+    let run = |copies_lose: bool, load: usize| {
         // The model loses by far and its last probe was just made: the whole output is one long pause.
+        let level = load_level(load);
         let costs = Arc::new(Costs::default());
-        costs.record_alone(None, 0, 16.0 * 100.0, 16);
-        costs.record_spec(kind, 0, 16.0 * 1e6, 16, Some(0.0));
+        costs.record_alone(None, level, 16.0 * 100.0, 16);
+        costs.record_spec(kind, level, 16.0 * 1e6, 16, Some(0.0));
         if copies_lose {
-            costs.record_spec(&format!("{kind} copies"), 0, 16.0 * 1e6, 16, Some(0.0));
+            costs.record_spec(&format!("{kind} copies"), level, 16.0 * 1e6, 16, Some(0.0));
         }
         let pacing = Pacing {
             costs,
             kind: kind.into(),
-            load: Arc::new(|| 1),
+            load: Arc::new(move || load),
         };
         let (mut d, mut v) = (Copying(FakeDrafter::default()), FakeVerifier::default());
         let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
         assert_eq!(out.tokens, greedy(PROMPTS[2], target_next, 60));
         out.stats
     };
-    let stats = run(false);
+    let stats = run(false, 1);
     assert!(stats.copy_rounds > 0, "{stats:?}");
     assert_eq!(stats.verify_passes, stats.copy_rounds, "{stats:?}");
     assert!(
         stats.draft_tokens_proposed >= stats.copy_rounds,
         "{stats:?}"
     );
-    let stats = run(true);
+    let stats = run(true, 1);
+    assert_eq!(stats.copy_rounds, 0, "{stats:?}");
+    assert_eq!(stats.verify_passes, 0, "{stats:?}");
+    // At 8 requests copies that do not lose are not made either where no long quote goes on.
+    let stats = run(false, 8);
     assert_eq!(stats.copy_rounds, 0, "{stats:?}");
     assert_eq!(stats.verify_passes, 0, "{stats:?}");
 }
