@@ -25,10 +25,10 @@ use crate::speculative::{self, SampleCheck};
 /// Under load (more than one request), a copy round in a pause of the draft model starts only where the context's
 /// last this many tokens occurred earlier: the draft's own copies' minimum ([`crate::copy_first::CopyConfig`]).
 /// There every verification row is paid for in a batched pass, so copies of a phrase met again, cut short after a few
-/// tokens, cost more rows than they save: with 2-4-token matches the default wrote 0.83-0.96x `target`'s aggregate
-/// on 24 HumanEval prompts at 8 clients through the local cluster on an AMX Xeon (seven runs; copy rounds at 1.3-2.4x
-/// the target's ms per token at loads of 2-4), with this 0.93-1.12x (three runs, mean 1.03x; docs/figures.md, "Copies
-/// in the model's pauses under load"). At one request rows are cheap next to a step, and the short matches stay.
+/// tokens, cost more rows than they save: with 2-4-token matches the default wrote 0.83-1.02x `target`'s aggregate
+/// on 24 HumanEval prompts at 8 clients through the local cluster on an AMX Xeon (eight runs, mean 0.90x; copy rounds
+/// at 1.3-2.4x the target's ms per token at loads of 2-4), with this 0.93-1.12x (five runs, mean 1.02x;
+/// docs/figures.md, "Copies in the model's pauses under load"). At one request rows are cheap next to a step, and the short matches stay.
 pub const LOADED_COPY_MATCH: usize = 5;
 
 /// Sampling settings of a request.
