@@ -372,6 +372,7 @@ impl From<&Stats> for v1::Stats {
             paused_tokens: u(s.paused_tokens),
             pauses: u(s.pauses),
             copy_rounds: u(s.copy_rounds),
+            token_rounds: u(s.token_rounds),
         }
     }
 }
@@ -397,12 +398,19 @@ mod tests {
             paused_tokens: 40,
             pauses: 3,
             copy_rounds: 5,
+            token_rounds: 7,
             ..Default::default()
         };
         let p = v1::Stats::from(&s);
         assert_eq!(
-            (p.output_tokens, p.paused_tokens, p.pauses, p.copy_rounds),
-            (100, 40, 3, 5)
+            (
+                p.output_tokens,
+                p.paused_tokens,
+                p.pauses,
+                p.copy_rounds,
+                p.token_rounds
+            ),
+            (100, 40, 3, 5, 7)
         );
     }
 

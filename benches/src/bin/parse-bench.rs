@@ -401,6 +401,7 @@ fn through_router(
                                     paused_tokens: s.paused_tokens as usize,
                                     pauses: s.pauses as usize,
                                     copy_rounds: s.copy_rounds as usize,
+                                    token_rounds: s.token_rounds as usize,
                                     ..Default::default()
                                 };
                                 break;

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::pace::{Advice, Pace, Pacing, Spent};
+use crate::pace::{Advice, Pace, Pacing, Rounds, Spent};
 use crate::plan::{Scoring, VerifyPlan};
 use crate::policy::{AcceptPolicy, Verdict, VerifyOutput, decide};
 use crate::segmenter::{self, SegmenterConfig};
@@ -459,6 +459,10 @@ pub struct Stats {
     pub entries_declined: usize,
     /// PARSE rounds of copies (prompt lookup) made while the draft model rested ([`Drafter::rest_lookup`]).
     pub copy_rounds: usize,
+    /// Token-level rounds a `parse+token-spec` request made in place of PARSE rounds, where those measured faster at
+    /// the load of the moment ([`crate::pace::Pace::choose_rounds`]).
+    #[serde(default)]
+    pub token_rounds: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -759,14 +763,15 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     }
 
     /// Drafts for one verification: `(tokens, boundaries)`. In segment mode it pulls until `window` segments are
-    /// closed, the draft ends, or a length cap is hit; otherwise it takes `tokens` tokens.
+    /// closed, the draft ends, or a length cap is hit (the window's `max_tokens`, and `tokens`); otherwise it takes
+    /// `tokens` tokens.
     fn draft(
         &mut self,
         segments: Option<usize>,
         tokens: usize,
     ) -> Result<(Vec<u32>, Vec<usize>, Vec<f32>)> {
         let cap = self.remaining().min(match segments {
-            Some(_) => self.req.window.max_tokens,
+            Some(_) => self.req.window.max_tokens.min(tokens),
             None => tokens,
         });
         let sampling = self.draft_sampling();
@@ -997,6 +1002,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 .wrote_alone(self.spent(round), self.out.len() - before);
             return Ok(0);
         }
+        self.speculative_token_round(round, before, adaptive)
+    }
+
+    /// The speculative part of [`Run::token_round`], from `round` (its mark) with `before` tokens written.
+    fn speculative_token_round(
+        &mut self,
+        round: Mark,
+        before: usize,
+        adaptive: bool,
+    ) -> Result<usize> {
+        let max = self.req.window.token_spec_tokens;
         // How far to draft: with `adaptive`, the length that writes the most per unit of measured cost (the chance
         // of each position being accepted, the price of a verification's rows: `Costs::draft_length`); the
         // request's own `token_spec_tokens` is the most it drafts. Greedy, so the output is the target's whatever
@@ -1106,8 +1122,34 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 span.record("drafted", 0);
                 continue;
             }
+            // In `parse+token-spec`, a PARSE round or a token-level one, whichever writes faster here by what
+            // each measured (`Pace::choose_rounds`); greedy only, as the pace is.
+            if adaptive
+                && self.req.mode == Mode::ParseTokenSpec
+                && self.req.sampling.is_greedy()
+                && self.pace.choose_rounds() == Rounds::Tokens
+            {
+                let drafted = self.speculative_token_round(mark, before, true)?;
+                self.stats.token_rounds += 1;
+                span.record("drafted", drafted);
+                continue;
+            }
             let modelled = self.d.model_tokens_drafted();
-            let (draft, bs, _) = self.draft(Some(self.window), 0)?;
+            // With `adaptive` (greedy), no further than the length that writes the most per unit of measured cost,
+            // as a token-level round's (`Costs::draft_length`: the chance of each position being accepted and the
+            // price of a verification's rows, from this kind's rounds of either sort).
+            let max = self.req.window.max_tokens;
+            let cap = if adaptive && self.req.sampling.is_greedy() {
+                self.pace.draft_length(max)
+            } else {
+                max
+            };
+            let (dt, dc) = (Instant::now(), self.d.charged_ms());
+            let (draft, bs, _) = self.draft(Some(self.window), cap)?;
+            let drafting = Spent {
+                wall_ms: ms(dt),
+                charged_ms: dc.zip(self.d.charged_ms()).map(|(a, b)| (b - a).max(0.0)),
+            };
             span.record("drafted", draft.len());
             span.record("segments", bs.len());
             if draft.is_empty() {
@@ -1139,6 +1181,10 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             let (accepted, full) = self.verify(&draft, &bs, false, false)?;
             let this_verify = self.spent(m);
             span.record("accepted", accepted);
+            if adaptive {
+                self.pace
+                    .token_round(draft.len(), accepted, this_verify, drafting);
+            }
             if full {
                 self.window = (self.window * 2).min(self.req.window.max_segments);
             } else {
@@ -1209,7 +1255,8 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             // Nothing to copy: the target's steps to the segment's end go to its own figure, not the copies' (as
             // where the `ngram` drafter has nothing to draft), and so do the token-level copies on the way.
             self.extend_segment_copying(lookup)?;
-            self.pace.copied_nothing(self.out.len() - before);
+            self.pace
+                .copied_nothing(self.spent(mark), self.out.len() - before);
             return Ok((0, 0));
         }
         let bs = segmenter::boundaries(&pieces, &cfg);

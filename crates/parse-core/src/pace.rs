@@ -19,13 +19,49 @@ fn copy_kind(kind: &str) -> String {
     format!("{kind} copies")
 }
 
+/// The figure of everything the pauses of a request of `kind` wrote ([`Pace::wrote_alone`], [`Pace::copied`],
+/// [`Pace::copied_nothing`]): `<kind> pauses`.
+fn pause_kind(kind: &str) -> String {
+    format!("{kind} pauses")
+}
+
+/// The rounds a `parse+token-spec` request speculates with, chosen round by round by what each writes per millisecond
+/// at the current load ([`Pace::choose_rounds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rounds {
+    /// PARSE rounds: a window of whole segments verified in one pass, and after a cut, token-level rounds to the
+    /// segment's end.
+    Segments,
+    /// A token-level round of the length [`Costs::draft_length`] chooses, as `token-spec` makes them.
+    Tokens,
+}
+
+impl Rounds {
+    /// The figure under which a request of `kind` reports its rounds of this sort: `<kind> segments`, `<kind>
+    /// tokens`.
+    fn figure(self, kind: &str) -> String {
+        match self {
+            Rounds::Segments => format!("{kind} segments"),
+            Rounds::Tokens => format!("{kind} tokens"),
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            Rounds::Segments => Rounds::Tokens,
+            Rounds::Tokens => Rounds::Segments,
+        }
+    }
+}
+
 /// What speculation of a kind must beat: the target writing alone (`alone`), or where the kind's drafter copies as
 /// well and its copy rounds (`copies`) write faster than that, those. A draft model that is cheaper than the target
 /// alone and dearer than copying rests, and its requests copy. On an AVX-512 VNNI machine where a draft-model token
 /// cost half a target step, the model's rounds of `model+ngram` wrote no faster than the target alone and its copy
 /// rounds faster; with this, copy rounds that go on as the `ngram` drafter's do, and rounds of copies alone judged as
 /// copies ([`Pace::copies_only`]), the default went from 1.18x to 1.35x `target` on 10 HumanEval prompts
-/// (docs/figures.md, "Copies in place of a model that does not pay").
+/// (docs/figures.md, "Copies in place of a model that does not pay"). Where the kind's pauses have a figure of their
+/// own, that stands for the copies ([`Costs::pauses_ms`]).
 fn rival(alone: Option<f64>, copies: Option<f64>) -> Option<f64> {
     match (alone, copies) {
         (Some(a), Some(c)) => Some(a.min(c)),
@@ -236,6 +272,19 @@ struct Level {
     spec: HashMap<String, SpecFigure>,
 }
 
+impl Level {
+    /// What speculation of `kind` is set against besides the target alone ([`rival`]), where the kind's drafter
+    /// copies in its pauses: what those pauses wrote per token as a whole (the copy rounds, those that found nothing
+    /// to copy, and the target's calls alone), once a pause has measured it. Not the copy rounds' own figure, which
+    /// counts only rounds that found a copy (and speculative rounds that drew their whole draft from copies): set
+    /// against it, a model whose rounds wrote at 24-40 ms a token on a draft worker of its own rested for pauses that
+    /// wrote at 60-68 (docs/figures.md, "PARSE rounds or token-level rounds, by measured cost").
+    fn pauses_ms(&self, kind: &str) -> Option<f64> {
+        let rate = |k: String| self.spec.get(&k).and_then(|s| s.rate.get());
+        rate(copy_kind(kind)).and(rate(pause_kind(kind)))
+    }
+}
+
 /// One figure of [`Costs::snapshot`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostFigure {
@@ -278,6 +327,10 @@ impl Costs {
     /// A drafted token that costs less than this share of a verification row counts as free
     /// ([`Costs::free_rounds_pay`]).
     pub const FREE_DRAFT: f64 = 0.01;
+    /// Tokens the sort of rounds that writes faster at a load writes there before a request makes a round of the other
+    /// sort ([`Costs::choose_rounds`]). Such a round costs what the other sort loses for one round: at most a few
+    /// percent of the time of 128 tokens where they differ by a fifth.
+    pub const TRY_OTHER_EVERY: usize = 128;
     /// Finished requests' lengths kept for [`Costs::expected_left`].
     pub const LENGTHS: usize = 256;
     /// Fewer past requests than this that wrote as far as a request has: its tokens so far stand for what is left.
@@ -382,6 +435,39 @@ impl Costs {
         self.with(level, |l| l.spec.get(kind).and_then(|s| s.rate.get()))
     }
 
+    /// What `kind`'s speculation writes per token at `level` by its better sort of rounds, where it makes either and
+    /// both have a figure there ([`Costs::choose_rounds`]: a request makes the better one), otherwise by all its
+    /// rounds ([`Costs::spec_ms`]).
+    pub fn best_spec_ms(&self, kind: &str, level: u32) -> Option<f64> {
+        self.with(level, |l| {
+            let rate = |k: String| l.spec.get(&k).and_then(|s| s.rate.get());
+            let all = rate(kind.to_string());
+            match (
+                rate(Rounds::Segments.figure(kind)),
+                rate(Rounds::Tokens.figure(kind)),
+            ) {
+                (Some(s), Some(t)) if all.is_some() => Some(s.min(t)),
+                _ => all,
+            }
+        })
+    }
+
+    /// What `kind`'s speculation is set against besides the target alone at `level` ([`Level::pauses_ms`]).
+    pub fn pauses_ms(&self, kind: &str, level: u32) -> Option<f64> {
+        self.with(level, |l| l.pauses_ms(kind))
+    }
+
+    /// A pause of a request of `kind` at `level` wrote `tokens` in `ms` (any way: [`Level::pauses_ms`]).
+    fn record_paused(&self, kind: &str, level: u32, ms: f64, tokens: usize) {
+        self.with(level, |l| {
+            l.spec
+                .entry(pause_kind(kind))
+                .or_default()
+                .rate
+                .add(ms, tokens)
+        })
+    }
+
     /// [`Costs::spec_ms`] and how many rounds were reported to it.
     fn spec_figure(&self, kind: &str, level: u32) -> (Option<f64>, usize) {
         self.with(level, |l| {
@@ -450,8 +536,7 @@ impl Costs {
     /// which is not part of the rate, but which a probe pays for a single round).
     pub fn record_spec(&self, kind: &str, level: u32, ms: f64, tokens: usize, probe: Option<f64>) {
         self.with(level, |l| {
-            let copies = l.spec.get(&copy_kind(kind)).and_then(|c| c.rate.get());
-            let alone = rival(l.alone.get(), copies);
+            let alone = rival(l.alone.get(), l.pauses_ms(kind));
             let s = l.spec.entry(kind.to_string()).or_default();
             s.since = 0;
             s.reports += 1;
@@ -525,6 +610,53 @@ impl Costs {
             if let Some(s) = l.spec.get_mut(kind) {
                 s.probe_out = false;
             }
+        })
+    }
+
+    /// Which rounds a request of `kind` at `level` should speculate with ([`Rounds`]): PARSE rounds until they have a
+    /// figure there, then token-level rounds until those have one, then the sort that writes at fewer ms per token,
+    /// except that every [`Costs::TRY_OTHER_EVERY`] tokens the winner wrote there, one request makes a round of the
+    /// other sort, which measures it again (the load, the task and the drafter's hits move both).
+    pub fn choose_rounds(&self, kind: &str, level: u32) -> Rounds {
+        let (segments, tokens) = (Rounds::Segments.figure(kind), Rounds::Tokens.figure(kind));
+        self.with(level, |l| {
+            let rate = |name: &str| l.spec.get(name).and_then(|f| f.rate.get());
+            let winner = match (rate(&segments), rate(&tokens)) {
+                (None, _) => return Rounds::Segments,
+                (Some(_), None) => return Rounds::Tokens,
+                (Some(s), Some(t)) if t < s => Rounds::Tokens,
+                _ => Rounds::Segments,
+            };
+            let other = l.spec.entry(winner.other().figure(kind)).or_default();
+            if other.since >= Self::TRY_OTHER_EVERY {
+                other.since = 0;
+                winner.other()
+            } else {
+                winner
+            }
+        })
+    }
+
+    /// A speculative round of `rounds` made by a request of `kind` at `level` wrote `tokens` in `ms` (`None`: the
+    /// first round of a switch, which is no figure of the sort): that sort's figure, and towards the next round of
+    /// the other sort there.
+    pub fn record_rounds(
+        &self,
+        kind: &str,
+        rounds: Rounds,
+        level: u32,
+        ms: Option<f64>,
+        tokens: usize,
+    ) {
+        self.with(level, |l| {
+            if let Some(ms) = ms {
+                l.spec
+                    .entry(rounds.figure(kind))
+                    .or_default()
+                    .rate
+                    .add(ms, tokens);
+            }
+            l.spec.entry(rounds.other().figure(kind)).or_default().since += tokens;
         })
     }
 
@@ -802,6 +934,11 @@ pub struct Pace {
     probing_copies: bool,
     /// Probes this request took and has not given back yet ([`Costs::probe_back`]: at its next advice, or its end).
     held: Vec<(String, u32)>,
+    /// The sort of the speculative round in progress, where it was chosen ([`Pace::choose_rounds`]).
+    rounds_of: Option<Rounds>,
+    /// The sort of this request's rounds since its last choice, the tokens they wrote, and whether the first of them
+    /// is still to report (it pays for the switch, and goes to no sort's figure).
+    streak: Option<(Rounds, usize, bool)>,
 }
 
 impl Pace {
@@ -809,6 +946,8 @@ impl Pace {
     pub const PROBE: usize = 3;
     /// The first pause where the target's speed at this load is not known yet.
     pub const FIRST_PAUSE: usize = 4;
+    /// Tokens a request writes by the sort of rounds it chose before it chooses again ([`Pace::choose_rounds`]).
+    pub const STREAK: usize = 32;
     /// The longest pause before the figures are read again (the load may have moved).
     const MAX_PAUSE: usize = 64;
     /// A request measuring the first rounds of its kind at a load stops before [`Pace::PROBE`] rounds where its
@@ -840,6 +979,8 @@ impl Pace {
             entries_declined: 0,
             probing_copies: false,
             held: Vec::new(),
+            rounds_of: None,
+            streak: None,
         }
     }
 
@@ -893,11 +1034,11 @@ impl Pace {
     pub fn leans_to_speculate(&self) -> bool {
         let costs = &self.pacing.costs;
         let level = load_level((self.pacing.load)());
-        let Some(spec) = costs.spec_ms(&self.pacing.kind, level) else {
+        let Some(spec) = costs.best_spec_ms(&self.pacing.kind, level) else {
             return true;
         };
         let alone = costs.alone_ms(level).or_else(|| costs.alone_near(level));
-        let copies = costs.spec_ms(&self.copy_kind(), level);
+        let copies = costs.pauses_ms(&self.pacing.kind, level);
         rival(alone, copies).is_none_or(|a| spec <= a)
     }
 
@@ -922,6 +1063,7 @@ impl Pace {
     pub fn advise(&mut self) -> Advice {
         self.end_round();
         self.give_back_probes();
+        self.rounds_of = None;
         if self.paused > 0 {
             return Advice::Alone(self.paused);
         }
@@ -929,7 +1071,7 @@ impl Pace {
         self.level = load_level((self.pacing.load)());
         self.probing = false;
         if self.rounds == 0 {
-            self.prior = costs.spec_ms(kind, self.level);
+            self.prior = costs.best_spec_ms(kind, self.level);
         } else if self.prior.is_none() {
             // Rounds made with no figure to lean on. Where others reported rounds at this load meanwhile (requests
             // that began together on a router that had not measured this load), their figure counts as if it had
@@ -938,7 +1080,7 @@ impl Pace {
             // The figure holds this request's own rounds too, weighed once more: a small bias towards them.
             let (figure, reports) = costs.spec_figure(kind, self.level);
             if reports > self.reported {
-                self.prior = figure;
+                self.prior = figure.and(costs.best_spec_ms(kind, self.level));
             }
         }
         let known_alone = costs.alone_ms(self.level);
@@ -947,7 +1089,7 @@ impl Pace {
             .or_else(|| costs.one_row_ms(kind, self.level));
         let alone = step.or(self.cheapest_verify_ms);
         let estimate = self.estimate();
-        let copies = costs.spec_ms(&self.copy_kind(), self.level);
+        let copies = costs.pauses_ms(kind, self.level);
         if step.is_none()
             && let (Some(spec), Some(alone)) = (estimate, alone)
             && spec <= alone
@@ -1106,6 +1248,7 @@ impl Pace {
             );
         }
         self.paused = tokens;
+        self.streak = None;
         if !self.alone_last {
             self.pauses += 1;
         }
@@ -1114,6 +1257,34 @@ impl Pace {
         self.rounds = 0;
         self.reported = 0;
         Advice::Alone(self.paused)
+    }
+
+    /// After advice to speculate, in a mode that may make either: whether the round should be a PARSE round or a
+    /// token-level one, by what each wrote per millisecond at this load ([`Costs::choose_rounds`]); the round's cost
+    /// then goes to that sort's figure as well as the kind's. Where a verification row is dear and the draft has a
+    /// core of its own, token-level rounds write faster: on an AVX-512 VNNI EPYC with the draft worker and the target
+    /// worker on a core each, `token-spec` ran 1.73-1.79x `target` on 10 HumanEval prompts where PARSE rounds ran
+    /// 1.46x (docs/figures.md, "PARSE rounds or token-level rounds, by measured cost").
+    ///
+    /// A request keeps the sort it chose for [`Pace::STREAK`] tokens, and the first round after a switch (or after a
+    /// pause) goes to no sort's figure: it pays for the switch (a draft read ahead for the other sort thrown away, the
+    /// draft catching up), and judged by such rounds alone, the sort that was not running looked 2-3 times dearer
+    /// than it wrote once it ran.
+    pub fn choose_rounds(&mut self) -> Rounds {
+        let rounds = match self.streak {
+            Some((sort, tokens, _)) if tokens < Self::STREAK => sort,
+            last => {
+                let sort = self
+                    .pacing
+                    .costs
+                    .choose_rounds(&self.pacing.kind, self.level);
+                let switch = last.is_none_or(|(s, _, first)| s != sort || first);
+                self.streak = Some((sort, 0, switch));
+                sort
+            }
+        };
+        self.rounds_of = Some(rounds);
+        rounds
     }
 
     /// The load level of the last advice.
@@ -1140,6 +1311,7 @@ impl Pace {
             self.own.add(ms, tokens);
             self.rounds += 1;
         }
+        self.report_rounds(ms, tokens);
         self.reported += 1;
         let measured = self.measuring.take();
         // A first round at a load is judged as a probe is: where it loses, the next waits by what it lost.
@@ -1161,9 +1333,9 @@ impl Pace {
     pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
         let ms = spent.at(self.level);
         let beside = self.beside_speculation(spent);
-        self.pacing
-            .costs
-            .add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
+        let costs = &self.pacing.costs;
+        costs.add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
+        costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
         self.wrote_first(tokens);
     }
 
@@ -1209,15 +1381,16 @@ impl Pace {
         taken
     }
 
-    /// In a pause, a copy round found nothing to copy and the target wrote `tokens` to its segment's end (measured
-    /// as the target's, [`Pace::target_wrote`]): they use up the pause and count towards the model's next probe.
-    pub fn copied_nothing(&mut self, tokens: usize) {
+    /// In a pause, a copy round found nothing to copy and the target wrote `tokens` to its segment's end for `spent`
+    /// (its steps measured as the target's, [`Pace::target_wrote`]): they use up the pause, count towards the model's
+    /// next probe and go to the pauses' figure.
+    pub fn copied_nothing(&mut self, spent: Spent, tokens: usize) {
         self.paused = self.paused.saturating_sub(tokens.max(1));
         self.paused_tokens += tokens;
         self.probing_copies = false;
-        self.pacing
-            .costs
-            .add_rested(&self.pacing.kind, self.level, tokens);
+        let costs = &self.pacing.costs;
+        costs.add_rested(&self.pacing.kind, self.level, tokens);
+        costs.record_paused(&self.pacing.kind, self.level, spent.at(self.level), tokens);
         self.give_back_probes();
     }
 
@@ -1228,13 +1401,9 @@ impl Pace {
         let costs = &self.pacing.costs;
         costs.add_rested(&self.pacing.kind, self.level, tokens);
         let probe = std::mem::take(&mut self.probing_copies).then_some(0.0);
-        costs.record_spec(
-            &self.copy_kind(),
-            self.level,
-            spent.at(self.level),
-            tokens,
-            probe,
-        );
+        let ms = spent.at(self.level);
+        costs.record_spec(&self.copy_kind(), self.level, ms, tokens, probe);
+        costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
         self.give_back_probes();
     }
 
@@ -1247,14 +1416,33 @@ impl Pace {
     pub fn copies_only(&mut self, spent: Spent, tokens: usize) {
         self.end_round();
         self.probing = false;
-        self.pacing.costs.record_spec(
-            &self.copy_kind(),
-            self.level,
-            spent.at(self.level),
-            tokens,
-            None,
-        );
+        let ms = spent.at(self.level);
+        self.pacing
+            .costs
+            .record_spec(&self.copy_kind(), self.level, ms, tokens, None);
+        self.report_rounds(ms, tokens);
         self.give_back_probes();
+    }
+
+    /// The round chosen by [`Pace::choose_rounds`] wrote `tokens` in `ms` ([`Costs::record_rounds`]).
+    fn report_rounds(&mut self, ms: f64, tokens: usize) {
+        let Some(rounds) = self.rounds_of.take() else {
+            return;
+        };
+        let measured = match self.streak.as_mut() {
+            Some((_, written, first)) => {
+                *written += tokens;
+                !std::mem::take(first)
+            }
+            None => true,
+        };
+        self.pacing.costs.record_rounds(
+            &self.pacing.kind,
+            rounds,
+            self.level,
+            measured.then_some(ms),
+            tokens,
+        );
     }
 
     fn end_round(&mut self) {
@@ -1569,7 +1757,11 @@ mod tests {
         p.copies_only(Spent::wall(16.0 * 40.0), 16);
         assert_eq!(costs.spec_ms(kind, 0), Some(80.0));
         assert_eq!(costs.spec_ms(&copy_kind(kind), 0), Some(40.0));
-        // Copies write at 40 ms/token: the model rests, and copy rounds fill its pauses.
+        // Copies alone are no rival until a pause has measured what pauses write as a whole: the model goes on.
+        assert_eq!(costs.pauses_ms(kind, 0), None);
+        assert_eq!(Pace::new(pacing.clone()).advise(), Advice::Speculate);
+        // A pause of copy rounds wrote at 40 ms/token: the model rests, and copy rounds fill its pauses.
+        costs.record_paused(kind, 0, 16.0 * 40.0, 16);
         let mut p = Pace::new(pacing.clone());
         assert!(matches!(p.advise(), Advice::Alone(_)));
         assert!(p.copies_pay());
@@ -2124,5 +2316,91 @@ mod tests {
             p.speculated(Spent::wall(40.0), 2, &[Spent::wall(40.0)], Spent::wall(0.0));
         }
         assert!(matches!(p.advise(), Advice::Alone(_)));
+    }
+
+    #[test]
+    fn a_model_is_set_against_what_its_pauses_wrote_as_a_whole_not_its_copies_alone() {
+        let kind = "parse+token-spec/model+ngram";
+        let (costs, pacing) = pool(kind, 1);
+        costs.record_alone(None, 0, 16.0 * 70.0, 16);
+        costs.record_spec(kind, 0, 16.0 * 45.0, 16, None);
+        costs.record_spec(&copy_kind(kind), 0, 16.0 * 30.0, 16, None);
+        // A pause of a copy round (30 ms a token) and one that found nothing to copy (the target's steps to the
+        // segment's end, 90): 67.5 ms a token as a whole, the later weighing more.
+        let mut p = Pace::new(pacing.clone());
+        p.copied(Spent::wall(16.0 * 30.0), 16);
+        p.copied_nothing(Spent::wall(16.0 * 90.0), 16);
+        assert_eq!(costs.pauses_ms(kind, 0), Some(67.5));
+        // The model (45) beats that and the target alone (70), though not the copy rounds' own 30: it speculates.
+        assert_eq!(Pace::new(pacing.clone()).advise(), Advice::Speculate);
+        // Once its pauses write faster than the model, it rests (but for one probe, which the first request takes).
+        costs.record_paused(kind, 0, 64.0 * 20.0, 64);
+        assert!(costs.pauses_ms(kind, 0).unwrap() < 45.0);
+        let mut first = Pace::new(pacing.clone());
+        assert_eq!(first.advise(), Advice::Speculate);
+        assert!(first.probing());
+        assert!(matches!(Pace::new(pacing).advise(), Advice::Alone(_)));
+    }
+
+    #[test]
+    fn rounds_of_the_sort_that_writes_faster_and_now_and_then_of_the_other() {
+        let kind = "parse+token-spec/model+ngram";
+        let (costs, pacing) = pool(kind, 1);
+        let round = |p: &mut Pace, ms: f64, tokens: usize| {
+            assert_eq!(p.advise(), Advice::Speculate);
+            let sort = p.choose_rounds();
+            p.speculated(
+                Spent::wall(ms * tokens as f64),
+                tokens,
+                &[],
+                Spent::wall(0.0),
+            );
+            sort
+        };
+        costs.record_alone(None, 0, 16.0 * 100.0, 16);
+        costs.record_spec(kind, 0, 16.0 * 60.0, 16, None);
+        let mut p = Pace::new(pacing.clone());
+        // No figure of either sort: PARSE rounds first. The first round of a choice pays for the switch and goes to
+        // no sort's figure; the request keeps its sort for STREAK tokens.
+        assert_eq!(round(&mut p, 60.0, 8), Rounds::Segments);
+        assert_eq!(costs.spec_ms(&Rounds::Segments.figure(kind), 0), None);
+        assert_eq!(round(&mut p, 60.0, 8), Rounds::Segments);
+        assert_eq!(costs.spec_ms(&Rounds::Segments.figure(kind), 0), Some(60.0));
+        assert_eq!(round(&mut p, 60.0, 8), Rounds::Segments);
+        assert_eq!(round(&mut p, 60.0, 8), Rounds::Segments);
+        // PARSE rounds measured, token-level ones not: a request tries those (its first round a switch again).
+        assert_eq!(round(&mut p, 90.0, 8), Rounds::Tokens);
+        assert_eq!(costs.spec_ms(&Rounds::Tokens.figure(kind), 0), None);
+        for _ in 0..4 {
+            assert_eq!(round(&mut p, 30.0, 8), Rounds::Tokens);
+        }
+        let near = |x: Option<f64>, y: f64| x.is_some_and(|x| (x - y).abs() < 1e-9);
+        assert!(near(costs.spec_ms(&Rounds::Tokens.figure(kind), 0), 30.0));
+        // Token-level rounds write faster: the pace judges speculation by them, and a request makes them...
+        assert!(near(costs.best_spec_ms(kind, 0), 30.0));
+        let sorts: Vec<Rounds> = (0..40).map(|_| round(&mut p, 30.0, 8)).collect();
+        // ... except a streak of PARSE rounds (STREAK tokens) each time the token-level ones wrote TRY_OTHER_EVERY
+        // tokens (counted from the PARSE rounds' last report, before the five token-level rounds above).
+        let streaks: Vec<(Rounds, usize)> = sorts
+            .chunk_by(|a, b| a == b)
+            .map(|c| (c[0], c.len()))
+            .collect();
+        let (per_streak, between) = (Pace::STREAK / 8, Costs::TRY_OTHER_EVERY / 8);
+        assert_eq!(
+            streaks,
+            vec![
+                (Rounds::Tokens, between - 5),
+                (Rounds::Segments, per_streak),
+                (Rounds::Tokens, between),
+                (Rounds::Segments, per_streak),
+                (Rounds::Tokens, 40 - 2 * (between + per_streak) + 5),
+            ]
+        );
+        // A pause ends a streak: the round after it is a switch, whatever its sort.
+        p.pause(4, "test");
+        p.wrote_alone(Spent::wall(400.0), 4);
+        let before = costs.spec_ms(&Rounds::Tokens.figure(kind), 0);
+        assert_eq!(round(&mut p, 500.0, 8), Rounds::Tokens);
+        assert_eq!(costs.spec_ms(&Rounds::Tokens.figure(kind), 0), before);
     }
 }

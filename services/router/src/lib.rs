@@ -743,6 +743,7 @@ impl Router {
                 paused_tokens: n(|s| s.paused_tokens),
                 entries_declined: n(|s| s.entries_declined),
                 copy_rounds: n(|s| s.copy_rounds),
+                token_rounds: n(|s| s.token_rounds),
                 draft_ahead_hits: drafter.prefetch_hits as u64,
                 draft_ahead_misses: drafter.prefetch_misses as u64,
                 draft_failovers: drafter.failovers as u64,

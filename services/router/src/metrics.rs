@@ -60,6 +60,8 @@ pub struct RequestRecord<'a> {
     pub entries_declined: u64,
     /// PARSE rounds of copies made while the draft model rested (`model+ngram`).
     pub copy_rounds: u64,
+    /// Token-level rounds made in place of PARSE rounds where those measured faster (`parse+token-spec`).
+    pub token_rounds: u64,
     /// Drafts begun ahead during a verification (`Drafter::prefetch`, `prefetch_guessing`) that the next round took,
     /// and those it threw away.
     pub draft_ahead_hits: u64,
@@ -101,6 +103,7 @@ pub struct Metrics {
     paused_tokens: IntCounterVec,
     entries_declined: IntCounterVec,
     copy_rounds: IntCounterVec,
+    token_rounds: IntCounterVec,
     draft_ahead: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
@@ -243,6 +246,11 @@ impl Metrics {
             "parse_copy_rounds_total",
             "PARSE rounds of prompt-lookup copies made while the draft model rested (drafter model+ngram).",
         );
+        let token_rounds = by_mode(
+            "parse_token_rounds_total",
+            "Token-level rounds made in place of PARSE rounds, where those measured faster per output token at the \
+             load of the moment (mode parse+token-spec).",
+        );
         let draft_ahead = counter(
             &r,
             "parse_draft_ahead_total",
@@ -337,6 +345,7 @@ impl Metrics {
             paused_tokens,
             entries_declined,
             copy_rounds,
+            token_rounds,
             draft_ahead,
             failovers,
             fallbacks,
@@ -393,6 +402,9 @@ impl Metrics {
             .with_label_values(&m)
             .inc_by(r.entries_declined);
         self.copy_rounds.with_label_values(&m).inc_by(r.copy_rounds);
+        self.token_rounds
+            .with_label_values(&m)
+            .inc_by(r.token_rounds);
         for (outcome, n) in [("hit", r.draft_ahead_hits), ("miss", r.draft_ahead_misses)] {
             if n > 0 {
                 self.draft_ahead
@@ -644,6 +656,7 @@ mod tests {
             paused_tokens: 7,
             entries_declined: 2,
             copy_rounds: 3,
+            token_rounds: 4,
             draft_ahead_hits: 5,
             draft_ahead_misses: 2,
             draft_failovers: 1,
@@ -694,6 +707,7 @@ mod tests {
             2.0
         );
         assert_eq!(value(&t, "parse_copy_rounds_total{mode=\"parse\"}"), 3.0);
+        assert_eq!(value(&t, "parse_token_rounds_total{mode=\"parse\"}"), 4.0);
         assert_eq!(
             value(
                 &t,

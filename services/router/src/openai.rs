@@ -625,6 +625,7 @@ fn usage(stats: Option<&Stats>) -> Value {
             "target_passes_per_token": s.target_passes_per_token,
             "paused_tokens": s.paused_tokens,
             "copy_rounds": s.copy_rounds,
+            "token_rounds": s.token_rounds,
             "tokens_per_s": s.tokens_per_s,
         },
     })
