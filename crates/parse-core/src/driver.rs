@@ -1123,10 +1123,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 continue;
             }
             // In `parse+token-spec`, a PARSE round or a token-level one, whichever writes faster here by what
-            // each measured (`Pace::choose_rounds`); greedy only, as the pace is.
+            // each measured (`Pace::choose_rounds`). (PARSE modes decode greedily: `GenerationRequest::validate`.)
             if adaptive
                 && self.req.mode == Mode::ParseTokenSpec
-                && self.req.sampling.is_greedy()
                 && self.pace.choose_rounds() == Rounds::Tokens
             {
                 let drafted = self.speculative_token_round(mark, before, true)?;
@@ -1135,11 +1134,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 continue;
             }
             let modelled = self.d.model_tokens_drafted();
-            // With `adaptive` (greedy), no further than the length that writes the most per unit of measured cost,
+            // With `adaptive`, no further than the length that writes the most per unit of measured cost,
             // as a token-level round's (`Costs::draft_length`: the chance of each position being accepted and the
             // price of a verification's rows, from this kind's rounds of either sort).
             let max = self.req.window.max_tokens;
-            let cap = if adaptive && self.req.sampling.is_greedy() {
+            let cap = if adaptive {
                 self.pace.draft_length(max)
             } else {
                 max
