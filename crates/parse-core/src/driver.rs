@@ -647,6 +647,21 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         Ok(())
     }
 
+    /// The request's first token, by the target alone right after its prefill (its own choice, greedy or sampled,
+    /// as in `target` mode), in `token-spec` and paced PARSE modes too: there a first round would hold the first
+    /// text back until a draft was written and verified (and, in process, until the draft's prefill), where
+    /// `target` mode sends it after one step. The drafter then begins from the context that ends with it. Its time
+    /// is no figure of the pace, as in `target` mode (the first step runs with the prefills of the requests that
+    /// arrived with this one). With the draft worker on a core of its own, the first tokens came 1.0-1.1 s after
+    /// `target`'s on 10 HumanEval prompts, and 0.0-0.3 s after with this (docs/figures.md, "The first token by the
+    /// target").
+    fn first_token(&mut self) -> Result<()> {
+        if self.finished.is_none() && self.out.is_empty() {
+            self.extend(1, None)?;
+        }
+        Ok(())
+    }
+
     fn run_target(&mut self) -> Result<()> {
         self.open_target()?;
         while self.finished.is_none() {
@@ -737,9 +752,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     }
 
     /// How the draft samples in speculative modes: like the request in stochastic token-spec, greedily otherwise.
+    /// Sampled, the draft draws from a stream of its own: seeded as the target's, its draws would repeat the
+    /// target's uniforms one for one (the target's first token and the draft's first draw after it from one
+    /// uniform), so its proposals would depend on the target's tokens, where exact speculative sampling needs them
+    /// drawn from the draft's distribution alone (`tests/speculative_sampling.rs` saw the second token off by a
+    /// chi-square of 1,312 against a limit of 18.5).
     fn draft_sampling(&self) -> SamplingParams {
         if self.req.mode == Mode::TokenSpec {
-            self.req.sampling.clone()
+            SamplingParams {
+                seed: self.req.sampling.seed ^ DRAFT_SEED,
+                ..self.req.sampling.clone()
+            }
         } else {
             SamplingParams::default()
         }
@@ -957,6 +980,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     fn run_token_spec(&mut self) -> Result<()> {
         self.warm_draft()?;
         self.open_target()?;
+        self.first_token()?;
         let sampling = self.draft_sampling();
         if !self.req.window.adaptive {
             self.open_draft(&sampling)?;
@@ -990,13 +1014,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         let (round, before) = (self.mark(), self.out.len());
         let max = self.req.window.token_spec_tokens;
         if adaptive && let Advice::Alone(n) = self.advise_token_round(max) {
-            // At most 16 per call, as in `target` mode, so that text streams out as it is written; the first token
-            // on its own, as there.
-            if before == 0 {
-                self.extend(1, None)?;
-                self.pace.wrote_first(self.out.len());
-                return Ok(0);
-            }
+            // At most 16 per call, as in `target` mode, so that text streams out as it is written.
             self.extend(n.min(16).min(self.remaining()), None)?;
             self.pace
                 .wrote_alone(self.spent(round), self.out.len() - before);
@@ -1071,7 +1089,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.warm_draft()?;
         self.open_target()?;
         let adaptive = self.req.window.adaptive;
-        if !adaptive {
+        if adaptive {
+            // Paced, where the target may write any token alone. Unpaced, the verdict decides every token, the
+            // first too (at `tau = 0` the output is the draft's: DESIGN.md's limits).
+            self.first_token()?;
+        } else {
             self.open_draft(&SamplingParams::default())?;
         }
         self.window = self.req.window.initial_segments;
@@ -1093,13 +1115,6 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 // going on to the end of the next segment, and the next, took a call per line of code again.
                 // While the model rests, copy rounds (`copy_round`: prompt lookup, the draft's and its extension's,
                 // as the `ngram` drafter drafts) take the pause's place, unless they lose to the target here.
-                if self.out.is_empty() {
-                    // The first token on its own, as in `target` mode, so that its text goes out after one step.
-                    self.extend(1, None)?;
-                    self.pace.wrote_first(self.out.len());
-                    span.record("drafted", 0);
-                    continue;
-                }
                 let copies = self
                     .d
                     .rest_lookup()
@@ -1357,6 +1372,11 @@ fn round_span(round: usize) -> tracing::Span {
     )
 }
 
+/// What the loop's own uniforms (acceptance tests, residual draws) and the draft's draws are seeded with, each the
+/// request's seed xor its constant, so that neither stream repeats the target's (seeded with the request's seed).
+const LOOP_SEED: u64 = 0x5041_5253_455f_5350;
+const DRAFT_SEED: u64 = 0x5041_5253_455f_4452;
+
 /// Generates one request. `sink` receives output as it is accepted and returns `false` to stop generation. Every
 /// session the loop opened is released before it returns, also on error.
 pub fn generate<D: Drafter + ?Sized, V: Verifier + ?Sized>(
@@ -1402,7 +1422,7 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         window: req.window.initial_segments,
         copy_window: req.window.initial_segments,
         // A stream of its own, apart from the workers' samplers that share the request's seed.
-        rng: StdRng::seed_from_u64(req.sampling.seed ^ 0x5041_5253_455f_5350),
+        rng: StdRng::seed_from_u64(req.sampling.seed ^ LOOP_SEED),
         pace: Pace::new(pacing),
         draft_open: false,
         draft_prefill_charged: 0.0,

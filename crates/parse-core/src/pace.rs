@@ -1336,13 +1336,6 @@ impl Pace {
         let costs = &self.pacing.costs;
         costs.add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
         costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
-        self.wrote_first(tokens);
-    }
-
-    /// The target wrote the request's first `tokens` alone (in a pause): they count towards the pause and the next
-    /// probes as [`Pace::wrote_alone`]'s do, but their time is no figure of the target's pace, as in `target` mode:
-    /// the first step runs with the prefills of the requests that arrived with this one.
-    pub fn wrote_first(&mut self, tokens: usize) {
         self.paused = self.paused.saturating_sub(tokens.max(1));
         self.paused_tokens += tokens;
         // Towards the next probe of copy rounds too, where they lose.

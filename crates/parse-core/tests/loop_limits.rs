@@ -560,7 +560,13 @@ fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
     let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
     let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
     assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 60));
-    assert_eq!(out.stats.paused_tokens, out.tokens.len(), "{:?}", out.stats);
+    // Every token but the first, which the target writes before any advice.
+    assert_eq!(
+        out.stats.paused_tokens,
+        out.tokens.len() - 1,
+        "{:?}",
+        out.stats
+    );
     // Some last call stopped at a segment's end before its length (else this checks nothing)...
     assert!(
         v.extends.iter().any(|&(max, seg, n)| seg && n < max),
@@ -575,36 +581,67 @@ fn a_pause_ends_at_the_first_segment_end_of_its_last_call() {
     }
 }
 
-/// A request that starts in a pause writes its first token on its own, as `target` mode does, so that its text goes
-/// out after one step of the target (not 16); then the pause goes on in calls of 16. The output is the target's.
+/// A paced request writes its first token on its own, by the target, as `target` mode does, so that its text goes
+/// out after one step of the target, whether the request then pauses (the pause goes on in calls of 16) or
+/// speculates (a first round would hold it until a draft was written and verified). The output is the target's.
 #[test]
-fn a_request_that_starts_in_a_pause_streams_its_first_token_after_one_step() {
+fn a_paced_request_streams_its_first_token_after_one_step_of_the_target() {
     for mode in [Mode::Parse, Mode::ParseTokenSpec, Mode::TokenSpec] {
-        let mut r = request(mode, 0.5, Verdict::Likelihood, PROMPTS[0], 60);
-        r.window.adaptive = true;
-        let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
-        let mut chunks = Vec::new();
-        let sink = &mut |t: &[u32], _| {
-            chunks.push(t.len());
-            true
-        };
-        let pacing = losing_by_far(&format!("{}/model", mode.as_str()));
-        let out = parse_core::generate_paced(&mut d, &mut v, &r, sink, pacing).unwrap();
-        assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 60), "{mode:?}");
-        assert_eq!(
-            out.stats.paused_tokens,
-            out.tokens.len(),
-            "{mode:?}: {:?}",
-            out.stats
-        );
-        assert_eq!(chunks.first(), Some(&1), "{mode:?}: {chunks:?}");
-        assert_eq!(
-            v.extends.first().map(|e| e.0),
-            Some(1),
-            "{mode:?}: {:?}",
-            v.extends
-        );
-        assert!(chunks[1..].iter().any(|&n| n > 1), "{mode:?}: {chunks:?}");
+        for pausing in [true, false] {
+            // Above 1, PARSE rounds keep only what the target would write (DESIGN.md's limits).
+            let mut r = request(mode, 1.5, Verdict::Likelihood, PROMPTS[0], 60);
+            r.window.adaptive = true;
+            let (mut d, mut v) = (FakeDrafter::default(), FakeVerifier::default());
+            let mut chunks = Vec::new();
+            let sink = &mut |t: &[u32], s| {
+                chunks.push((t.len(), s));
+                true
+            };
+            let kind = format!("{}/model", mode.as_str());
+            // Speculation that loses by far pauses at once; a fresh pool speculates from the start.
+            let pacing = if pausing {
+                losing_by_far(&kind)
+            } else {
+                parse_core::pace::Pacing::alone(mode.as_str())
+            };
+            let out = parse_core::generate_paced(&mut d, &mut v, &r, sink, pacing).unwrap();
+            let case = format!("{mode:?}, pausing {pausing}");
+            assert_eq!(out.tokens, greedy(PROMPTS[0], target_next, 60), "{case}");
+            assert_eq!(
+                chunks.first(),
+                Some(&(1, Source::Target)),
+                "{case}: {chunks:?}"
+            );
+            assert_eq!(
+                v.extends.first().map(|e| e.0),
+                Some(1),
+                "{case}: {:?}",
+                v.extends
+            );
+            assert!(
+                chunks[1..].iter().any(|&(n, _)| n > 1),
+                "{case}: {chunks:?}"
+            );
+            if pausing {
+                assert_eq!(
+                    out.stats.paused_tokens + 1,
+                    out.tokens.len(),
+                    "{case}: {:?}",
+                    out.stats
+                );
+            } else {
+                // It went on speculating: the drafter's tokens made up part of the output.
+                assert!(
+                    out.stats.draft_tokens_accepted > 0,
+                    "{case}: {:?}",
+                    out.stats
+                );
+                assert!(
+                    chunks[1..].iter().any(|&(_, s)| s == Source::Draft),
+                    "{case}: {chunks:?}"
+                );
+            }
+        }
     }
 }
 
