@@ -1421,7 +1421,8 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
         pending: 0,
         window: req.window.initial_segments,
         copy_window: req.window.initial_segments,
-        // A stream of its own, apart from the workers' samplers that share the request's seed.
+        // A stream of its own, apart from the target's sampler (the request's seed) and a sampled draft's
+        // (`DRAFT_SEED`).
         rng: StdRng::seed_from_u64(req.sampling.seed ^ LOOP_SEED),
         pace: Pace::new(pacing),
         draft_open: false,
