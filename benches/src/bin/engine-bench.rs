@@ -15,7 +15,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use parse_bench::{median, model_dir};
 use parse_engine::kernels::{self, choose};
-use parse_engine::{Engine, EngineConfig, Message};
+use parse_engine::{Block, Engine, EngineConfig, EngineOps, Message};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -54,6 +54,10 @@ struct Args {
     /// on both alike (one-token steps, then each of `--blocks` with logits at every row, `--reps` pairs each).
     #[arg(long)]
     ab_lanes: bool,
+    /// Also time packed passes of n sessions, each holding `--context` tokens and bringing one decode row (the
+    /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows.
+    #[arg(long, value_delimiter = ',')]
+    sessions: Vec<usize>,
 }
 
 /// `--ab-lanes`: medians of alternating passes of the same model loaded with and without the lanes layout.
@@ -257,6 +261,37 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
             "per_token_vs_decode_readout_last": last_ms / n as f64 / decode_ms,
         }));
     }
+    let mut packed = Vec::new();
+    for &n in &args.sessions {
+        let names: Vec<String> = (0..n).map(|i| format!("packed-{i}")).collect();
+        for name in &names {
+            e.open_session(name)?;
+            e.forward_causal(name, &ctx, &[ctx.len() - 1])?;
+        }
+        let step: Vec<Block> = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| Block::causal(name, base, &[ctx[(i * 7) % ctx.len()]], vec![0]))
+            .collect();
+        let mut ms = Vec::new();
+        for rep in 0..args.reps + 2 {
+            let t = Instant::now();
+            for r in e.forward_batch(&step) {
+                r?;
+            }
+            if rep >= 2 {
+                ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            for name in &names {
+                e.truncate(name, base)?;
+            }
+        }
+        for name in &names {
+            e.release(name)?;
+        }
+        let ms = median(ms);
+        packed.push(json!({ "sessions": n, "ms": ms, "vs_decode": ms / decode_ms }));
+    }
     e.truncate("bench", 0)?;
     let per_token = e.model().config().kv_bytes_per_token();
     let filler: Vec<u32> = (0..1000).map(|i| ctx[i % ctx.len()]).collect();
@@ -274,6 +309,7 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "blocks": blocks,
+        "packed": packed,
         "kv_bytes_per_token": per_token,
         "kv_mib_per_1000_tokens": kv_1000 as f64 / (1 << 20) as f64,
         "llama_cpp": llama.map(|(decode, pp64)| json!({ "decode_tokens_per_s": decode, "pp64_tokens_per_s": pp64 })),
@@ -400,6 +436,19 @@ fn main() -> Result<()> {
                     .as_f64()
                     .unwrap_or(0.0)
             );
+        }
+        if let Some(packed) = r["packed"].as_array().filter(|p| !p.is_empty()) {
+            println!("\n| sessions, one row each | ms a packed pass | x decode step | tokens/s |");
+            println!("|---:|---:|---:|---:|");
+            for p in packed {
+                let ms = p["ms"].as_f64().unwrap_or(0.0);
+                println!(
+                    "| {} | {ms:.1} | {:.2} | {:.1} |",
+                    p["sessions"],
+                    p["vs_decode"].as_f64().unwrap_or(0.0),
+                    p["sessions"].as_f64().unwrap_or(0.0) * 1e3 / ms
+                );
+            }
         }
         reports.push(r);
     }

@@ -418,7 +418,7 @@ impl<B: Backend> Shell<B> {
         let metrics = Arc::new(WorkerMetrics::new());
         let on_step = {
             let metrics = metrics.clone();
-            Arc::new(move |s: StepShape| metrics.packed(s.blocks, s.rows))
+            Arc::new(move |s: StepShape| metrics.packed(&s))
         };
         let packing = Packing {
             step_rows: cfg.step_rows.max(1),

@@ -11,7 +11,12 @@
 //! - `parse_worker_queue_depth`: engine calls waiting for the scheduler (those running excluded).
 //! - `parse_worker_batch_blocks`, `parse_worker_batch_rows` (histograms): per packed forward pass, the sessions'
 //!   blocks it held and their rows (continuous batching: how many requests share a step).
+//! - `parse_worker_pass_seconds` (histogram): per packed forward pass, its time on the engine; its sum over the wall
+//!   time is how busy the engine is. `parse_worker_planning_seconds_total`: the scheduler's time between passes
+//!   spent planning steps (the tasks' sampling and bookkeeping, and short waits for callers' next calls), when the
+//!   engine's threads sit idle.
 
+use crate::StepShape;
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
     TextEncoder,
@@ -30,6 +35,8 @@ pub struct WorkerMetrics {
     queue_depth: IntGauge,
     batch_blocks: prometheus::Histogram,
     batch_rows: prometheus::Histogram,
+    pass_seconds: prometheus::Histogram,
+    planning_seconds: prometheus::Counter,
 }
 
 /// Counts a call in `parse_worker_queue_depth` until it starts running (or is dropped unrun).
@@ -136,8 +143,23 @@ impl WorkerMetrics {
             "Token rows of one packed forward pass.",
             prometheus::exponential_buckets(1.0, 2.0, 12).expect("valid buckets"),
         );
+        let pass_seconds = histogram(
+            "parse_worker_pass_seconds",
+            "Time of one packed forward pass on the engine.",
+            prometheus::exponential_buckets(0.002, 2.0, 14).expect("valid buckets"),
+        );
+        let planning_seconds = register(
+            &r,
+            prometheus::Counter::new(
+                "parse_worker_planning_seconds_total",
+                "Scheduler time between passes spent planning steps (tasks' sampling, bookkeeping, waits for next calls).",
+            )
+            .expect("valid metric"),
+        );
         WorkerMetrics {
             registry: r,
+            pass_seconds,
+            planning_seconds,
             batch_blocks,
             batch_rows,
             steps,
@@ -175,10 +197,12 @@ impl WorkerMetrics {
         self.kv_capacity.set(kv_capacity as i64);
     }
 
-    /// One packed forward pass of `blocks` sessions' blocks, `rows` rows in all.
-    pub fn packed(&self, blocks: usize, rows: usize) {
-        self.batch_blocks.observe(blocks as f64);
-        self.batch_rows.observe(rows as f64);
+    /// One packed forward pass: its sessions' blocks, their rows, its time and its planning's.
+    pub fn packed(&self, s: &StepShape) {
+        self.batch_blocks.observe(s.blocks as f64);
+        self.batch_rows.observe(s.rows as f64);
+        self.pass_seconds.observe(s.pass.as_secs_f64());
+        self.planning_seconds.inc_by(s.planning.as_secs_f64());
     }
 
     pub fn refused(&self) {
@@ -252,7 +276,12 @@ mod tests {
         m.rows("verify", 17);
         m.state(2, 4096, 1 << 20);
         m.refused();
-        m.packed(3, 40);
+        m.packed(&StepShape {
+            blocks: 3,
+            rows: 40,
+            pass: std::time::Duration::from_millis(30),
+            planning: std::time::Duration::from_millis(2),
+        });
         let (a, b) = (m.queued(), m.queued());
         drop(a);
         let t = m.render();
@@ -267,6 +296,9 @@ mod tests {
             "parse_worker_queue_depth 1",
             "parse_worker_batch_blocks_sum 3",
             "parse_worker_batch_rows_sum 40",
+            "parse_worker_pass_seconds_sum 0.03",
+            "parse_worker_pass_seconds_count 1",
+            "parse_worker_planning_seconds_total 0.002",
         ] {
             assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");
         }

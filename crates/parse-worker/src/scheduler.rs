@@ -68,6 +68,11 @@ pub struct StepShape {
     pub blocks: usize,
     /// Rows of all blocks.
     pub rows: usize,
+    /// The pass's time on the engine.
+    pub pass: std::time::Duration,
+    /// The step's time before its pass: the tasks' planning (their sampling and bookkeeping between passes) and
+    /// any linger for callers' next calls.
+    pub planning: std::time::Duration,
 }
 
 /// How the scheduler packs steps.
@@ -153,6 +158,7 @@ fn run<S: Forward>(
             return;
         }
         // Plan a step: blocks in the order of the queue of tasks, within the row budget.
+        let step_start = std::time::Instant::now();
         let mut blocks: Vec<Block> = Vec::new();
         let mut owners: Vec<usize> = Vec::new();
         let mut finished: Vec<usize> = Vec::new();
@@ -235,6 +241,7 @@ fn run<S: Forward>(
         }
         if !blocks.is_empty() {
             let t = std::time::Instant::now();
+            let planning = t - step_start;
             let results = state.forward_blocks(&blocks);
             last_pass = t.elapsed();
             let per_row = last_pass.as_secs_f64() * 1e3 / planned.max(1) as f64;
@@ -245,6 +252,8 @@ fn run<S: Forward>(
                 f(StepShape {
                     blocks: blocks.len(),
                     rows: planned,
+                    pass: last_pass,
+                    planning,
                 });
             }
             let mut results = results.into_iter();
