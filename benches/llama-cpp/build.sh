@@ -5,7 +5,7 @@
 #   target/release/engine-bench --llama-bench "$(benches/llama-cpp/build.sh)"
 # Nothing of llama.cpp is committed. Its AMX path crashes on the project's machines (a SIGSEGV in
 # ggml_backend_amx_mul_mat), and GGML_NATIVE turns it on wherever the CPU has AMX, so the build names its
-# instruction sets instead: AVX-512 (F/BW/VL/DQ/CD), VNNI and BF16 when this CPU has them, else AVX2.
+# instruction sets instead: AVX-512 (F/BW/VL/DQ/CD), VNNI, AVX-VNNI and BF16 when this CPU has them, else AVX2.
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -26,7 +26,10 @@ if [[ ! -d "$DIR/src" ]]; then
 fi
 ISA=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
 if grep -qw avx512_vnni /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo; then
-    ISA+=(-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=ON)
+    ISA+=(-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON)
+    # The VEX-encoded AVX-VNNI is a flag of its own: AMD's Zen 4 has AVX-512 VNNI without it (llama-bench died of
+    # SIGILL on the draft's Q8_0 path there when it was assumed).
+    grep -qw avx_vnni /proc/cpuinfo && ISA+=(-DGGML_AVX_VNNI=ON)
     grep -qw avx512_bf16 /proc/cpuinfo && ISA+=(-DGGML_AVX512_BF16=ON)
     grep -qw avx512vbmi /proc/cpuinfo && ISA+=(-DGGML_AVX512_VBMI=ON)
 fi
