@@ -54,6 +54,11 @@ struct Args {
     /// on both alike (one-token steps, then each of `--blocks` with logits at every row, `--reps` pairs each).
     #[arg(long)]
     ab_lanes: bool,
+    /// Instead of the report: time each model's passes without and with the attention's AVX-512 path, alternating
+    /// pass by pass in one process (`ops::set_wide_attention`; the same bits either way): one-token steps, then each
+    /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
+    #[arg(long)]
+    ab_attention: bool,
     /// Also time packed passes of n sessions, each holding `--context` tokens and bringing one decode row (the
     /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows.
     #[arg(long, value_delimiter = ',')]
@@ -99,6 +104,48 @@ fn ab_lanes(name: &str, args: &Args) -> Result<()> {
         }
         let [rows, lanes] = ms.map(median);
         println!("| {n} | {rows:.1} | {lanes:.1} | {:.3} |", lanes / rows);
+    }
+    Ok(())
+}
+
+/// `--ab-attention`: medians of alternating passes of one model with and without the attention's AVX-512 path
+/// (`ops::set_wide_attention`; the same bits either way).
+fn ab_attention(name: &str, args: &Args) -> Result<()> {
+    let path = model_dir().join(file_for(name)?);
+    let mut e = Engine::load(&config_for(name, &path))
+        .with_context(|| format!("loading {}", path.display()))?;
+    let ctx = context_tokens(&e, args.context)?;
+    e.open_session("bench")?;
+    e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
+    let base = e.session_len("bench")?;
+    println!(
+        "\n### {name}: attention without and with its AVX-512 path, alternating pass by pass (median ms, context {})\n",
+        args.context
+    );
+    println!("| block | without | with | with / without |");
+    println!("|---:|---:|---:|---:|");
+    let mut sizes = vec![1];
+    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
+    for n in sizes {
+        let mut ms = [Vec::new(), Vec::new()];
+        // Untimed first passes: the kernel choice's trials (kernels::choose) and the caches.
+        for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
+            let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+            for j in order {
+                parse_engine::ops::set_wide_attention(j == 1);
+                let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
+                let all: Vec<usize> = (0..n).collect();
+                let t = Instant::now();
+                e.forward_causal("bench", &tokens, &all)?;
+                if i >= 2 * choose::TRIALS as usize {
+                    ms[j].push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                e.truncate("bench", base)?;
+            }
+        }
+        parse_engine::ops::set_wide_attention(true);
+        let [without, with] = ms.map(median);
+        println!("| {n} | {without:.1} | {with:.1} | {:.3} |", with / without);
     }
     Ok(())
 }
@@ -413,6 +460,12 @@ fn main() -> Result<()> {
     if args.ab_lanes {
         for m in &args.models {
             ab_lanes(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_attention {
+        for m in &args.models {
+            ab_attention(m, &args)?;
         }
         return Ok(());
     }

@@ -289,10 +289,53 @@ pub fn attention(
     s: &AttnShape,
     out: &mut [f32],
 ) {
+    attention_with(wide_attention(), q, k_cache, v_cache, mask, s, out)
+}
+
+/// Whether [`attention`] takes its AVX-512 path ([`dot_heads_wide`], [`weighted_sums_wide`]): on a CPU with AVX-512
+/// F, checked once, unless [`set_wide_attention`] turned it off. The path computes the same bits as the AVX2 and
+/// portable ones, in fewer instructions per key.
+fn wide_attention() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        !NARROW_ATTENTION.load(std::sync::atomic::Ordering::Relaxed)
+            && *WIDE.get_or_init(|| {
+                std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+            })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+static NARROW_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets [`attention`] take its AVX-512 path where the CPU has it (`true`, the default) or not (`false`), for
+/// benchmarks that time the two in one process (`engine-bench --ab-attention`); the outputs are the same bits.
+pub fn set_wide_attention(on: bool) {
+    NARROW_ATTENTION.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`attention`], with its AVX-512 path (`wide`, where the CPU has it and the head width is a multiple of 16) or
+/// without; the two give the same bits.
+fn attention_with(
+    wide: bool,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    mask: &[MaskRow],
+    s: &AttnShape,
+    out: &mut [f32],
+) {
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
+    let wide = wide && hd.is_multiple_of(16) && hd <= 128;
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
@@ -312,7 +355,16 @@ pub fn attention(
             let mut row = vec![0f32; group];
             for (i, &t) in keys.iter().enumerate() {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
-                dot_heads(qs, kv, &mut row);
+                if wide {
+                    #[cfg(target_arch = "x86_64")]
+                    #[allow(unsafe_code)]
+                    // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention`); hd is a multiple of 16.
+                    unsafe {
+                        dot_heads_wide(qs, kv, &mut row)
+                    };
+                } else {
+                    dot_heads(qs, kv, &mut row);
+                }
                 for h in 0..group {
                     scores[h * n + i] = row[h] * scale;
                 }
@@ -329,12 +381,22 @@ pub fn attention(
                 sums[h] = sum;
             }
             o.fill(0.0);
-            for h in 0..group {
-                let p = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &t)| (scores[h * n + i], t * kv_stride + kvh * hd));
-                weighted_sum(p, v_cache, &mut o[h * hd..(h + 1) * hd]);
+            if wide {
+                let offsets: Vec<usize> = keys.iter().map(|&t| t * kv_stride + kvh * hd).collect();
+                #[cfg(target_arch = "x86_64")]
+                #[allow(unsafe_code)]
+                // SAFETY: as above; every offset starts a value row of hd values in v_cache.
+                unsafe {
+                    weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
+                };
+            } else {
+                for h in 0..group {
+                    let p = keys
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &t)| (scores[h * n + i], t * kv_stride + kvh * hd));
+                    weighted_sum(p, v_cache, &mut o[h * hd..(h + 1) * hd]);
+                }
             }
             for h in 0..group {
                 let inv = 1.0 / sums[h];
@@ -343,6 +405,158 @@ pub fn attention(
                 }
             }
         });
+}
+
+/// [`dot_heads`] with one 16-lane accumulator per head in place of two of 8 (lanes 0..8 are the first 8-lane
+/// accumulator's, 8..16 the second's), up to 8 heads side by side: the same multiply-adds in the same chains, the
+/// same sum at the end, so the same bits. `k.len()` is a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_heads_wide(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    let mut h = 0;
+    while h < out.len() {
+        let g = (out.len() - h).min(8);
+        // SAFETY: the caller's CPU features; each call reads g heads of qs from head h.
+        unsafe {
+            match g {
+                8 => dot_heads_zmm::<8>(&qs[h * k.len()..], k, &mut out[h..]),
+                7 => dot_heads_zmm::<7>(&qs[h * k.len()..], k, &mut out[h..]),
+                6 => dot_heads_zmm::<6>(&qs[h * k.len()..], k, &mut out[h..]),
+                5 => dot_heads_zmm::<5>(&qs[h * k.len()..], k, &mut out[h..]),
+                4 => dot_heads_zmm::<4>(&qs[h * k.len()..], k, &mut out[h..]),
+                3 => dot_heads_zmm::<3>(&qs[h * k.len()..], k, &mut out[h..]),
+                2 => dot_heads_zmm::<2>(&qs[h * k.len()..], k, &mut out[h..]),
+                _ => dot_heads_zmm::<1>(&qs[h * k.len()..], k, &mut out[h..]),
+            }
+        }
+        h += g;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn dot_heads_zmm<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = k.len();
+    assert!(hd.is_multiple_of(16) && qs.len() >= G * hd && out.len() >= G);
+    let mut acc = [_mm512_setzero_ps(); G];
+    for i in (0..hd).step_by(16) {
+        // SAFETY: i + 16 <= hd, and every head's slice has hd values.
+        unsafe {
+            let kv = _mm512_loadu_ps(k.as_ptr().add(i));
+            for (h, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_loadu_ps(qs.as_ptr().add(h * hd + i)), kv, *a);
+            }
+        }
+    }
+    for (h, a) in acc.iter().enumerate() {
+        let lo = _mm512_castps512_ps256(*a);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
+        let mut lanes = [0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(lo, hi)) };
+        out[h] = lane_sum(lanes) + dot_tail(&qs[h * hd..(h + 1) * hd], k, hd);
+    }
+}
+
+/// [`weighted_sum`] for every head of a group at once (`scores[h * n + i]`, `n = offsets.len()`; head h's sum goes
+/// to `o[h * hd..]`): each value row is read once for up to 24 / (hd / 16) heads, whose accumulators stay in
+/// registers. Each output element is the same chain of fused multiply-adds in key order as in [`weighted_sum`],
+/// so the same bits. `hd` is a multiple of 16, at most 128; `o` starts at zero.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn weighted_sums_wide(
+    scores: &[f32],
+    offsets: &[usize],
+    v_cache: &[f32],
+    o: &mut [f32],
+    hd: usize,
+) {
+    let n = offsets.len();
+    let group = o.len() / hd;
+    let mut h = 0;
+    while h < group {
+        let sc = &scores[h * n..];
+        let oh = &mut o[h * hd..];
+        // SAFETY: the caller's CPU features and value rows; each call takes g heads from h.
+        let g = unsafe {
+            match hd {
+                128 => wsum_zmm::<8>(sc, offsets, v_cache, oh, group - h),
+                112 => wsum_zmm::<7>(sc, offsets, v_cache, oh, group - h),
+                96 => wsum_zmm::<6>(sc, offsets, v_cache, oh, group - h),
+                80 => wsum_zmm::<5>(sc, offsets, v_cache, oh, group - h),
+                64 => wsum_zmm::<4>(sc, offsets, v_cache, oh, group - h),
+                48 => wsum_zmm::<3>(sc, offsets, v_cache, oh, group - h),
+                32 => wsum_zmm::<2>(sc, offsets, v_cache, oh, group - h),
+                _ => wsum_zmm::<1>(sc, offsets, v_cache, oh, group - h),
+            }
+        };
+        h += g;
+    }
+}
+
+/// Up to `24 / V` heads (at most `left`) of [`weighted_sums_wide`], `V` vectors of 16 per head; returns the heads
+/// done.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn wsum_zmm<const V: usize>(
+    scores: &[f32],
+    offsets: &[usize],
+    v_cache: &[f32],
+    o: &mut [f32],
+    left: usize,
+) -> usize {
+    // SAFETY (all calls below): the caller's CPU features.
+    unsafe {
+        match (24 / V).min(left) {
+            g if g >= 6 => wsum_heads::<V, 6>(scores, offsets, v_cache, o),
+            5 => wsum_heads::<V, 5>(scores, offsets, v_cache, o),
+            4 => wsum_heads::<V, 4>(scores, offsets, v_cache, o),
+            3 => wsum_heads::<V, 3>(scores, offsets, v_cache, o),
+            2 => wsum_heads::<V, 2>(scores, offsets, v_cache, o),
+            _ => wsum_heads::<V, 1>(scores, offsets, v_cache, o),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn wsum_heads<const V: usize, const H: usize>(
+    scores: &[f32],
+    offsets: &[usize],
+    v_cache: &[f32],
+    o: &mut [f32],
+) -> usize {
+    use std::arch::x86_64::*;
+    let (n, hd) = (offsets.len(), 16 * V);
+    assert!(scores.len() >= (H - 1) * n + n && o.len() >= H * hd);
+    let mut acc = [[_mm512_setzero_ps(); V]; H];
+    for (i, &off) in offsets.iter().enumerate() {
+        let v = &v_cache[off..off + hd];
+        let p: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(scores[h * n + i]));
+        for j in 0..V {
+            // SAFETY: v has hd = 16V values.
+            let vj = unsafe { _mm512_loadu_ps(v.as_ptr().add(16 * j)) };
+            for (a, ph) in acc.iter_mut().zip(&p) {
+                a[j] = _mm512_fmadd_ps(*ph, vj, a[j]);
+            }
+        }
+    }
+    for (h, a) in acc.iter().enumerate() {
+        for (j, aj) in a.iter().enumerate() {
+            // SAFETY: o has H * hd values.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(h * hd + 16 * j), *aj) };
+        }
+    }
+    H
 }
 
 #[cfg(test)]
@@ -423,6 +637,46 @@ mod tests {
         assert!((norm - 30.0).abs() < 1e-4);
         // Pair (0, 2) rotated by 3 rad at frequency 1.
         assert!((x[0] - (1.0 * 3f32.cos() - 3.0 * 3f32.sin())).abs() < 1e-5);
+    }
+
+    #[test]
+    fn attentions_avx512_path_gives_the_same_bits_as_the_others() {
+        if !wide_attention() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
+        for (n_heads, n_kv_heads, head_dim) in [(12, 2, 128), (14, 2, 64), (4, 4, 48), (9, 1, 16)] {
+            let (cached, rows) = (37, 5);
+            let kv = n_kv_heads * head_dim;
+            let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
+            let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
+            let q: Vec<f32> = (0..rows * n_heads * head_dim).map(|i| val(i, 3)).collect();
+            // A tree of rows: each sees the cache and some of the block.
+            let mask: Vec<MaskRow> = (0..rows)
+                .map(|r| MaskRow {
+                    cached: cached - r % 2,
+                    spans: vec![0..1, (r / 2)..(r + 1)],
+                })
+                .collect();
+            let s = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                block_start: cached,
+            };
+            let mut narrow = vec![0f32; q.len()];
+            let mut wide = vec![0f32; q.len()];
+            attention_with(false, &q, &k, &v, &mask, &s, &mut narrow);
+            attention_with(true, &q, &k, &v, &mask, &s, &mut wide);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&narrow),
+                bits(&wide),
+                "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}"
+            );
+            assert!(narrow.iter().all(|x| x.is_finite() && *x != 0.0));
+        }
     }
 
     #[test]
