@@ -335,7 +335,7 @@ fn attention_with(
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let wide = wide && hd.is_multiple_of(16) && hd <= 128;
+    let wide = cfg!(target_arch = "x86_64") && wide && hd.is_multiple_of(16) && hd <= 128;
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
@@ -382,13 +382,16 @@ fn attention_with(
             }
             o.fill(0.0);
             if wide {
-                let offsets: Vec<usize> = keys.iter().map(|&t| t * kv_stride + kvh * hd).collect();
                 #[cfg(target_arch = "x86_64")]
-                #[allow(unsafe_code)]
-                // SAFETY: as above; every offset starts a value row of hd values in v_cache.
-                unsafe {
-                    weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
-                };
+                {
+                    let offsets: Vec<usize> =
+                        keys.iter().map(|&t| t * kv_stride + kvh * hd).collect();
+                    #[allow(unsafe_code)]
+                    // SAFETY: as above; every offset starts a value row of hd values in v_cache.
+                    unsafe {
+                        weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
+                    };
+                }
             } else {
                 for h in 0..group {
                     let p = keys
