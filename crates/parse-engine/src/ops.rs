@@ -296,15 +296,19 @@ pub fn attention(
 /// F, checked once, unless [`set_wide_attention`] turned it off. The path computes the same bits as the AVX2 and
 /// portable ones, in fewer instructions per key.
 fn wide_attention() -> bool {
+    !NARROW_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) && wide_attention_runs()
+}
+
+/// Whether this CPU can run [`attention`]'s AVX-512 path (AVX-512 F, AVX2, FMA), checked once.
+fn wide_attention_runs() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        !NARROW_ATTENTION.load(std::sync::atomic::Ordering::Relaxed)
-            && *WIDE.get_or_init(|| {
-                std::is_x86_feature_detected!("avx512f")
-                    && std::is_x86_feature_detected!("avx2")
-                    && std::is_x86_feature_detected!("fma")
-            })
+        *WIDE.get_or_init(|| {
+            std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -320,8 +324,8 @@ pub fn set_wide_attention(on: bool) {
     NARROW_ATTENTION.store(!on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// [`attention`], with its AVX-512 path (`wide`, where the CPU has it and the head width is a multiple of 16) or
-/// without; the two give the same bits.
+/// [`attention`], with its AVX-512 path (`wide`, taken only where the CPU has it and the head width is a multiple of
+/// 16, at most 128) or without; the two give the same bits.
 fn attention_with(
     wide: bool,
     q: &[f32],
@@ -335,7 +339,7 @@ fn attention_with(
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let wide = cfg!(target_arch = "x86_64") && wide && hd.is_multiple_of(16) && hd <= 128;
+    let wide = wide && wide_attention_runs() && hd.is_multiple_of(16) && hd <= 128;
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
@@ -358,7 +362,7 @@ fn attention_with(
                 if wide {
                     #[cfg(target_arch = "x86_64")]
                     #[allow(unsafe_code)]
-                    // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention`); hd is a multiple of 16.
+                    // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention_runs`); hd is a multiple of 16.
                     unsafe {
                         dot_heads_wide(qs, kv, &mut row)
                     };
@@ -644,7 +648,7 @@ mod tests {
 
     #[test]
     fn attentions_avx512_path_gives_the_same_bits_as_the_others() {
-        if !wide_attention() {
+        if !wide_attention_runs() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
