@@ -65,44 +65,65 @@ struct Args {
     sessions: Vec<usize>,
 }
 
+/// A default model loaded for an A/B run, with `--context` tokens in a session "bench": (engine, those tokens, the
+/// session's length after them).
+fn loaded(name: &str, args: &Args) -> Result<(Engine, Vec<u32>, usize)> {
+    let path = model_dir().join(file_for(name)?);
+    let mut e = Engine::load(&config_for(name, &path))
+        .with_context(|| format!("loading {}", path.display()))?;
+    let ctx = context_tokens(&e, args.context)?;
+    e.open_session("bench")?;
+    e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
+    let base = e.session_len("bench")?;
+    Ok((e, ctx, base))
+}
+
+/// Medians (ms) of blocks of `n` rows (logits at every row) on two sides, 0 and 1 (`side(j)` sets side `j` up and
+/// returns the index of the engine it runs on), alternating pass by pass, which goes first alternating too, after
+/// untimed first passes (the kernel choice's trials, `kernels::choose`, and the caches); `--reps` pairs.
+fn ab_medians(
+    args: &Args,
+    n: usize,
+    mut side: impl FnMut(usize) -> usize,
+    engines: &mut [(Engine, Vec<u32>, usize)],
+) -> Result<[f64; 2]> {
+    let mut ms = [Vec::new(), Vec::new()];
+    for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for j in order {
+            let (e, ctx, base) = &mut engines[side(j)];
+            let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
+            let all: Vec<usize> = (0..n).collect();
+            let t = Instant::now();
+            e.forward_causal("bench", &tokens, &all)?;
+            if i >= 2 * choose::TRIALS as usize {
+                ms[j].push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            e.truncate("bench", *base)?;
+        }
+    }
+    Ok(ms.map(median))
+}
+
+/// One-token steps, then each of `--blocks`.
+fn ab_sizes(args: &Args) -> Vec<usize> {
+    let mut sizes = vec![1];
+    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
+    sizes
+}
+
 /// `--ab-lanes`: medians of alternating passes of the same model loaded with and without the lanes layout.
 fn ab_lanes(name: &str, args: &Args) -> Result<()> {
-    let path = model_dir().join(file_for(name)?);
     let mut engines = Vec::new();
     for on in [false, true] {
         parse_engine::quant::set_lanes(on);
-        let mut e = Engine::load(&config_for(name, &path))
-            .with_context(|| format!("loading {}", path.display()))?;
-        let ctx = context_tokens(&e, args.context)?;
-        e.open_session("bench")?;
-        e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
-        let base = e.session_len("bench")?;
-        engines.push((e, ctx, base));
+        engines.push(loaded(name, args)?);
     }
     println!("\n### {name}: rows against the lanes layout, alternating pass by pass (median ms)\n");
     println!("| block | rows | lanes | lanes / rows |");
     println!("|---:|---:|---:|---:|");
-    let mut sizes = vec![1];
-    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
-    for n in sizes {
-        let mut ms = [Vec::new(), Vec::new()];
-        // Untimed first passes: the kernel choice's trials (kernels::choose) and the caches.
-        for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
-            // Which goes first alternates too.
-            let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-            for j in order {
-                let (e, ctx, base) = &mut engines[j];
-                let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
-                let all: Vec<usize> = (0..n).collect();
-                let t = Instant::now();
-                e.forward_causal("bench", &tokens, &all)?;
-                if i >= 2 * choose::TRIALS as usize {
-                    ms[j].push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                e.truncate("bench", *base)?;
-            }
-        }
-        let [rows, lanes] = ms.map(median);
+    for n in ab_sizes(args) {
+        let [rows, lanes] = ab_medians(args, n, |j| j, &mut engines)?;
         println!("| {n} | {rows:.1} | {lanes:.1} | {:.3} |", lanes / rows);
     }
     Ok(())
@@ -111,40 +132,21 @@ fn ab_lanes(name: &str, args: &Args) -> Result<()> {
 /// `--ab-attention`: medians of alternating passes of one model with and without the attention's AVX-512 path
 /// (`ops::set_wide_attention`; the same bits either way).
 fn ab_attention(name: &str, args: &Args) -> Result<()> {
-    let path = model_dir().join(file_for(name)?);
-    let mut e = Engine::load(&config_for(name, &path))
-        .with_context(|| format!("loading {}", path.display()))?;
-    let ctx = context_tokens(&e, args.context)?;
-    e.open_session("bench")?;
-    e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
-    let base = e.session_len("bench")?;
+    let mut engines = vec![loaded(name, args)?];
     println!(
         "\n### {name}: attention without and with its AVX-512 path, alternating pass by pass (median ms, context {})\n",
         args.context
     );
     println!("| block | without | with | with / without |");
     println!("|---:|---:|---:|---:|");
-    let mut sizes = vec![1];
-    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
-    for n in sizes {
-        let mut ms = [Vec::new(), Vec::new()];
-        // Untimed first passes: the kernel choice's trials (kernels::choose) and the caches.
-        for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
-            let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-            for j in order {
-                parse_engine::ops::set_wide_attention(j == 1);
-                let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
-                let all: Vec<usize> = (0..n).collect();
-                let t = Instant::now();
-                e.forward_causal("bench", &tokens, &all)?;
-                if i >= 2 * choose::TRIALS as usize {
-                    ms[j].push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                e.truncate("bench", base)?;
-            }
-        }
+    for n in ab_sizes(args) {
+        let side = |j: usize| {
+            parse_engine::ops::set_wide_attention(j == 1);
+            0
+        };
+        let medians = ab_medians(args, n, side, &mut engines);
         parse_engine::ops::set_wide_attention(true);
-        let [without, with] = ms.map(median);
+        let [without, with] = medians?;
         println!("| {n} | {without:.1} | {with:.1} | {:.3} |", with / without);
     }
     Ok(())
