@@ -54,6 +54,10 @@ struct Args {
     /// on both alike (one-token steps, then each of `--blocks` with logits at every row, `--reps` pairs each).
     #[arg(long)]
     ab_lanes: bool,
+    /// Instead of the report: as `--ab-lanes`, with Q4_K in the lanes layout on both sides and only the Q6_K
+    /// matrices in rows on one side and in lanes on the other (`quant::set_q6k_lanes`).
+    #[arg(long)]
+    ab_lanes_q6k: bool,
     /// Instead of the report: time each model's passes without and with the attention's AVX-512 path, alternating
     /// pass by pass in one process (`ops::set_wide_attention`; the same bits either way): one-token steps, then each
     /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
@@ -112,14 +116,23 @@ fn ab_sizes(args: &Args) -> Vec<usize> {
     sizes
 }
 
-/// `--ab-lanes`: medians of alternating passes of the same model loaded with and without the lanes layout.
-fn ab_lanes(name: &str, args: &Args) -> Result<()> {
+/// `--ab-lanes` (`q6k_only` false) or `--ab-lanes-q6k`: medians of alternating passes of the same model loaded with
+/// and without the lanes layout (for every format, or for Q6_K only).
+fn ab_lanes(name: &str, args: &Args, q6k_only: bool) -> Result<()> {
     let mut engines = Vec::new();
     for on in [false, true] {
-        parse_engine::quant::set_lanes(on);
+        if q6k_only {
+            parse_engine::quant::set_lanes(true);
+            parse_engine::quant::set_q6k_lanes(on);
+        } else {
+            parse_engine::quant::set_lanes(on);
+        }
         engines.push(loaded(name, args)?);
     }
-    println!("\n### {name}: rows against the lanes layout, alternating pass by pass (median ms)\n");
+    let which = if q6k_only { "Q6_K in rows" } else { "rows" };
+    println!(
+        "\n### {name}: {which} against the lanes layout, alternating pass by pass (median ms)\n"
+    );
     println!("| block | rows | lanes | lanes / rows |");
     println!("|---:|---:|---:|---:|");
     for n in ab_sizes(args) {
@@ -459,9 +472,9 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.ab_lanes {
+    if args.ab_lanes || args.ab_lanes_q6k {
         for m in &args.models {
-            ab_lanes(m, &args)?;
+            ab_lanes(m, &args, args.ab_lanes_q6k)?;
         }
         return Ok(());
     }

@@ -47,10 +47,13 @@ pub enum QMatrix {
     Q4K(Mat<BlockQ4K>),
     Q5K(Mat<BlockQ5K>),
     Q6K(Mat<BlockQ6K>),
-    /// Q4_K in the lanes layout ([`q4k_to_lanes`]): the AVX-512 VNNI row groups read it without transposing, at
+    /// Q4_K in the lanes layout ([`to_lanes`]): the AVX-512 VNNI row groups read it without transposing, at
     /// every block size including the one-token step, and on AMX machines the tiles of [`kernels::amx::q4k_lanes`]
     /// as their B operand. Only ever made by [`QMatrix::into_fast_cpu_format`].
     Q4KLanes(Mat<BlockQ4K>),
+    /// Q6_K in the lanes layout ([`to_lanes`]), read by the AVX-512 VNNI row groups at every block size; made only
+    /// where those are the active kernels (AMX machines keep Q6_K in rows, the layout of their tiles).
+    Q6KLanes(Mat<BlockQ6K>),
 }
 
 macro_rules! dispatch {
@@ -69,6 +72,7 @@ macro_rules! dispatch {
             QMatrix::Q5K($m) => $body,
             QMatrix::Q6K($m) => $body,
             QMatrix::Q4KLanes($m) => $body,
+            QMatrix::Q6KLanes($m) => $body,
         }
     };
 }
@@ -90,6 +94,7 @@ macro_rules! dispatch_map {
             QMatrix::Q5K($m) => QMatrix::Q5K($body),
             QMatrix::Q6K($m) => QMatrix::Q6K($body),
             QMatrix::Q4KLanes($m) => QMatrix::Q4KLanes($body),
+            QMatrix::Q6KLanes($m) => QMatrix::Q6KLanes($body),
         }
     };
 }
@@ -108,54 +113,73 @@ fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
     v
 }
 
-/// Bytes of one Q4_K super-block.
-const Q4K_BYTES: usize = std::mem::size_of::<BlockQ4K>();
-
-/// The lanes layout of Q4_K weights (`w`: whole rows of `kb` super-blocks, a multiple of 16 rows): the same bytes,
-/// permuted so that tile `(g, b)` (super-blocks `(g * kb + b) * 16..+16`) holds super-block `b` of rows
-/// `16g..16g + 16` word by word, word `i` of row `16g + n` at byte `64 i + 4 n` of the tile. One 64-byte load is
-/// then a word of all 16 rows, one row per 32-bit lane, which the row groups ([`kernels::groups`]) otherwise gather
-/// from 16 rows and transpose at every step: in one process, alternating the two layouts pass by pass
-/// (`engine-bench --ab-lanes`), a one-token step of the default target took 10-18% less time and blocks of 2-8 rows
-/// 4-12% less on an AVX-512 VNNI EPYC (docs/figures.md, "Q4_K in the lanes layout").
-pub(crate) fn q4k_to_lanes(w: &[BlockQ4K], kb: usize) -> Vec<BlockQ4K> {
-    permute_q4k(w, kb, true)
+/// The lanes layout of K-quant weights (`w`: whole rows of `kb` super-blocks, a multiple of 16 rows): the same
+/// bytes, permuted so that tile `(g, b)` (super-blocks `(g * kb + b) * 16..+16`) holds super-block `b` of rows
+/// `16g..16g + 16` word by word, word `i` of row `16g + n` at byte `64 i + 4 n` of the tile, and a block's last two
+/// bytes where its size is not a multiple of 4 (Q6_K's `d`: 210 bytes) at `64 w + 2 n` after its `w` whole words.
+/// One 64-byte load is then a word of all 16 rows, one row per 32-bit lane, which the row groups
+/// ([`kernels::groups`]) otherwise gather from 16 rows and transpose at every step: in one process, alternating the
+/// two layouts pass by pass (`engine-bench --ab-lanes`), a one-token step of the default target took 10-18% less
+/// time and blocks of 2-8 rows 4-12% less on an AVX-512 VNNI EPYC with Q4_K in lanes (docs/figures.md, "Q4_K in the
+/// lanes layout"); Q6_K followed (the same document, "Q6_K in the lanes layout").
+pub(crate) fn to_lanes<T: GgmlType>(w: &[T], kb: usize) -> Vec<T> {
+    permute_lanes(w, kb, true)
 }
 
-/// The row-major layout back from [`q4k_to_lanes`]'s.
-pub(crate) fn q4k_from_lanes(w: &[BlockQ4K], kb: usize) -> Vec<BlockQ4K> {
-    permute_q4k(w, kb, false)
+/// The row-major layout back from [`to_lanes`]'s.
+pub(crate) fn from_lanes<T: GgmlType>(w: &[T], kb: usize) -> Vec<T> {
+    permute_lanes(w, kb, false)
+}
+
+/// Where the bytes of row `n`'s super-block (of `block` bytes) go in a lanes-layout tile: `(offset in the block,
+/// offset in the tile, length)` for each of its words and its 2-byte tail, if any.
+fn lane_runs(block: usize, n: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    debug_assert!(
+        block.is_multiple_of(4) || block % 4 == 2,
+        "whole words or a 2-byte tail"
+    );
+    let words = block / 4;
+    let tail = (!block.is_multiple_of(4)).then_some((4 * words, 64 * words + 2 * n, 2));
+    (0..words)
+        .map(move |i| (4 * i, 64 * i + 4 * n, 4))
+        .chain(tail)
+}
+
+/// The blocks of `w` as bytes (mutable: a copy's, to permute into).
+#[allow(unsafe_code)]
+fn block_bytes<T: GgmlType>(w: &[T]) -> &[u8] {
+    // SAFETY: the ggml block types are #[repr(C)] plain-old-data; the view spans exactly the slice's storage.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)) }
 }
 
 #[allow(unsafe_code)]
-fn permute_q4k(w: &[BlockQ4K], kb: usize, to_lanes: bool) -> Vec<BlockQ4K> {
+fn block_bytes_mut<T: GgmlType>(w: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `block_bytes`; every bit pattern is a valid block, so any bytes written leave valid blocks.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(w)) }
+}
+
+fn permute_lanes<T: GgmlType>(w: &[T], kb: usize, to_lanes: bool) -> Vec<T> {
     assert!(
         kb > 0 && w.len().is_multiple_of(16 * kb),
         "whole groups of 16 rows"
     );
+    let block = std::mem::size_of::<T>();
     let mut out = w.to_vec();
-    // SAFETY: BlockQ4K is #[repr(C)] plain-old-data of Q4K_BYTES bytes; both views span the same number of whole
-    // blocks, and `out` is a distinct allocation.
-    let (src, dst) = unsafe {
-        (
-            std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
-            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
-        )
-    };
-    let row_bytes = kb * Q4K_BYTES;
+    let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
+    let row_bytes = kb * block;
     for g in 0..w.len() / (16 * kb) {
         for b in 0..kb {
-            let tile = (g * kb + b) * 16 * Q4K_BYTES;
+            let tile = (g * kb + b) * 16 * block;
             for n in 0..16 {
-                let row = (g * 16 + n) * row_bytes + b * Q4K_BYTES;
-                for i in 0..Q4K_BYTES / 4 {
-                    let (lanes, rows) = (tile + 64 * i + 4 * n, row + 4 * i);
+                let row = (g * 16 + n) * row_bytes + b * block;
+                for (at, lane, len) in lane_runs(block, n) {
+                    let (rows, lanes) = (row + at, tile + lane);
                     let (from, to) = if to_lanes {
                         (rows, lanes)
                     } else {
                         (lanes, rows)
                     };
-                    dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+                    dst[to..to + len].copy_from_slice(&src[from..from + len]);
                 }
             }
         }
@@ -164,22 +188,15 @@ fn permute_q4k(w: &[BlockQ4K], kb: usize, to_lanes: bool) -> Vec<BlockQ4K> {
 }
 
 /// Row `r`'s super-blocks out of a lanes-layout matrix of `kb` super-blocks per row.
-#[allow(unsafe_code)]
-fn q4k_lanes_row(w: &[BlockQ4K], kb: usize, r: usize) -> Vec<BlockQ4K> {
-    let mut out = vec![BlockQ4K::zeros(); kb];
-    // SAFETY: as in `permute_q4k`.
-    let (src, dst) = unsafe {
-        (
-            std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * Q4K_BYTES),
-            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), kb * Q4K_BYTES),
-        )
-    };
+fn lanes_row<T: GgmlType>(w: &[T], kb: usize, r: usize) -> Vec<T> {
+    let block = std::mem::size_of::<T>();
+    let mut out = vec![T::zeros(); kb];
+    let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
     let (g, n) = (r / 16, r % 16);
     for b in 0..kb {
-        let tile = (g * kb + b) * 16 * Q4K_BYTES;
-        for i in 0..Q4K_BYTES / 4 {
-            let from = tile + 64 * i + 4 * n;
-            dst[b * Q4K_BYTES + 4 * i..][..4].copy_from_slice(&src[from..from + 4]);
+        let tile = (g * kb + b) * 16 * block;
+        for (at, lane, len) in lane_runs(block, n) {
+            dst[b * block + at..][..len].copy_from_slice(&src[tile + lane..][..len]);
         }
     }
     out
@@ -188,6 +205,29 @@ fn q4k_lanes_row(w: &[BlockQ4K], kb: usize, r: usize) -> Vec<BlockQ4K> {
 impl<T: GgmlType> Mat<T> {
     fn blocks_per_row(&self) -> usize {
         self.cols / T::BLCK_SIZE
+    }
+
+    /// The same matrix in the lanes layout ([`to_lanes`]).
+    fn to_lanes(&self) -> Self {
+        Mat {
+            rows: self.rows,
+            cols: self.cols,
+            blocks: to_lanes(&self.blocks, self.blocks_per_row()),
+        }
+    }
+
+    /// The row-major matrix of one stored in the lanes layout.
+    fn rows_of_lanes(&self) -> Self {
+        Mat {
+            rows: self.rows,
+            cols: self.cols,
+            blocks: from_lanes(&self.blocks, self.blocks_per_row()),
+        }
+    }
+
+    /// Row `r`'s blocks, of a matrix stored in the lanes layout.
+    fn lanes_row(&self, r: usize) -> Vec<T> {
+        lanes_row(&self.blocks, self.blocks_per_row(), r)
     }
 
     fn from_bytes(rows: usize, cols: usize, bytes: &[u8]) -> Self {
@@ -322,8 +362,10 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-/// The lanes layout's switch: 0 as `PARSE_CPU_LANES` says (on unless `off`), 1 off, 2 on ([`set_lanes`]).
+/// The lanes layout's switches, for all formats and for Q6_K alone: 0 as `PARSE_CPU_LANES` says (`off`: no
+/// matrix; `q4k`: Q4_K only; anything else or unset: both), 1 off, 2 on ([`set_lanes`], [`set_q6k_lanes`]).
 static LANES: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static LANES_Q6K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Turns the lanes layout off or on for matrices loaded from now on, whatever `PARSE_CPU_LANES` says (a benchmark
 /// loads the model both ways in one process and alternates them: `engine-bench --ab-lanes`).
@@ -331,22 +373,45 @@ pub fn set_lanes(on: bool) {
     LANES.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether a Q4_K matrix of `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]).
-fn lanes_wanted(rows: usize) -> bool {
+/// Turns the lanes layout off or on for Q6_K matrices loaded from now on (where [`set_lanes`] leaves it on):
+/// `engine-bench --ab-lanes-q6k` times Q6_K in rows against Q6_K in lanes, Q4_K in lanes on both sides.
+pub fn set_q6k_lanes(on: bool) {
+    LANES_Q6K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a matrix of `format` with `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]):
+/// Q4_K where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines the tiles, read it), Q6_K
+/// only where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows).
+fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = match LANES.load(std::sync::atomic::Ordering::Relaxed) {
+        use std::sync::atomic::Ordering::Relaxed;
+        static ENV: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let env = ENV.get_or_init(|| {
+            std::env::var("PARSE_CPU_LANES")
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        });
+        let switch = |s: &std::sync::atomic::AtomicU8, env_on: bool| match s.load(Relaxed) {
             1 => false,
             2 => true,
-            _ => !*OFF
-                .get_or_init(|| std::env::var("PARSE_CPU_LANES").is_ok_and(|v| v.trim() == "off")),
+            _ => env_on,
         };
-        on && rows > 0 && rows.is_multiple_of(16) && kernels::active() >= kernels::Kernels::Vnni
+        let all = switch(&LANES, env != "off");
+        let whole_groups = rows > 0 && rows.is_multiple_of(16);
+        match format {
+            GgmlDType::Q4K => all && whole_groups && kernels::active() >= kernels::Kernels::Vnni,
+            GgmlDType::Q6K => {
+                all && switch(&LANES_Q6K, env != "q4k")
+                    && whole_groups
+                    && kernels::active() == kernels::Kernels::Vnni
+            }
+            _ => false,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = rows;
+        let _ = (format, rows);
         false
     }
 }
@@ -852,17 +917,15 @@ impl QMatrix {
             QMatrix::Q5K(_) => GgmlDType::Q5K,
             QMatrix::Q6K(_) => GgmlDType::Q6K,
             QMatrix::Q4KLanes(_) => GgmlDType::Q4K,
+            QMatrix::Q6KLanes(_) => GgmlDType::Q6K,
         }
     }
 
-    /// The row-major Q4_K matrix of a lanes-layout one; `None` for every other.
+    /// The row-major matrix of a lanes-layout one; `None` for every other.
     fn row_major(&self) -> Option<QMatrix> {
         match self {
-            QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(Mat {
-                rows: m.rows,
-                cols: m.cols,
-                blocks: q4k_from_lanes(&m.blocks, m.blocks_per_row()),
-            })),
+            QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(m.rows_of_lanes())),
+            QMatrix::Q6KLanes(m) => Some(QMatrix::Q6K(m.rows_of_lanes())),
             _ => None,
         }
     }
@@ -893,11 +956,11 @@ impl QMatrix {
 
     /// Dequantizes row `r` (used for embedding look-ups).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        if let QMatrix::Q4KLanes(m) = self {
-            BlockQ4K::to_float(&q4k_lanes_row(&m.blocks, m.blocks_per_row(), r), out);
-            return;
+        match self {
+            QMatrix::Q4KLanes(m) => BlockQ4K::to_float(&m.lanes_row(r), out),
+            QMatrix::Q6KLanes(m) => BlockQ6K::to_float(&m.lanes_row(r), out),
+            _ => dispatch!(self, m => m.row_to_f32(r, out)),
         }
-        dispatch!(self, m => m.row_to_f32(r, out))
     }
 
     /// Dequantizes the whole matrix, row-major.
@@ -979,9 +1042,10 @@ impl QMatrix {
     /// main format, has its own kernels and is read as stored: 22 bytes per 32 weights instead of Q8_0's 34).
     ///
     /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
-    /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`q4k_to_lanes`];
-    /// the same bytes, the same results bit for bit); `PARSE_CPU_LANES=off` keeps the rows (benchmarks compare the
-    /// two in one build).
+    /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`to_lanes`];
+    /// the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels are active
+    /// without AMX; `PARSE_CPU_LANES=off` keeps the rows, `PARSE_CPU_LANES=q4k` Q6_K's only (benchmarks compare them
+    /// in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
@@ -989,13 +1053,11 @@ impl QMatrix {
                 let data = self.to_f32();
                 QMatrix::Q8_0(Mat::<BlockQ8_0>::from_f32(rows, cols, &data))
             }
-            QMatrix::Q4K(m) if lanes_wanted(m.rows) => {
-                let blocks = q4k_to_lanes(&m.blocks, m.blocks_per_row());
-                QMatrix::Q4KLanes(Mat {
-                    rows: m.rows,
-                    cols: m.cols,
-                    blocks,
-                })
+            QMatrix::Q4K(m) if lanes_wanted(GgmlDType::Q4K, m.rows) => {
+                QMatrix::Q4KLanes(m.to_lanes())
+            }
+            QMatrix::Q6K(m) if lanes_wanted(GgmlDType::Q6K, m.rows) => {
+                QMatrix::Q6KLanes(m.to_lanes())
             }
             other => other,
         }
@@ -1028,6 +1090,8 @@ impl QMatrix {
             QMatrix::Q8_0(_) => kernels::groups_32("Q8_0", n, k, m),
             QMatrix::Q5_0(_) => kernels::groups_32("Q5_0", n, k, m),
             QMatrix::Q4KLanes(_) => kernels::amx_lanes(n, k, m),
+            // Q6_K in lanes: the VNNI row groups, the only kernel that reads it.
+            QMatrix::Q6KLanes(_) => kernels::choose::Pick::fixed(true),
             _ => kernels::choose::Pick::fixed(false),
         };
         let groups = pick.groups;
@@ -1050,6 +1114,24 @@ impl QMatrix {
             // Another variant made active after loading (tests and benchmarks switch them): through the rows.
             let _ = mat;
             pick.finish();
+            let plain = self.row_major().expect("a lanes-layout matrix");
+            return plain.matmul_input(input, out);
+        }
+        if let QMatrix::Q6KLanes(mat) = self {
+            pick.finish();
+            #[cfg(target_arch = "x86_64")]
+            if kernels::active() >= kernels::Kernels::Vnni {
+                // Whole 16-row groups, as for Q4_K above: the panels are never called on this layout.
+                matmul_k_groups(
+                    mat,
+                    input,
+                    out,
+                    kernels::groups::q6k_lanes,
+                    kernels::q6k_panel,
+                );
+                return Ok(());
+            }
+            let _ = mat;
             let plain = self.row_major().expect("a lanes-layout matrix");
             return plain.matmul_input(input, out);
         }
@@ -1327,61 +1409,75 @@ mod shard_tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    /// A Q4_K matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in rows.
+    /// A Q4_K or Q6_K matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in rows.
     #[test]
     fn the_lanes_layout_reads_and_multiplies_as_the_rows_do() {
         let (n, k) = (48, 3 * 256);
         let w = random(n * k, 21);
-        let rows = QMatrix::from_f32(GgmlDType::Q4K, n, k, &w).unwrap();
-        let QMatrix::Q4K(mat) = &rows else {
-            unreachable!("made as Q4_K")
-        };
-        let kb = mat.blocks_per_row();
-        let lanes = QMatrix::Q4KLanes(Mat {
-            rows: n,
-            cols: k,
-            blocks: q4k_to_lanes(&mat.blocks, kb),
-        });
-        assert_eq!(lanes.dtype(), GgmlDType::Q4K);
-        assert_eq!(
-            q4k_from_lanes(&q4k_to_lanes(&mat.blocks, kb), kb).len(),
-            mat.blocks.len()
-        );
-        assert_eq!(
-            lanes.raw_bytes(),
-            rows.raw_bytes(),
-            "the layout is a permutation, undone for readers"
-        );
-        assert_eq!(lanes.to_f32(), rows.to_f32());
-        for r in [0, 15, 16, 47] {
-            let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);
-            lanes.row_to_f32(r, &mut a);
-            rows.row_to_f32(r, &mut b);
-            assert_eq!(a, b, "row {r}");
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+            let rows = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            let lanes = match &rows {
+                QMatrix::Q4K(mat) => {
+                    let kb = mat.blocks_per_row();
+                    assert_eq!(
+                        from_lanes(&to_lanes(&mat.blocks, kb), kb).len(),
+                        mat.blocks.len()
+                    );
+                    QMatrix::Q4KLanes(mat.to_lanes())
+                }
+                QMatrix::Q6K(mat) => {
+                    // 210-byte blocks: 52 words and a 2-byte tail per row; a permutation of every byte.
+                    let kb = mat.blocks_per_row();
+                    let there = to_lanes(&mat.blocks, kb);
+                    assert_ne!(block_bytes(&there), block_bytes(&mat.blocks));
+                    let mut sorted = (
+                        block_bytes(&there).to_vec(),
+                        block_bytes(&mat.blocks).to_vec(),
+                    );
+                    sorted.0.sort_unstable();
+                    sorted.1.sort_unstable();
+                    assert_eq!(sorted.0, sorted.1);
+                    QMatrix::Q6KLanes(mat.to_lanes())
+                }
+                _ => unreachable!("made as {dtype:?}"),
+            };
+            assert_eq!(lanes.dtype(), dtype);
+            assert_eq!(
+                lanes.raw_bytes(),
+                rows.raw_bytes(),
+                "{dtype:?}: the layout is a permutation, undone for readers"
+            );
+            assert_eq!(lanes.to_f32(), rows.to_f32());
+            for r in [0, 15, 16, 47] {
+                let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);
+                lanes.row_to_f32(r, &mut a);
+                rows.row_to_f32(r, &mut b);
+                assert_eq!(a, b, "{dtype:?} row {r}");
+            }
+            // Every block size, on whichever kernels this CPU runs (the lanes kernel where VNNI is active, the rows
+            // otherwise): the same bits as the rows.
+            for m in [1, 2, 3, 8, 9, 17, 40] {
+                let x = random(m * k, 22 + m as u64);
+                let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+                lanes.matmul(&x, m, &mut a).unwrap();
+                rows.matmul(&x, m, &mut b).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{dtype:?}, {m} rows");
+            }
+            // Shards come out in the rows' values.
+            assert_eq!(
+                lanes.select_rows(16..32).to_f32(),
+                rows.select_rows(16..32).to_f32()
+            );
+            assert_eq!(
+                lanes.gather_rows(&[0..16, 32..48]).to_f32(),
+                rows.gather_rows(&[0..16, 32..48]).to_f32()
+            );
+            assert_eq!(
+                lanes.select_cols(256..768).unwrap().to_f32(),
+                rows.select_cols(256..768).unwrap().to_f32()
+            );
         }
-        // Every block size, on whichever kernels this CPU runs (the lanes kernel where VNNI is active, the rows
-        // otherwise): the same bits as the rows.
-        for m in [1, 2, 3, 8, 9, 17, 40] {
-            let x = random(m * k, 22 + m as u64);
-            let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
-            lanes.matmul(&x, m, &mut a).unwrap();
-            rows.matmul(&x, m, &mut b).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&a), bits(&b), "{m} rows");
-        }
-        // Shards come out in the rows' values.
-        assert_eq!(
-            lanes.select_rows(16..32).to_f32(),
-            rows.select_rows(16..32).to_f32()
-        );
-        assert_eq!(
-            lanes.gather_rows(&[0..16, 32..48]).to_f32(),
-            rows.gather_rows(&[0..16, 32..48]).to_f32()
-        );
-        assert_eq!(
-            lanes.select_cols(256..768).unwrap().to_f32(),
-            rows.select_cols(256..768).unwrap().to_f32()
-        );
     }
 
     /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:

@@ -7,7 +7,7 @@
 //! the min term `M` is an exact integer too, through `vpdpwssd`); the float chains are those of the definitions.
 //! Only blocks of at least [`MIN_ROWS`] rows come here; one-token steps use the VNNI panels, which give the same
 //! bits. The weights are walked 16 rows at a time, one super-block per step, with the blocks of a later step
-//! prefetched. Q4_K matrices stored in the lanes layout (`quant::q4k_to_lanes`) take [`q4k_lanes`] instead, with
+//! prefetched. Q4_K matrices stored in the lanes layout (`quant::to_lanes`) take [`q4k_lanes`] instead, with
 //! the weights as the B operand, for the blocks where it is faster than the row groups (`super::amx_lanes`).
 //!
 //! Tiles are programmed with inline assembly (the AMX intrinsics are not stable in Rust): `ldtilecfg` on entry,
@@ -506,7 +506,7 @@ pub unsafe fn q6k_groups(w: &[BlockQ6K], kb: usize, acts: &Acts, out: &mut [f32]
 struct BTiles([[[[u8; 64]; 16]; 2]; 4]);
 
 /// `out[r * stride + c] = q4k_dot_scalar(W[c], xs[r])` for Q4_K weights `w` in the lanes layout
-/// (`quant::q4k_to_lanes`: a multiple of 16 rows of `kb` super-blocks) and every activation row `r`.
+/// (`quant::to_lanes`: a multiple of 16 rows of `kb` super-blocks) and every activation row `r`.
 ///
 /// Here the weights are the tiles' B operand and the activations A, the other way round from [`q4k_groups`]: a word
 /// of the lanes layout is 16 weight rows of 4 bytes, which masked to its low or high nibbles is a row of a B operand

@@ -1027,7 +1027,7 @@ mod tests {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
             // The same weights in the lanes layout, through its kernel.
-            let lanes = crate::quant::q4k_to_lanes(&w, kb);
+            let lanes = crate::quant::to_lanes(&w, kb);
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: as above; `lanes` is whole 16-row groups in the lanes layout.
@@ -1044,6 +1044,17 @@ mod tests {
                 groups::q6k_groups(&w6, kb, &xs, &mut out, stride)
             };
             check_block("q6k", &out, stride, m, cols, |r, c| {
+                q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r])
+            });
+            // The same weights in the lanes layout, through its kernel.
+            let lanes6 = crate::quant::to_lanes(&w6, kb);
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: as above; `lanes6` is whole 16-row groups in the lanes layout.
+            unsafe {
+                groups::q6k_lanes(&lanes6, kb, &xs, &mut out, stride)
+            };
+            check_block("q6k lanes", &out, stride, m, cols, |r, c| {
                 q6k_dot_scalar(&w6[c * kb..(c + 1) * kb], xs[r])
             });
         }
@@ -1158,7 +1169,7 @@ mod tests {
         // the other (every second row of a larger block: all padded); at the weights' extremes too.
         let mut w = w;
         q4k_extremes(&mut w, kb);
-        let lanes = crate::quant::q4k_to_lanes(&w, kb);
+        let lanes = crate::quant::to_lanes(&w, kb);
         for (m, spread) in [
             (1, 1),
             (2, 1),
