@@ -357,7 +357,24 @@ fn attention_with(
             // scores[h * n + i]: head h of the group, i-th visible key.
             let mut scores = vec![0f32; group * n];
             let mut row = vec![0f32; group];
-            for (i, &t) in keys.iter().enumerate() {
+            // The AVX-512 path scores whole runs of 16 keys at once (`scores16_wide`), the rest key by key.
+            let by16 = if wide { n / 16 * 16 } else { 0 };
+            for i0 in (0..by16).step_by(16) {
+                let ks: [&[f32]; 16] = std::array::from_fn(|j| {
+                    let t = keys[i0 + j];
+                    &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd]
+                });
+                #[cfg(target_arch = "x86_64")]
+                #[allow(unsafe_code)]
+                // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention_runs`); hd is a multiple of 16, at
+                // most 128; `scores` holds group x n values and i0 + 16 <= n.
+                unsafe {
+                    scores16_wide(qs, &ks, &mut scores, n, i0, scale)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = ks;
+            }
+            for (i, &t) in keys.iter().enumerate().skip(by16) {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
                 if wide {
                     #[cfg(target_arch = "x86_64")]
@@ -441,14 +458,15 @@ unsafe fn dot_heads_wide(qs: &[f32], k: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The 16-lane accumulators of [`dot_heads_zmm`] for `G` heads against key `k`, before their lanes are summed.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[inline]
-unsafe fn dot_heads_zmm<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+unsafe fn acc_heads_zmm<const G: usize>(qs: &[f32], k: &[f32]) -> [std::arch::x86_64::__m512; G] {
     use std::arch::x86_64::*;
     let hd = k.len();
-    assert!(hd.is_multiple_of(16) && qs.len() >= G * hd && out.len() >= G);
+    assert!(hd.is_multiple_of(16) && qs.len() >= G * hd);
     let mut acc = [_mm512_setzero_ps(); G];
     for i in (0..hd).step_by(16) {
         // SAFETY: i + 16 <= hd, and every head's slice has hd values.
@@ -459,6 +477,118 @@ unsafe fn dot_heads_zmm<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) 
             }
         }
     }
+    acc
+}
+
+/// The scores of 16 keys `ks` for every head of a group (`qs`: its heads' queries, one after the other), written to
+/// `scores[h * n + i0 + j]` for key `j`: each head's 16 accumulators of [`acc_heads_zmm`] are summed lane by lane
+/// with the additions of [`dot_heads_zmm`] (lanes `i` and `i + 8`, then [`lane_sum`]'s pairs, then the tail's zero)
+/// done for the 16 keys side by side, then multiplied by `scale`: the same bits as scoring the keys one by one.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn scores16_wide(
+    qs: &[f32],
+    ks: &[&[f32]; 16],
+    scores: &mut [f32],
+    n: usize,
+    i0: usize,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let hd = ks[0].len();
+    let group = qs.len() / hd;
+    assert!(i0 + 16 <= n && scores.len() >= group * n);
+    let mut raw = [[_mm512_setzero_ps(); 16]; 8];
+    let mut h0 = 0;
+    while h0 < group {
+        let g = (group - h0).min(8);
+        let q = &qs[h0 * hd..];
+        for (j, k) in ks.iter().enumerate() {
+            // SAFETY (every call): the caller's CPU features; q holds g heads of hd values from h0.
+            unsafe {
+                macro_rules! heads {
+                    ($g:literal) => {{
+                        let acc = acc_heads_zmm::<$g>(q, k);
+                        for h in 0..$g {
+                            raw[h][j] = acc[h];
+                        }
+                    }};
+                }
+                match g {
+                    8 => heads!(8),
+                    7 => heads!(7),
+                    6 => heads!(6),
+                    5 => heads!(5),
+                    4 => heads!(4),
+                    3 => heads!(3),
+                    2 => heads!(2),
+                    _ => heads!(1),
+                }
+            }
+        }
+        for (h, x) in raw.iter().enumerate().take(g) {
+            let v = _mm512_mul_ps(sum_lanes16(x), _mm512_set1_ps(scale));
+            let at = (h0 + h) * n + i0;
+            // SAFETY: scores holds 16 values from `at` (checked above).
+            unsafe { _mm512_storeu_ps(scores[at..at + 16].as_mut_ptr(), v) };
+        }
+        h0 += g;
+    }
+}
+
+/// Lane `j` of the result: the lanes of `x[j]` summed as [`dot_heads_zmm`] sums one accumulator (`lo + hi` of its
+/// 8-lane halves, then `(s0 + s2) + (s1 + s3)` of `s_i = l_i + l_(i+4)`, then `+ 0.0` for the empty tail), the 16
+/// accumulators' additions done side by side.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+fn sum_lanes16(x: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // y[m]: keys 2m and 2m + 1, 8 lanes each (l_i = a_i + a_(i+8)).
+    let y: [__m512; 8] = std::array::from_fn(|m| {
+        let (a, b) = (x[2 * m], x[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // z[q]: keys 4q..4q + 4, one per 128-bit block holding s_0..s_3 (s_i = l_i + l_(i+4)).
+    let z: [__m512; 4] = std::array::from_fn(|q| {
+        let (a, b) = (y[2 * q], y[2 * q + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    });
+    // w[r], block k: keys 8r + k and 8r + 4 + k, each as (s0 + s2, s1 + s3).
+    let w: [__m512; 2] = std::array::from_fn(|r| {
+        let (a, b) = (_mm512_castps_pd(z[2 * r]), _mm512_castps_pd(z[2 * r + 1]));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        )
+    });
+    // Lane 4k + j of f: key k + 4j.
+    let f = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(w[0], w[1]),
+        _mm512_shuffle_ps::<0xDD>(w[0], w[1]),
+    );
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_add_ps(_mm512_permutexvar_ps(order, f), _mm512_setzero_ps())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn dot_heads_zmm<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = k.len();
+    assert!(hd.is_multiple_of(16) && qs.len() >= G * hd && out.len() >= G);
+    // SAFETY: the caller's CPU features; checked just above.
+    let acc = unsafe { acc_heads_zmm::<G>(qs, k) };
     for (h, a) in acc.iter().enumerate() {
         let lo = _mm512_castps512_ps256(*a);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
@@ -653,8 +783,17 @@ mod tests {
             return;
         }
         let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
-        for (n_heads, n_kv_heads, head_dim) in [(12, 2, 128), (14, 2, 64), (4, 4, 48), (9, 1, 16)] {
-            let (cached, rows) = (37, 5);
+        for (n_heads, n_kv_heads, head_dim, cached) in [
+            (12, 2, 128, 37),
+            (14, 2, 64, 37),
+            (4, 4, 48, 37),
+            (9, 1, 16, 37),
+            (12, 2, 128, 16),
+            (14, 2, 128, 80),
+            (6, 1, 128, 3),
+        ] {
+            // Rows see up to `cached + 5` keys: whole runs of 16 and the rest, or fewer than 16 in all.
+            let rows = 5;
             let kv = n_kv_heads * head_dim;
             let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
             let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
@@ -680,7 +819,7 @@ mod tests {
             assert_eq!(
                 bits(&narrow),
                 bits(&wide),
-                "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}"
+                "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {cached} cached"
             );
             assert!(narrow.iter().all(|x| x.is_finite() && *x != 0.0));
         }
