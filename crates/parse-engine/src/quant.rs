@@ -121,7 +121,8 @@ fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
 /// ([`kernels::groups`]) otherwise gather from 16 rows and transpose at every step: in one process, alternating the
 /// two layouts pass by pass (`engine-bench --ab-lanes`), a one-token step of the default target took 10-18% less
 /// time and blocks of 2-8 rows 4-12% less on an AVX-512 VNNI EPYC with Q4_K in lanes (docs/figures.md, "Q4_K in the
-/// lanes layout"); Q6_K followed (the same document, "Q6_K in the lanes layout").
+/// lanes layout"); Q6_K followed with its faster row groups (the same document, "Q6_K row groups with the rows in
+/// registers").
 pub(crate) fn to_lanes<T: GgmlType>(w: &[T], kb: usize) -> Vec<T> {
     permute_lanes(w, kb, true)
 }
@@ -145,13 +146,14 @@ fn lane_runs(block: usize, n: usize) -> impl Iterator<Item = (usize, usize, usiz
         .chain(tail)
 }
 
-/// The blocks of `w` as bytes (mutable: a copy's, to permute into).
+/// The blocks of `w` as bytes.
 #[allow(unsafe_code)]
 fn block_bytes<T: GgmlType>(w: &[T]) -> &[u8] {
     // SAFETY: the ggml block types are #[repr(C)] plain-old-data; the view spans exactly the slice's storage.
     unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), std::mem::size_of_val(w)) }
 }
 
+/// The blocks of `w` as bytes to write (a copy's, to permute into).
 #[allow(unsafe_code)]
 fn block_bytes_mut<T: GgmlType>(w: &mut [T]) -> &mut [u8] {
     // SAFETY: as in `block_bytes`; every bit pattern is a valid block, so any bytes written leave valid blocks.
@@ -1044,8 +1046,8 @@ impl QMatrix {
     /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
     /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`to_lanes`];
     /// the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels are active
-    /// without AMX; `PARSE_CPU_LANES=off` keeps the rows, `PARSE_CPU_LANES=q4k` Q6_K's only (benchmarks compare them
-    /// in one build).
+    /// without AMX; `PARSE_CPU_LANES=off` keeps the rows, `PARSE_CPU_LANES=q4k` keeps Q6_K in rows (benchmarks
+    /// compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
