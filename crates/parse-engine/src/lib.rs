@@ -23,6 +23,7 @@ pub mod session;
 pub mod steps;
 pub use parse_text::tokenizer;
 pub mod tp;
+pub mod vexp;
 
 #[cfg(feature = "clap")]
 pub use candle::ComputeArgs;

@@ -259,11 +259,10 @@ impl Rope {
     }
 }
 
-/// `gate = silu(gate) * up`, element-wise, in place.
+/// `gate = silu(gate) * up`, element-wise, in place ([`crate::vexp::swiglu`]: the engine's own `exp`, the same bits
+/// on every path).
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = (*g / (1.0 + (-*g).exp())) * u;
-    }
+    crate::vexp::swiglu(gate, up)
 }
 
 /// Shapes of one attention call.
@@ -393,13 +392,7 @@ fn attention_with(
             let mut sums = vec![0f32; group];
             for h in 0..group {
                 let sc = &mut scores[h * n..(h + 1) * n];
-                let max = sc.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
-                let mut sum = 0f32;
-                for v in sc.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
-                sums[h] = sum;
+                sums[h] = crate::vexp::exp_sum(sc, crate::vexp::max_of(sc));
             }
             o.fill(0.0);
             if wide {
@@ -499,7 +492,8 @@ unsafe fn scores16_wide(
     let hd = ks[0].len();
     let group = qs.len() / hd;
     assert!(i0 + 16 <= n && scores.len() >= group * n);
-    let mut raw = [[_mm512_setzero_ps(); 16]; 8];
+    // Written for heads 0..g before they are read; left uninitialized, not zeroed (8 KB per run of 16 keys).
+    let mut raw = [[std::mem::MaybeUninit::<__m512>::uninit(); 16]; 8];
     let mut h0 = 0;
     while h0 < group {
         let g = (group - h0).min(8);
@@ -511,7 +505,7 @@ unsafe fn scores16_wide(
                     ($g:literal) => {{
                         let acc = acc_heads_zmm::<$g>(q, k);
                         for h in 0..$g {
-                            raw[h][j] = acc[h];
+                            raw[h][j] = std::mem::MaybeUninit::new(acc[h]);
                         }
                     }};
                 }
@@ -528,6 +522,8 @@ unsafe fn scores16_wide(
             }
         }
         for (h, x) in raw.iter().enumerate().take(g) {
+            // SAFETY: the loop above wrote all 16 accumulators of every head below g.
+            let x: &[__m512; 16] = unsafe { &*x.as_ptr().cast::<[__m512; 16]>() };
             let v = _mm512_mul_ps(sum_lanes16(x), _mm512_set1_ps(scale));
             let at = (h0 + h) * n + i0;
             // SAFETY: scores holds 16 values from `at` (checked above).
