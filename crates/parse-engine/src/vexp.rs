@@ -23,9 +23,9 @@ const HI: f32 = 88.8;
 /// Below this, `e^x` rounds to zero in f32 (`ln(2^-150)` is -103.97208).
 const LO: f32 = -104.0;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-/// ln 2 rounded to f32, and the rest.
-const LN2_HI: f32 = 0.693_147_2;
-const LN2_LO: f32 = -1.904_654_3e-9;
+/// ln 2 rounded to f32, and the rest (-1.9e-9).
+const LN2_HI: f32 = std::f32::consts::LN_2;
+const LN2_LO: f32 = (std::f64::consts::LN_2 - LN2_HI as f64) as f32;
 /// `1/n!` for n = 7 down to 2 (the last two Horner steps add `1` each).
 const C: [f32; 6] = [
     1.0 / 5040.0,
@@ -119,12 +119,12 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     {
         if wide() {
             #[allow(unsafe_code)]
-            // SAFETY: AVX-512 F is available (checked once by `wide`); the lengths are equal.
+            // SAFETY: AVX-512 F is available (checked once by `wide`); it reads the shorter length of the two.
             return unsafe { swiglu_avx512(gate, up) };
         }
         if narrow() {
             #[allow(unsafe_code)]
-            // SAFETY: AVX2 and FMA are available (checked once by `narrow`); the lengths are equal.
+            // SAFETY: AVX2 and FMA are available (checked once by `narrow`); it reads the shorter length of the two.
             return unsafe { swiglu_avx2(gate, up) };
         }
     }
@@ -145,7 +145,7 @@ fn wide() -> bool {
         std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
-    }) && !NARROW_ONLY.load(std::sync::atomic::Ordering::Relaxed)
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -154,14 +154,6 @@ fn narrow() -> bool {
     *NARROW.get_or_init(|| {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
     })
-}
-
-static NARROW_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Keeps [`exp_sum`] and [`swiglu`] off their AVX-512 path (`true`) or lets them take it where the CPU has it
-/// (`false`, the default): tests compare the paths in one process.
-pub fn set_avx2_only(on: bool) {
-    NARROW_ONLY.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// [`exp`] on 16 lanes.
