@@ -58,6 +58,10 @@ struct Args {
     /// matrices in rows on one side and in lanes on the other (`quant::set_q6k_lanes`).
     #[arg(long)]
     ab_lanes_q6k: bool,
+    /// Instead of the report: as `--ab-lanes`, with the K-quants in the lanes layout on both sides and only the Q5_0
+    /// matrices (the draft's) in rows on one side and in lanes on the other (`quant::set_q5_0_lanes`).
+    #[arg(long)]
+    ab_lanes_q5_0: bool,
     /// Instead of the report: time each model's passes without and with the attention's AVX-512 path, alternating
     /// pass by pass in one process (`ops::set_wide_attention`; the same bits either way): one-token steps, then each
     /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
@@ -116,20 +120,37 @@ fn ab_sizes(args: &Args) -> Vec<usize> {
     sizes
 }
 
-/// `--ab-lanes` (`q6k_only` false) or `--ab-lanes-q6k`: medians of alternating passes of the same model loaded with
-/// and without the lanes layout (for every format, or for Q6_K only).
-fn ab_lanes(name: &str, args: &Args, q6k_only: bool) -> Result<()> {
+/// Which matrices `--ab-lanes` and its variants switch between rows and lanes.
+#[derive(Clone, Copy)]
+enum LanesAb {
+    All,
+    Q6K,
+    Q5_0,
+}
+
+/// `--ab-lanes`, `--ab-lanes-q6k` or `--ab-lanes-q5-0`: medians of alternating passes of the same model loaded with
+/// and without the lanes layout (for every format, or for Q6_K or Q5_0 only).
+fn ab_lanes(name: &str, args: &Args, which: LanesAb) -> Result<()> {
     let mut engines = Vec::new();
     for on in [false, true] {
-        if q6k_only {
-            parse_engine::quant::set_lanes(true);
-            parse_engine::quant::set_q6k_lanes(on);
-        } else {
-            parse_engine::quant::set_lanes(on);
+        match which {
+            LanesAb::All => parse_engine::quant::set_lanes(on),
+            LanesAb::Q6K => {
+                parse_engine::quant::set_lanes(true);
+                parse_engine::quant::set_q6k_lanes(on);
+            }
+            LanesAb::Q5_0 => {
+                parse_engine::quant::set_lanes(true);
+                parse_engine::quant::set_q5_0_lanes(on);
+            }
         }
         engines.push(loaded(name, args)?);
     }
-    let which = if q6k_only { "Q6_K in rows" } else { "rows" };
+    let which = match which {
+        LanesAb::All => "rows",
+        LanesAb::Q6K => "Q6_K in rows",
+        LanesAb::Q5_0 => "Q5_0 in rows",
+    };
     println!(
         "\n### {name}: {which} against the lanes layout, alternating pass by pass (median ms)\n"
     );
@@ -472,9 +493,16 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.ab_lanes || args.ab_lanes_q6k {
+    if args.ab_lanes || args.ab_lanes_q6k || args.ab_lanes_q5_0 {
+        let which = if args.ab_lanes_q6k {
+            LanesAb::Q6K
+        } else if args.ab_lanes_q5_0 {
+            LanesAb::Q5_0
+        } else {
+            LanesAb::All
+        };
         for m in &args.models {
-            ab_lanes(m, &args, args.ab_lanes_q6k)?;
+            ab_lanes(m, &args, which)?;
         }
         return Ok(());
     }

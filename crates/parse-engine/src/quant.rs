@@ -54,6 +54,9 @@ pub enum QMatrix {
     /// Q6_K in the lanes layout ([`to_lanes`]), read by the AVX-512 VNNI row groups at every block size; made only
     /// where those are the active kernels (AMX machines keep Q6_K in rows, the layout of their tiles).
     Q6KLanes(Mat<BlockQ6K>),
+    /// Q5_0 in its lanes layout ([`q5_0_to_lanes`]), read by the AVX-512 VNNI row groups at every block size
+    /// (including the one-token step); made only where an AVX-512 VNNI variant is active.
+    Q5_0Lanes(Mat<BlockQ5_0>),
 }
 
 macro_rules! dispatch {
@@ -73,6 +76,7 @@ macro_rules! dispatch {
             QMatrix::Q6K($m) => $body,
             QMatrix::Q4KLanes($m) => $body,
             QMatrix::Q6KLanes($m) => $body,
+            QMatrix::Q5_0Lanes($m) => $body,
         }
     };
 }
@@ -95,6 +99,7 @@ macro_rules! dispatch_map {
             QMatrix::Q6K($m) => QMatrix::Q6K($body),
             QMatrix::Q4KLanes($m) => QMatrix::Q4KLanes($body),
             QMatrix::Q6KLanes($m) => QMatrix::Q6KLanes($body),
+            QMatrix::Q5_0Lanes($m) => QMatrix::Q5_0Lanes($body),
         }
     };
 }
@@ -200,6 +205,108 @@ fn lanes_row<T: GgmlType>(w: &[T], kb: usize, r: usize) -> Vec<T> {
         for (at, lane, len) in lane_runs(block, n) {
             dst[b * block + at..][..len].copy_from_slice(&src[tile + lane..][..len]);
         }
+    }
+    out
+}
+
+/// Bytes of a Q5_0 block (ggml's `block_q5_0`: `d` as f16, the 32 fifth bits `qh`, 16 bytes of nibbles `qs`).
+const Q5_0_BLOCK: usize = 22;
+
+/// The lanes layout of Q5_0 weights (`w`: whole rows of `kb` blocks, a multiple of 16 rows): tile `(g, b)` (blocks
+/// `(g * kb + b) * 16..+16`, 352 bytes) holds block `b` of rows `16g..16g + 16` as the row groups read it:
+/// - bytes `0..32`: the 16 rows' `d`, row `n` at `2n`, one 256-bit load for the 16 scales;
+/// - bytes `32..96`: eight 64-bit masks, mask `k` at `32 + 8k` with bit `4n + t` the fifth bit of value `4k + t` of
+///   row `n` (bit `4k + t` of its `qh`), one mask register per vector of weights below;
+/// - bytes `96..352`: four vectors, vector `i` at `96 + 64i` with bytes `4n..4n + 4` row `n`'s nibble bytes
+///   `4i..4i + 4`, whose low nibbles are values `4i..4i + 4` and high nibbles values `16 + 4i..`.
+///
+/// One masked add then makes a vector of 4 consecutive unsigned weights of 16 rows, the operand of `vpdpbusd`, from
+/// one load, one mask and a shift (`kernels::groups::q5_0_lanes`), where the rows' blocks are otherwise gathered,
+/// transposed and their fifth bits spread by shuffles at every step. The same bits as the rows, permuted; the same
+/// size.
+pub(crate) fn q5_0_to_lanes(w: &[BlockQ5_0], kb: usize) -> Vec<BlockQ5_0> {
+    q5_0_permute(w, kb, true)
+}
+
+/// The row-major layout back from [`q5_0_to_lanes`]'s.
+pub(crate) fn q5_0_from_lanes(w: &[BlockQ5_0], kb: usize) -> Vec<BlockQ5_0> {
+    q5_0_permute(w, kb, false)
+}
+
+/// One tile of [`q5_0_to_lanes`] from its 16 rows' blocks (`rows[n]`: row `n`'s 22 bytes).
+fn q5_0_pack_tile(rows: &[&[u8]; 16], tile: &mut [u8]) {
+    for (n, r) in rows.iter().enumerate() {
+        tile[2 * n..2 * n + 2].copy_from_slice(&r[..2]);
+        for i in 0..4 {
+            tile[96 + 64 * i + 4 * n..][..4].copy_from_slice(&r[6 + 4 * i..][..4]);
+        }
+    }
+    for k in 0..8 {
+        let mut mask = 0u64;
+        for (n, r) in rows.iter().enumerate() {
+            let qh = u32::from_le_bytes([r[2], r[3], r[4], r[5]]);
+            mask |= (((qh >> (4 * k)) & 0xF) as u64) << (4 * n);
+        }
+        tile[32 + 8 * k..][..8].copy_from_slice(&mask.to_le_bytes());
+    }
+}
+
+/// Row `n`'s 22 bytes out of a tile of [`q5_0_to_lanes`].
+fn q5_0_unpack_tile(tile: &[u8], n: usize, block: &mut [u8]) {
+    block[..2].copy_from_slice(&tile[2 * n..2 * n + 2]);
+    let mut qh = 0u32;
+    for k in 0..8 {
+        let mask = u64::from_le_bytes(tile[32 + 8 * k..][..8].try_into().expect("8 bytes"));
+        qh |= (((mask >> (4 * n)) & 0xF) as u32) << (4 * k);
+    }
+    block[2..6].copy_from_slice(&qh.to_le_bytes());
+    for i in 0..4 {
+        block[6 + 4 * i..][..4].copy_from_slice(&tile[96 + 64 * i + 4 * n..][..4]);
+    }
+}
+
+fn q5_0_permute(w: &[BlockQ5_0], kb: usize, to_lanes: bool) -> Vec<BlockQ5_0> {
+    assert!(
+        kb > 0 && w.len().is_multiple_of(16 * kb),
+        "whole groups of 16 rows"
+    );
+    debug_assert_eq!(std::mem::size_of::<BlockQ5_0>(), Q5_0_BLOCK);
+    let mut out = w.to_vec();
+    let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
+    let (row_bytes, tile_bytes) = (kb * Q5_0_BLOCK, 16 * Q5_0_BLOCK);
+    for g in 0..w.len() / (16 * kb) {
+        for b in 0..kb {
+            let tile = (g * kb + b) * tile_bytes;
+            let at = |n: usize| (g * 16 + n) * row_bytes + b * Q5_0_BLOCK;
+            if to_lanes {
+                let rows: [&[u8]; 16] = std::array::from_fn(|n| &src[at(n)..at(n) + Q5_0_BLOCK]);
+                q5_0_pack_tile(&rows, &mut dst[tile..tile + tile_bytes]);
+            } else {
+                for n in 0..16 {
+                    q5_0_unpack_tile(
+                        &src[tile..tile + tile_bytes],
+                        n,
+                        &mut dst[at(n)..at(n) + Q5_0_BLOCK],
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Row `r`'s blocks out of a Q5_0 matrix of `kb` blocks per row in [`q5_0_to_lanes`]'s layout.
+fn q5_0_lanes_row(w: &[BlockQ5_0], kb: usize, r: usize) -> Vec<BlockQ5_0> {
+    let mut out = vec![BlockQ5_0::zeros(); kb];
+    let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
+    let (g, n) = (r / 16, r % 16);
+    for b in 0..kb {
+        let tile = (g * kb + b) * 16 * Q5_0_BLOCK;
+        q5_0_unpack_tile(
+            &src[tile..tile + 16 * Q5_0_BLOCK],
+            n,
+            &mut dst[b * Q5_0_BLOCK..(b + 1) * Q5_0_BLOCK],
+        );
     }
     out
 }
@@ -364,10 +471,11 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-/// The lanes layout's switches, for all formats and for Q6_K alone: 0 as `PARSE_CPU_LANES` says (`off`: no
-/// matrix; `q4k`: Q4_K only; anything else or unset: both), 1 off, 2 on ([`set_lanes`], [`set_q6k_lanes`]).
+/// The lanes layout's switches, for all formats and for Q6_K and Q5_0 alone: 0 as `PARSE_CPU_LANES` says, 1 off,
+/// 2 on ([`set_lanes`], [`set_q6k_lanes`], [`set_q5_0_lanes`]).
 static LANES: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 static LANES_Q6K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static LANES_Q5_0: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Turns the lanes layout off or on for matrices loaded from now on, whatever `PARSE_CPU_LANES` says (a benchmark
 /// loads the model both ways in one process and alternates them: `engine-bench --ab-lanes`).
@@ -381,33 +489,58 @@ pub fn set_q6k_lanes(on: bool) {
     LANES_Q6K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Turns the lanes layout off or on for Q5_0 matrices loaded from now on (where [`set_lanes`] leaves it on):
+/// `engine-bench --ab-lanes-q5-0` times Q5_0 in rows against Q5_0 in lanes, the K-quants alike on both sides.
+pub fn set_q5_0_lanes(on: bool) {
+    LANES_Q5_0.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The formats `PARSE_CPU_LANES` puts in the lanes layout: `off` none; a comma-separated list of `q4k`, `q6k`,
+/// `q5_0` those (`q4k` alone: Q4_K only); unset or anything else every format that has one.
+fn lanes_env(value: &str) -> [bool; 3] {
+    let value = value.trim();
+    if value == "off" {
+        return [false; 3];
+    }
+    let names: Vec<&str> = value.split(',').map(str::trim).collect();
+    if !value.is_empty() && names.iter().all(|n| ["q4k", "q6k", "q5_0"].contains(n)) {
+        return ["q4k", "q6k", "q5_0"].map(|f| names.contains(&f));
+    }
+    [true; 3]
+}
+
 /// Whether a matrix of `format` with `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]):
-/// Q4_K where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines the tiles, read it), Q6_K
-/// only where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows).
+/// Q4_K and Q5_0 where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines for Q4_K the tiles,
+/// read it), Q6_K only where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows).
 fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::atomic::Ordering::Relaxed;
-        static ENV: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-        let env = ENV.get_or_init(|| {
-            std::env::var("PARSE_CPU_LANES")
-                .map(|v| v.trim().to_string())
-                .unwrap_or_default()
-        });
-        let switch = |s: &std::sync::atomic::AtomicU8, env_on: bool| match s.load(Relaxed) {
+        static ENV: std::sync::OnceLock<[bool; 3]> = std::sync::OnceLock::new();
+        let [q4k, q6k, q5_0] =
+            *ENV.get_or_init(|| lanes_env(&std::env::var("PARSE_CPU_LANES").unwrap_or_default()));
+        // A format's own switch wins, then the switch for all formats, then the environment.
+        let on = |own: Option<&std::sync::atomic::AtomicU8>, env_on: bool| match own
+            .map_or(0, |s| s.load(Relaxed))
+        {
             1 => false,
             2 => true,
-            _ => env_on,
+            _ => match LANES.load(Relaxed) {
+                1 => false,
+                2 => true,
+                _ => env_on,
+            },
         };
-        let all = switch(&LANES, env != "off");
         let whole_groups = rows > 0 && rows.is_multiple_of(16);
+        let vnni = kernels::active() >= kernels::Kernels::Vnni;
         match format {
-            GgmlDType::Q4K => all && whole_groups && kernels::active() >= kernels::Kernels::Vnni,
+            GgmlDType::Q4K => on(None, q4k) && whole_groups && vnni,
             GgmlDType::Q6K => {
-                all && switch(&LANES_Q6K, env != "q4k")
+                on(Some(&LANES_Q6K), q6k)
                     && whole_groups
                     && kernels::active() == kernels::Kernels::Vnni
             }
+            GgmlDType::Q5_0 => on(Some(&LANES_Q5_0), q5_0) && whole_groups && vnni,
             _ => false,
         }
     }
@@ -920,6 +1053,7 @@ impl QMatrix {
             QMatrix::Q6K(_) => GgmlDType::Q6K,
             QMatrix::Q4KLanes(_) => GgmlDType::Q4K,
             QMatrix::Q6KLanes(_) => GgmlDType::Q6K,
+            QMatrix::Q5_0Lanes(_) => GgmlDType::Q5_0,
         }
     }
 
@@ -928,6 +1062,11 @@ impl QMatrix {
         match self {
             QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(m.rows_of_lanes())),
             QMatrix::Q6KLanes(m) => Some(QMatrix::Q6K(m.rows_of_lanes())),
+            QMatrix::Q5_0Lanes(m) => Some(QMatrix::Q5_0(Mat {
+                rows: m.rows,
+                cols: m.cols,
+                blocks: q5_0_from_lanes(&m.blocks, m.blocks_per_row()),
+            })),
             _ => None,
         }
     }
@@ -961,6 +1100,9 @@ impl QMatrix {
         match self {
             QMatrix::Q4KLanes(m) => BlockQ4K::to_float(&m.lanes_row(r), out),
             QMatrix::Q6KLanes(m) => BlockQ6K::to_float(&m.lanes_row(r), out),
+            QMatrix::Q5_0Lanes(m) => {
+                BlockQ5_0::to_float(&q5_0_lanes_row(&m.blocks, m.blocks_per_row(), r), out)
+            }
             _ => dispatch!(self, m => m.row_to_f32(r, out)),
         }
     }
@@ -1061,6 +1203,14 @@ impl QMatrix {
             QMatrix::Q6K(m) if lanes_wanted(GgmlDType::Q6K, m.rows) => {
                 QMatrix::Q6KLanes(m.to_lanes())
             }
+            QMatrix::Q5_0(m) if lanes_wanted(GgmlDType::Q5_0, m.rows) => {
+                let kb = m.blocks_per_row();
+                QMatrix::Q5_0Lanes(Mat {
+                    rows: m.rows,
+                    cols: m.cols,
+                    blocks: q5_0_to_lanes(&m.blocks, kb),
+                })
+            }
             other => other,
         }
     }
@@ -1092,8 +1242,8 @@ impl QMatrix {
             QMatrix::Q8_0(_) => kernels::groups_32("Q8_0", n, k, m),
             QMatrix::Q5_0(_) => kernels::groups_32("Q5_0", n, k, m),
             QMatrix::Q4KLanes(_) => kernels::amx_lanes(n, k, m),
-            // Q6_K in lanes: the VNNI row groups, the only kernel that reads it.
-            QMatrix::Q6KLanes(_) => kernels::choose::Pick::fixed(true),
+            // Q6_K and Q5_0 in lanes: the VNNI row groups, the only kernel that reads them.
+            QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_) => kernels::choose::Pick::fixed(true),
             _ => kernels::choose::Pick::fixed(false),
         };
         let groups = pick.groups;
@@ -1130,6 +1280,24 @@ impl QMatrix {
                     out,
                     kernels::groups::q6k_lanes,
                     kernels::q6k_panel,
+                );
+                return Ok(());
+            }
+            let _ = mat;
+            let plain = self.row_major().expect("a lanes-layout matrix");
+            return plain.matmul_input(input, out);
+        }
+        if let QMatrix::Q5_0Lanes(mat) = self {
+            pick.finish();
+            #[cfg(target_arch = "x86_64")]
+            if kernels::active() >= kernels::Kernels::Vnni {
+                // Whole 16-row groups, as for Q4_K above: the panels are never called on this layout.
+                matmul_32_groups(
+                    mat,
+                    input,
+                    out,
+                    kernels::groups::q5_0_lanes,
+                    kernels::q5_0_panel,
                 );
                 return Ok(());
             }
@@ -1411,12 +1579,24 @@ mod shard_tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    /// A Q4_K or Q6_K matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in rows.
+    /// `PARSE_CPU_LANES`: `off`, a list of formats, or everything.
+    #[test]
+    fn the_lanes_switch_reads_off_a_list_or_everything() {
+        assert_eq!(lanes_env("off"), [false; 3]);
+        assert_eq!(lanes_env("q4k"), [true, false, false]);
+        assert_eq!(lanes_env("q4k, q6k"), [true, true, false]);
+        assert_eq!(lanes_env("q5_0"), [false, false, true]);
+        assert_eq!(lanes_env(""), [true; 3]);
+        assert_eq!(lanes_env("on"), [true; 3]);
+    }
+
+    /// A Q4_K, Q6_K or Q5_0 matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in
+    /// rows.
     #[test]
     fn the_lanes_layout_reads_and_multiplies_as_the_rows_do() {
         let (n, k) = (48, 3 * 256);
         let w = random(n * k, 21);
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5_0] {
             let rows = QMatrix::from_f32(dtype, n, k, &w).unwrap();
             let lanes = match &rows {
                 QMatrix::Q4K(mat) => {
@@ -1440,6 +1620,23 @@ mod shard_tests {
                     sorted.1.sort_unstable();
                     assert_eq!(sorted.0, sorted.1);
                     QMatrix::Q6KLanes(mat.to_lanes())
+                }
+                QMatrix::Q5_0(mat) => {
+                    // A permutation of bits (the fifth bits regrouped into masks), undone exactly.
+                    let kb = mat.blocks_per_row();
+                    let there = q5_0_to_lanes(&mat.blocks, kb);
+                    assert_ne!(block_bytes(&there), block_bytes(&mat.blocks));
+                    let ones = |b: &[u8]| b.iter().map(|v| v.count_ones()).sum::<u32>();
+                    assert_eq!(ones(block_bytes(&there)), ones(block_bytes(&mat.blocks)));
+                    assert_eq!(
+                        block_bytes(&q5_0_from_lanes(&there, kb)),
+                        block_bytes(&mat.blocks)
+                    );
+                    QMatrix::Q5_0Lanes(Mat {
+                        rows: mat.rows,
+                        cols: mat.cols,
+                        blocks: there,
+                    })
                 }
                 _ => unreachable!("made as {dtype:?}"),
             };

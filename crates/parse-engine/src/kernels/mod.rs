@@ -1114,6 +1114,18 @@ mod tests {
                 check_block("q5_0", &out, stride, m, cols, |r, c| {
                     q5_0_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
                 });
+                // The same weights in Q5_0's lanes layout, through its kernel (one row from registers, more through
+                // the shared unpacking).
+                let lanes = crate::quant::q5_0_to_lanes(&w, kb);
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: as above; `lanes` is whole 16-row groups in Q5_0's lanes layout.
+                unsafe {
+                    groups::q5_0_lanes(&lanes, kb, &xs, &mut out, stride)
+                };
+                check_block("q5_0 lanes", &out, stride, m, cols, |r, c| {
+                    q5_0_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+                });
                 let mut out = vec![f32::NAN; m * stride];
                 #[allow(unsafe_code)]
                 // SAFETY: as above.
