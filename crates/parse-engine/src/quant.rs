@@ -1183,13 +1183,13 @@ impl QMatrix {
     /// Formats whose CPU dot kernels are slow (no SIMD path) are re-quantized to Q8_0, which has one. Q8_0 keeps
     /// 8 bits per weight, more than the 5 or 4 of the source, so the change in outputs is far below the source
     /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
-    /// main format, has its own kernels and is read as stored: 22 bytes per 32 weights instead of Q8_0's 34).
+    /// main format, has its own kernels and keeps its 22 bytes per 32 weights instead of Q8_0's 34).
     ///
     /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
     /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`to_lanes`];
-    /// the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels are active
-    /// without AMX; `PARSE_CPU_LANES=off` keeps the rows, `PARSE_CPU_LANES=q4k` keeps Q6_K in rows (benchmarks
-    /// compare them in one build).
+    /// the same bytes, the same results bit for bit), and so does a Q5_0 one (its own, [`q5_0_to_lanes`]) and a
+    /// Q6_K one where the VNNI kernels are active without AMX; `PARSE_CPU_LANES=off` keeps the rows, a list of
+    /// formats (`q4k,q6k`, `q4k`) keeps the others in rows (benchmarks compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
