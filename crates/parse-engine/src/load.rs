@@ -439,11 +439,14 @@ pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Model> {
     }
     let embed = fast(g.matrix("token_embd.weight", cfg.vocab_size, d)?);
     let lm_head = if g.has_tensor("output.weight") {
-        let head = fast(g.matrix("output.weight", cfg.vocab_size, d)?);
-        Some(match opts.head_format {
+        // Requantized first, then laid out for this CPU: a head made Q5_0 here takes Q5_0's lanes layout as the
+        // file's own Q5_0 matrices do (made fast before, the draft's head stayed in rows: 7.2 ms of a 20-23 ms step
+        // on one Zen 4 core against 4.2-4.4 in lanes).
+        let head = g.matrix("output.weight", cfg.vocab_size, d)?;
+        Some(fast(match opts.head_format {
             Some(f) => head.requantized_to(f)?,
             None => head,
-        })
+        }))
     } else {
         None
     };

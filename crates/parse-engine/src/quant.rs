@@ -1057,6 +1057,14 @@ impl QMatrix {
         }
     }
 
+    /// Whether the matrix is stored in a lanes layout (made at load for this CPU's kernels; readers get rows).
+    pub fn in_lanes(&self) -> bool {
+        matches!(
+            self,
+            QMatrix::Q4KLanes(_) | QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_)
+        )
+    }
+
     /// The row-major matrix of a lanes-layout one; `None` for every other.
     fn row_major(&self) -> Option<QMatrix> {
         match self {

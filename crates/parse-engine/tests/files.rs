@@ -51,6 +51,9 @@ fn write_gguf(
         tensors.push((name, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
     };
     mat("token_embd.weight".into(), &w.embed, &mut tensors);
+    if let Some(head) = &w.lm_head {
+        mat("output.weight".into(), head, &mut tensors);
+    }
     vec("output_norm.weight".into(), &w.norm, &mut tensors);
     for (li, l) in w.layers.iter().enumerate() {
         let p = |s: &str| format!("blk.{li}.{s}");
@@ -207,6 +210,58 @@ fn gguf_models_in_every_weight_format_load_exactly() {
             );
         }
     }
+}
+
+/// A draft's head, stored Q8_0 and requantized to Q5_0 at load (`LoadOptions::draft`), then takes the layout this
+/// CPU's kernels read fastest, as the file's own Q5_0 matrices do (Q5_0's lanes layout where AVX-512 VNNI kernels
+/// run), with the logits of the same load in rows bit for bit.
+#[test]
+fn a_head_requantized_at_load_takes_the_fast_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(Arch::Qwen2);
+    cfg.vocab_size = 304; // whole groups of 16 rows
+    let base = Model::random(cfg.clone(), 5).unwrap();
+    let mut weights = base.weights().clone();
+    let head: Vec<f32> = base
+        .weights()
+        .embed
+        .to_f32()
+        .iter()
+        .map(|v| 0.5 - v)
+        .collect();
+    weights.lm_head = Some(
+        parse_engine::quant::QMatrix::from_f32(
+            GgmlDType::F32,
+            cfg.vocab_size,
+            cfg.hidden_size,
+            &head,
+        )
+        .unwrap(),
+    );
+    let model = Model::new(cfg, weights).unwrap();
+    let path = dir.path().join("head.gguf");
+    write_gguf(&path, &model, "qwen2", &[GgmlDType::Q8_0], false);
+    let load = |fast: bool| {
+        let mut g = GgufFile::open(&path).unwrap();
+        let opts = LoadOptions {
+            fast_cpu_formats: fast,
+            ..LoadOptions::draft()
+        };
+        load::load_gguf(&mut g, &opts).unwrap()
+    };
+    let (fast, rows) = (load(true), load(false));
+    let head = fast.weights().lm_head.as_ref().expect("a head of its own");
+    assert_eq!(head.dtype(), GgmlDType::Q5_0);
+    let vnni = parse_engine::kernels::active() >= parse_engine::kernels::Kernels::Vnni;
+    assert_eq!(
+        head.in_lanes(),
+        vnni,
+        "the head in lanes exactly where VNNI kernels run"
+    );
+    assert!(!rows.weights().lm_head.as_ref().unwrap().in_lanes());
+    let tokens = [1u32, 17, 250, 3, 99, 42];
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(logits(&fast, &tokens)), bits(logits(&rows, &tokens)));
 }
 
 #[test]
