@@ -1277,39 +1277,20 @@ impl QMatrix {
             let plain = self.row_major().expect("a lanes-layout matrix");
             return plain.matmul_input(input, out);
         }
-        if let QMatrix::Q6KLanes(mat) = self {
+        if matches!(self, QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_)) {
             pick.finish();
             #[cfg(target_arch = "x86_64")]
             if kernels::active() >= kernels::Kernels::Vnni {
-                // Whole 16-row groups, as for Q4_K above: the panels are never called on this layout.
-                matmul_k_groups(
-                    mat,
-                    input,
-                    out,
-                    kernels::groups::q6k_lanes,
-                    kernels::q6k_panel,
-                );
+                // Whole 16-row groups, as for Q4_K above: the panels are never called on these layouts.
+                if let QMatrix::Q6KLanes(mat) = self {
+                    let (groups, panel) = (kernels::groups::q6k_lanes, kernels::q6k_panel);
+                    matmul_k_groups(mat, input, out, groups, panel);
+                } else if let QMatrix::Q5_0Lanes(mat) = self {
+                    let (groups, panel) = (kernels::groups::q5_0_lanes, kernels::q5_0_panel);
+                    matmul_32_groups(mat, input, out, groups, panel);
+                }
                 return Ok(());
             }
-            let _ = mat;
-            let plain = self.row_major().expect("a lanes-layout matrix");
-            return plain.matmul_input(input, out);
-        }
-        if let QMatrix::Q5_0Lanes(mat) = self {
-            pick.finish();
-            #[cfg(target_arch = "x86_64")]
-            if kernels::active() >= kernels::Kernels::Vnni {
-                // Whole 16-row groups, as for Q4_K above: the panels are never called on this layout.
-                matmul_32_groups(
-                    mat,
-                    input,
-                    out,
-                    kernels::groups::q5_0_lanes,
-                    kernels::q5_0_panel,
-                );
-                return Ok(());
-            }
-            let _ = mat;
             let plain = self.row_major().expect("a lanes-layout matrix");
             return plain.matmul_input(input, out);
         }
