@@ -12,7 +12,8 @@
 //! Q4_K matrices loaded for this variant are stored in the lanes layout (`quant::to_lanes`), where one 64-byte
 //! load is already a word of 16 rows: [`q4k_lanes`] runs the same arithmetic without the gathering and transposing,
 //! for every block size including the one-token step; so are Q6_K matrices where no AMX tiles take them
-//! ([`q6k_lanes`]).
+//! ([`q6k_lanes`]). Q5_0 matrices take a lanes layout of their own (`quant::q5_0_to_lanes`: scales, fifth bits as
+//! masks, nibbles as vectors), read by [`q5_0_lanes`].
 //!
 //! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: the super-block integers
 //! (`S`, and for Q4_K the min term `M`) are exact however their products are grouped, and the float chains are the
