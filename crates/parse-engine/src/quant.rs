@@ -311,6 +311,26 @@ fn q5_0_lanes_row(w: &[BlockQ5_0], kb: usize, r: usize) -> Vec<BlockQ5_0> {
     out
 }
 
+impl Mat<BlockQ5_0> {
+    /// The same matrix in Q5_0's lanes layout ([`q5_0_to_lanes`]).
+    fn to_q5_0_lanes(&self) -> Self {
+        Mat {
+            rows: self.rows,
+            cols: self.cols,
+            blocks: q5_0_to_lanes(&self.blocks, self.blocks_per_row()),
+        }
+    }
+
+    /// The row-major matrix of one stored in Q5_0's lanes layout.
+    fn rows_of_q5_0_lanes(&self) -> Self {
+        Mat {
+            rows: self.rows,
+            cols: self.cols,
+            blocks: q5_0_from_lanes(&self.blocks, self.blocks_per_row()),
+        }
+    }
+}
+
 impl<T: GgmlType> Mat<T> {
     fn blocks_per_row(&self) -> usize {
         self.cols / T::BLCK_SIZE
@@ -1070,11 +1090,7 @@ impl QMatrix {
         match self {
             QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(m.rows_of_lanes())),
             QMatrix::Q6KLanes(m) => Some(QMatrix::Q6K(m.rows_of_lanes())),
-            QMatrix::Q5_0Lanes(m) => Some(QMatrix::Q5_0(Mat {
-                rows: m.rows,
-                cols: m.cols,
-                blocks: q5_0_from_lanes(&m.blocks, m.blocks_per_row()),
-            })),
+            QMatrix::Q5_0Lanes(m) => Some(QMatrix::Q5_0(m.rows_of_q5_0_lanes())),
             _ => None,
         }
     }
@@ -1212,12 +1228,7 @@ impl QMatrix {
                 QMatrix::Q6KLanes(m.to_lanes())
             }
             QMatrix::Q5_0(m) if lanes_wanted(GgmlDType::Q5_0, m.rows) => {
-                let kb = m.blocks_per_row();
-                QMatrix::Q5_0Lanes(Mat {
-                    rows: m.rows,
-                    cols: m.cols,
-                    blocks: q5_0_to_lanes(&m.blocks, kb),
-                })
+                QMatrix::Q5_0Lanes(m.to_q5_0_lanes())
             }
             other => other,
         }
@@ -1621,11 +1632,7 @@ mod shard_tests {
                         block_bytes(&q5_0_from_lanes(&there, kb)),
                         block_bytes(&mat.blocks)
                     );
-                    QMatrix::Q5_0Lanes(Mat {
-                        rows: mat.rows,
-                        cols: mat.cols,
-                        blocks: there,
-                    })
+                    QMatrix::Q5_0Lanes(mat.to_q5_0_lanes())
                 }
                 _ => unreachable!("made as {dtype:?}"),
             };
