@@ -54,9 +54,10 @@ pub enum QMatrix {
     /// Q6_K in the lanes layout ([`to_lanes`]), read by the AVX-512 VNNI row groups at every block size; made only
     /// where those are the active kernels (AMX machines keep Q6_K in rows, the layout of their tiles).
     Q6KLanes(Mat<BlockQ6K>),
-    /// Q5_0 in its lanes layout ([`q5_0_to_lanes`]), read by the AVX-512 VNNI row groups at every block size
-    /// (including the one-token step); made only where an AVX-512 VNNI variant is active.
-    Q5_0Lanes(Mat<BlockQ5_0>),
+    /// Q5_0 in one of its lanes layouts ([`Q5_0Tiles`]), made at load for the active kernels and read by them at
+    /// every block size (including the one-token step): 16-row tiles where an AVX-512 VNNI variant is active, 8-row
+    /// tiles where the AVX2 kernels are.
+    Q5_0Lanes(Mat<BlockQ5_0>, Q5_0Tiles),
 }
 
 macro_rules! dispatch {
@@ -76,7 +77,7 @@ macro_rules! dispatch {
             QMatrix::Q6K($m) => $body,
             QMatrix::Q4KLanes($m) => $body,
             QMatrix::Q6KLanes($m) => $body,
-            QMatrix::Q5_0Lanes($m) => $body,
+            QMatrix::Q5_0Lanes($m, _) => $body,
         }
     };
 }
@@ -99,7 +100,7 @@ macro_rules! dispatch_map {
             QMatrix::Q6K($m) => QMatrix::Q6K($body),
             QMatrix::Q4KLanes($m) => QMatrix::Q4KLanes($body),
             QMatrix::Q6KLanes($m) => QMatrix::Q6KLanes($body),
-            QMatrix::Q5_0Lanes($m) => QMatrix::Q5_0Lanes($body),
+            QMatrix::Q5_0Lanes($m, t) => QMatrix::Q5_0Lanes($body, *t),
         }
     };
 }
@@ -212,78 +213,129 @@ fn lanes_row<T: GgmlType>(w: &[T], kb: usize, r: usize) -> Vec<T> {
 /// Bytes of a Q5_0 block (ggml's `block_q5_0`: `d` as f16, the 32 fifth bits `qh`, 16 bytes of nibbles `qs`).
 const Q5_0_BLOCK: usize = 22;
 
-/// The lanes layout of Q5_0 weights (`w`: whole rows of `kb` blocks, a multiple of 16 rows): tile `(g, b)` (blocks
-/// `(g * kb + b) * 16..+16`, 352 bytes) holds block `b` of rows `16g..16g + 16` as the row groups read it:
-/// - bytes `0..32`: the 16 rows' `d`, row `n` at `2n`, one 256-bit load for the 16 scales;
-/// - bytes `32..96`: eight 64-bit masks, mask `k` at `32 + 8k` with bit `4n + t` the fifth bit of value `4k + t` of
-///   row `n` (bit `4k + t` of its `qh`), one mask register per vector of weights below;
-/// - bytes `96..352`: four vectors, vector `i` at `96 + 64i` with bytes `4n..4n + 4` row `n`'s nibble bytes
-///   `4i..4i + 4`, whose low nibbles are values `4i..4i + 4` and high nibbles values `16 + 4i..`.
+/// Q5_0's two lanes layouts, one per family of kernels that reads it. Both hold block `b` of a group of rows as one
+/// tile (tile `(g, b)`: blocks `(g * kb + b) * rows..+rows`), the same bits permuted, the same size:
+/// - [`Q5_0Tiles::Masks16`], for the AVX-512 VNNI row groups: 16 rows, 352 bytes,
+///   - bytes `0..32`: the 16 rows' `d`, row `n` at `2n`, one 256-bit load for the 16 scales;
+///   - bytes `32..96`: eight 64-bit masks, mask `k` at `32 + 8k` with bit `4n + t` the fifth bit of value `4k + t`
+///     of row `n` (bit `4k + t` of its `qh`), one mask register per vector of weights below;
+///   - bytes `96..352`: four vectors, vector `i` at `96 + 64i` with bytes `4n..4n + 4` row `n`'s nibble bytes
+///     `4i..4i + 4`, whose low nibbles are values `4i..4i + 4` and high nibbles values `16 + 4i..`.
 ///
-/// One masked add then makes a vector of 4 consecutive unsigned weights of 16 rows, the operand of `vpdpbusd`, from
-/// one load, one mask and a shift (`kernels::groups::q5_0_lanes`), where the rows' blocks are otherwise gathered,
-/// transposed and their fifth bits spread by shuffles at every step. The same bits as the rows, permuted; the same
-/// size.
-pub(crate) fn q5_0_to_lanes(w: &[BlockQ5_0], kb: usize) -> Vec<BlockQ5_0> {
-    q5_0_permute(w, kb, true)
+///   One masked add then makes a vector of 4 consecutive unsigned weights of 16 rows, the operand of `vpdpbusd`,
+///   from one load, one mask and a shift (`kernels::groups::q5_0_lanes`).
+/// - [`Q5_0Tiles::Words8`], for the AVX2 kernels (`kernels::q5_0_lanes8`), which have no mask registers: 8 rows,
+///   176 bytes,
+///   - bytes `0..16`: the 8 rows' `d`, row `n` at `2n`;
+///   - bytes `16..48`: a 32-bit word per row, row `n`'s at `16 + 4n`, whose byte `t` holds at bit `k` the fifth bit
+///     of value `4k + t` (bit `4k + t` of its `qh`): one shift puts the fifth bits of values `4k..4k + 4` of all 8
+///     rows at bit 4 of their bytes;
+///   - bytes `48..176`: four vectors, vector `i` at `48 + 32i` with bytes `4n..4n + 4` row `n`'s nibble bytes
+///     `4i..4i + 4`.
+///
+/// Where the rows' blocks are otherwise gathered, transposed and their fifth bits spread by shuffles at every step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Q5_0Tiles {
+    Masks16,
+    Words8,
 }
 
-/// The row-major layout back from [`q5_0_to_lanes`]'s.
-pub(crate) fn q5_0_from_lanes(w: &[BlockQ5_0], kb: usize) -> Vec<BlockQ5_0> {
-    q5_0_permute(w, kb, false)
-}
-
-/// One tile of [`q5_0_to_lanes`] from its 16 rows' blocks (`rows[n]`: row `n`'s 22 bytes).
-fn q5_0_pack_tile(rows: &[&[u8]; 16], tile: &mut [u8]) {
-    for (n, r) in rows.iter().enumerate() {
-        tile[2 * n..2 * n + 2].copy_from_slice(&r[..2]);
-        for i in 0..4 {
-            tile[96 + 64 * i + 4 * n..][..4].copy_from_slice(&r[6 + 4 * i..][..4]);
+impl Q5_0Tiles {
+    /// Weight rows per tile.
+    pub const fn rows(self) -> usize {
+        match self {
+            Q5_0Tiles::Masks16 => 16,
+            Q5_0Tiles::Words8 => 8,
         }
     }
-    for k in 0..8 {
-        let mut mask = 0u64;
+
+    /// One tile from its rows' blocks (`rows[n]`: row `n`'s 22 bytes).
+    fn pack(self, rows: &[&[u8]], tile: &mut [u8]) {
+        let qh = |r: &[u8]| u32::from_le_bytes([r[2], r[3], r[4], r[5]]);
+        let (fifths, nibbles) = match self {
+            Q5_0Tiles::Masks16 => (32, 96),
+            Q5_0Tiles::Words8 => (16, 48),
+        };
+        let vector = 4 * rows.len();
         for (n, r) in rows.iter().enumerate() {
-            let qh = u32::from_le_bytes([r[2], r[3], r[4], r[5]]);
-            mask |= (((qh >> (4 * k)) & 0xF) as u64) << (4 * n);
+            tile[2 * n..2 * n + 2].copy_from_slice(&r[..2]);
+            for i in 0..4 {
+                tile[nibbles + vector * i + 4 * n..][..4].copy_from_slice(&r[6 + 4 * i..][..4]);
+            }
+            if self == Q5_0Tiles::Words8 {
+                let mut word = 0u32;
+                for (k, t) in (0..8).flat_map(|k| (0..4).map(move |t| (k, t))) {
+                    word |= ((qh(r) >> (4 * k + t)) & 1) << (8 * t + k);
+                }
+                tile[fifths + 4 * n..][..4].copy_from_slice(&word.to_le_bytes());
+            }
         }
-        tile[32 + 8 * k..][..8].copy_from_slice(&mask.to_le_bytes());
+        if self == Q5_0Tiles::Masks16 {
+            for k in 0..8 {
+                let mut mask = 0u64;
+                for (n, r) in rows.iter().enumerate() {
+                    mask |= (((qh(r) >> (4 * k)) & 0xF) as u64) << (4 * n);
+                }
+                tile[fifths + 8 * k..][..8].copy_from_slice(&mask.to_le_bytes());
+            }
+        }
+    }
+
+    /// Row `n`'s 22 bytes out of a tile.
+    fn unpack(self, tile: &[u8], n: usize, block: &mut [u8]) {
+        block[..2].copy_from_slice(&tile[2 * n..2 * n + 2]);
+        let mut qh = 0u32;
+        let nibbles = match self {
+            Q5_0Tiles::Masks16 => {
+                for k in 0..8 {
+                    let mask =
+                        u64::from_le_bytes(tile[32 + 8 * k..][..8].try_into().expect("8 bytes"));
+                    qh |= (((mask >> (4 * n)) & 0xF) as u32) << (4 * k);
+                }
+                96
+            }
+            Q5_0Tiles::Words8 => {
+                let word = u32::from_le_bytes(tile[16 + 4 * n..][..4].try_into().expect("4 bytes"));
+                for (k, t) in (0..8).flat_map(|k| (0..4).map(move |t| (k, t))) {
+                    qh |= ((word >> (8 * t + k)) & 1) << (4 * k + t);
+                }
+                48
+            }
+        };
+        block[2..6].copy_from_slice(&qh.to_le_bytes());
+        for i in 0..4 {
+            block[6 + 4 * i..][..4]
+                .copy_from_slice(&tile[nibbles + 4 * self.rows() * i + 4 * n..][..4]);
+        }
     }
 }
 
-/// Row `n`'s 22 bytes out of a tile of [`q5_0_to_lanes`].
-fn q5_0_unpack_tile(tile: &[u8], n: usize, block: &mut [u8]) {
-    block[..2].copy_from_slice(&tile[2 * n..2 * n + 2]);
-    let mut qh = 0u32;
-    for k in 0..8 {
-        let mask = u64::from_le_bytes(tile[32 + 8 * k..][..8].try_into().expect("8 bytes"));
-        qh |= (((mask >> (4 * n)) & 0xF) as u32) << (4 * k);
-    }
-    block[2..6].copy_from_slice(&qh.to_le_bytes());
-    for i in 0..4 {
-        block[6 + 4 * i..][..4].copy_from_slice(&tile[96 + 64 * i + 4 * n..][..4]);
-    }
+/// Q5_0 weights (`w`: whole rows of `kb` blocks, a multiple of `tiles.rows()` rows) in one of Q5_0's lanes layouts.
+pub(crate) fn q5_0_to_tiles(w: &[BlockQ5_0], kb: usize, tiles: Q5_0Tiles) -> Vec<BlockQ5_0> {
+    q5_0_permute(w, kb, tiles, true)
 }
 
-fn q5_0_permute(w: &[BlockQ5_0], kb: usize, to_lanes: bool) -> Vec<BlockQ5_0> {
+fn q5_0_permute(w: &[BlockQ5_0], kb: usize, tiles: Q5_0Tiles, to_lanes: bool) -> Vec<BlockQ5_0> {
+    let rows = tiles.rows();
     assert!(
-        kb > 0 && w.len().is_multiple_of(16 * kb),
-        "whole groups of 16 rows"
+        kb > 0 && w.len().is_multiple_of(rows * kb),
+        "whole groups of {rows} rows"
     );
     debug_assert_eq!(std::mem::size_of::<BlockQ5_0>(), Q5_0_BLOCK);
     let mut out = w.to_vec();
     let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
-    let (row_bytes, tile_bytes) = (kb * Q5_0_BLOCK, 16 * Q5_0_BLOCK);
-    for g in 0..w.len() / (16 * kb) {
+    let (row_bytes, tile_bytes) = (kb * Q5_0_BLOCK, rows * Q5_0_BLOCK);
+    for g in 0..w.len() / (rows * kb) {
         for b in 0..kb {
             let tile = (g * kb + b) * tile_bytes;
-            let at = |n: usize| (g * 16 + n) * row_bytes + b * Q5_0_BLOCK;
+            let at = |n: usize| (g * rows + n) * row_bytes + b * Q5_0_BLOCK;
             if to_lanes {
-                let rows: [&[u8]; 16] = std::array::from_fn(|n| &src[at(n)..at(n) + Q5_0_BLOCK]);
-                q5_0_pack_tile(&rows, &mut dst[tile..tile + tile_bytes]);
+                let blocks: Vec<&[u8]> =
+                    (0..rows).map(|n| &src[at(n)..at(n) + Q5_0_BLOCK]).collect();
+                tiles.pack(&blocks, &mut dst[tile..tile + tile_bytes]);
             } else {
-                for n in 0..16 {
-                    q5_0_unpack_tile(
+                for n in 0..rows {
+                    tiles.unpack(
                         &src[tile..tile + tile_bytes],
                         n,
                         &mut dst[at(n)..at(n) + Q5_0_BLOCK],
@@ -295,15 +347,16 @@ fn q5_0_permute(w: &[BlockQ5_0], kb: usize, to_lanes: bool) -> Vec<BlockQ5_0> {
     out
 }
 
-/// Row `r`'s blocks out of a Q5_0 matrix of `kb` blocks per row in [`q5_0_to_lanes`]'s layout.
-fn q5_0_lanes_row(w: &[BlockQ5_0], kb: usize, r: usize) -> Vec<BlockQ5_0> {
+/// Row `r`'s blocks out of a Q5_0 matrix of `kb` blocks per row in one of Q5_0's lanes layouts.
+fn q5_0_lanes_row(w: &[BlockQ5_0], kb: usize, r: usize, tiles: Q5_0Tiles) -> Vec<BlockQ5_0> {
     let mut out = vec![BlockQ5_0::zeros(); kb];
     let (src, dst) = (block_bytes(w), block_bytes_mut(&mut out));
-    let (g, n) = (r / 16, r % 16);
+    let rows = tiles.rows();
+    let (g, n) = (r / rows, r % rows);
     for b in 0..kb {
-        let tile = (g * kb + b) * 16 * Q5_0_BLOCK;
-        q5_0_unpack_tile(
-            &src[tile..tile + 16 * Q5_0_BLOCK],
+        let tile = (g * kb + b) * rows * Q5_0_BLOCK;
+        tiles.unpack(
+            &src[tile..tile + rows * Q5_0_BLOCK],
             n,
             &mut dst[b * Q5_0_BLOCK..(b + 1) * Q5_0_BLOCK],
         );
@@ -312,21 +365,21 @@ fn q5_0_lanes_row(w: &[BlockQ5_0], kb: usize, r: usize) -> Vec<BlockQ5_0> {
 }
 
 impl Mat<BlockQ5_0> {
-    /// The same matrix in Q5_0's lanes layout ([`q5_0_to_lanes`]).
-    fn to_q5_0_lanes(&self) -> Self {
+    /// The same matrix in one of Q5_0's lanes layouts.
+    fn to_q5_0_lanes(&self, tiles: Q5_0Tiles) -> Self {
         Mat {
             rows: self.rows,
             cols: self.cols,
-            blocks: q5_0_to_lanes(&self.blocks, self.blocks_per_row()),
+            blocks: q5_0_to_tiles(&self.blocks, self.blocks_per_row(), tiles),
         }
     }
 
-    /// The row-major matrix of one stored in Q5_0's lanes layout.
-    fn rows_of_q5_0_lanes(&self) -> Self {
+    /// The row-major matrix of one stored in one of Q5_0's lanes layouts.
+    fn rows_of_q5_0_lanes(&self, tiles: Q5_0Tiles) -> Self {
         Mat {
             rows: self.rows,
             cols: self.cols,
-            blocks: q5_0_from_lanes(&self.blocks, self.blocks_per_row()),
+            blocks: q5_0_permute(&self.blocks, self.blocks_per_row(), tiles, false),
         }
     }
 }
@@ -530,8 +583,9 @@ fn lanes_env(value: &str) -> [bool; 3] {
 }
 
 /// Whether a matrix of `format` with `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]):
-/// Q4_K and Q5_0 where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines for Q4_K the tiles,
-/// read it), Q6_K only where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows).
+/// Q4_K where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines the tiles, read it), Q6_K only
+/// where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows), Q5_0 wherever the AVX2 or
+/// the VNNI kernels are (each reads a layout of its own, [`Q5_0Tiles`]).
 fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -560,7 +614,11 @@ fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
                     && whole_groups
                     && kernels::active() == kernels::Kernels::Vnni
             }
-            GgmlDType::Q5_0 => on(Some(&LANES_Q5_0), q5_0) && whole_groups && vnni,
+            GgmlDType::Q5_0 => {
+                on(Some(&LANES_Q5_0), q5_0)
+                    && whole_groups
+                    && kernels::active() >= kernels::Kernels::Avx2
+            }
             _ => false,
         }
     }
@@ -713,8 +771,9 @@ fn matmul_32_groups<'a, T: GgmlType>(
     let rows: Vec<kernels::Act32Row<'_>> = (0..input.m).map(|r| xq.row(r)).collect();
     let lanes = |w: &[T], rows: &[kernels::Act32Row<'_>], dst: &mut [f32], stride: usize| {
         #[allow(unsafe_code)]
-        // SAFETY: use_groups_32 only lets an AVX-512 VNNI variant through (its check includes AVX2, FMA and
-        // F16C); `w` is whole 16-row groups; every activation row has kb blocks.
+        // SAFETY: callers pass a row-group kernel only where a variant that runs it is active: the VNNI ones with
+        // an AVX-512 VNNI variant (`groups_32`, or the layout's check), the AVX2 one with AVX2 or above (each check
+        // includes AVX2, FMA and F16C); `w` is whole 16-row groups; every activation row has kb blocks.
         unsafe {
             groups(w, kb, rows, dst, stride)
         }
@@ -1073,7 +1132,7 @@ impl QMatrix {
             QMatrix::Q6K(_) => GgmlDType::Q6K,
             QMatrix::Q4KLanes(_) => GgmlDType::Q4K,
             QMatrix::Q6KLanes(_) => GgmlDType::Q6K,
-            QMatrix::Q5_0Lanes(_) => GgmlDType::Q5_0,
+            QMatrix::Q5_0Lanes(..) => GgmlDType::Q5_0,
         }
     }
 
@@ -1081,7 +1140,7 @@ impl QMatrix {
     pub fn in_lanes(&self) -> bool {
         matches!(
             self,
-            QMatrix::Q4KLanes(_) | QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_)
+            QMatrix::Q4KLanes(_) | QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(..)
         )
     }
 
@@ -1090,7 +1149,7 @@ impl QMatrix {
         match self {
             QMatrix::Q4KLanes(m) => Some(QMatrix::Q4K(m.rows_of_lanes())),
             QMatrix::Q6KLanes(m) => Some(QMatrix::Q6K(m.rows_of_lanes())),
-            QMatrix::Q5_0Lanes(m) => Some(QMatrix::Q5_0(m.rows_of_q5_0_lanes())),
+            QMatrix::Q5_0Lanes(m, t) => Some(QMatrix::Q5_0(m.rows_of_q5_0_lanes(*t))),
             _ => None,
         }
     }
@@ -1124,8 +1183,8 @@ impl QMatrix {
         match self {
             QMatrix::Q4KLanes(m) => BlockQ4K::to_float(&m.lanes_row(r), out),
             QMatrix::Q6KLanes(m) => BlockQ6K::to_float(&m.lanes_row(r), out),
-            QMatrix::Q5_0Lanes(m) => {
-                BlockQ5_0::to_float(&q5_0_lanes_row(&m.blocks, m.blocks_per_row(), r), out)
+            QMatrix::Q5_0Lanes(m, t) => {
+                BlockQ5_0::to_float(&q5_0_lanes_row(&m.blocks, m.blocks_per_row(), r, *t), out)
             }
             _ => dispatch!(self, m => m.row_to_f32(r, out)),
         }
@@ -1211,8 +1270,9 @@ impl QMatrix {
     ///
     /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
     /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`to_lanes`];
-    /// the same bytes, the same results bit for bit), and so does a Q5_0 one (its own, [`q5_0_to_lanes`]) and a
-    /// Q6_K one where the VNNI kernels are active without AMX; `PARSE_CPU_LANES=off` keeps the rows, a list of
+    /// the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels are active
+    /// without AMX; a Q5_0 one takes its own ([`Q5_0Tiles`]) where the VNNI or the AVX2 kernels are active, the
+    /// layout of their kernel. `PARSE_CPU_LANES=off` keeps the rows, a list of
     /// formats (`q4k,q6k`, `q4k`) keeps the others in rows (benchmarks compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
@@ -1228,7 +1288,12 @@ impl QMatrix {
                 QMatrix::Q6KLanes(m.to_lanes())
             }
             QMatrix::Q5_0(m) if lanes_wanted(GgmlDType::Q5_0, m.rows) => {
-                QMatrix::Q5_0Lanes(m.to_q5_0_lanes())
+                let tiles = if kernels::active() >= kernels::Kernels::Vnni {
+                    Q5_0Tiles::Masks16
+                } else {
+                    Q5_0Tiles::Words8
+                };
+                QMatrix::Q5_0Lanes(m.to_q5_0_lanes(tiles), tiles)
             }
             other => other,
         }
@@ -1261,8 +1326,8 @@ impl QMatrix {
             QMatrix::Q8_0(_) => kernels::groups_32("Q8_0", n, k, m),
             QMatrix::Q5_0(_) => kernels::groups_32("Q5_0", n, k, m),
             QMatrix::Q4KLanes(_) => kernels::amx_lanes(n, k, m),
-            // Q6_K and Q5_0 in lanes: the VNNI row groups, the only kernel that reads them.
-            QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_) => kernels::choose::Pick::fixed(true),
+            // Q6_K and Q5_0 in lanes: the kernel of their layout, the only one that reads it.
+            QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(..) => kernels::choose::Pick::fixed(true),
             _ => kernels::choose::Pick::fixed(false),
         };
         let groups = pick.groups;
@@ -1288,19 +1353,35 @@ impl QMatrix {
             let plain = self.row_major().expect("a lanes-layout matrix");
             return plain.matmul_input(input, out);
         }
-        if matches!(self, QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(_)) {
+        if matches!(self, QMatrix::Q6KLanes(_) | QMatrix::Q5_0Lanes(..)) {
             pick.finish();
+            // Whole 16-row groups, as for Q4_K above: the panels are never called on these layouts. Where another
+            // variant was made active after loading (tests and benchmarks switch them) and cannot run the layout's
+            // kernel, through the rows.
             #[cfg(target_arch = "x86_64")]
-            if kernels::active() >= kernels::Kernels::Vnni {
-                // Whole 16-row groups, as for Q4_K above: the panels are never called on these layouts.
-                if let QMatrix::Q6KLanes(mat) = self {
-                    let (groups, panel) = (kernels::groups::q6k_lanes, kernels::q6k_panel);
-                    matmul_k_groups(mat, input, out, groups, panel);
-                } else if let QMatrix::Q5_0Lanes(mat) = self {
-                    let (groups, panel) = (kernels::groups::q5_0_lanes, kernels::q5_0_panel);
-                    matmul_32_groups(mat, input, out, groups, panel);
+            {
+                let active = kernels::active();
+                let vnni = active >= kernels::Kernels::Vnni;
+                match self {
+                    QMatrix::Q6KLanes(mat) if vnni => {
+                        let (groups, panel) = (kernels::groups::q6k_lanes, kernels::q6k_panel);
+                        matmul_k_groups(mat, input, out, groups, panel);
+                        return Ok(());
+                    }
+                    QMatrix::Q5_0Lanes(mat, Q5_0Tiles::Masks16) if vnni => {
+                        let (groups, panel) = (kernels::groups::q5_0_lanes, kernels::q5_0_panel);
+                        matmul_32_groups(mat, input, out, groups, panel);
+                        return Ok(());
+                    }
+                    QMatrix::Q5_0Lanes(mat, Q5_0Tiles::Words8)
+                        if active >= kernels::Kernels::Avx2 =>
+                    {
+                        let (groups, panel) = (kernels::q5_0_lanes8, kernels::q5_0_panel);
+                        matmul_32_groups(mat, input, out, groups, panel);
+                        return Ok(());
+                    }
+                    _ => {}
                 }
-                return Ok(());
             }
             let plain = self.row_major().expect("a lanes-layout matrix");
             return plain.matmul_input(input, out);
@@ -1596,7 +1677,12 @@ mod shard_tests {
     fn the_lanes_layout_reads_and_multiplies_as_the_rows_do() {
         let (n, k) = (48, 3 * 256);
         let w = random(n * k, 21);
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q5_0] {
+        for (dtype, tiles) in [
+            (GgmlDType::Q4K, None),
+            (GgmlDType::Q6K, None),
+            (GgmlDType::Q5_0, Some(Q5_0Tiles::Masks16)),
+            (GgmlDType::Q5_0, Some(Q5_0Tiles::Words8)),
+        ] {
             let rows = QMatrix::from_f32(dtype, n, k, &w).unwrap();
             let lanes = match &rows {
                 QMatrix::Q4K(mat) => {
@@ -1622,17 +1708,17 @@ mod shard_tests {
                     QMatrix::Q6KLanes(mat.to_lanes())
                 }
                 QMatrix::Q5_0(mat) => {
-                    // A permutation of bits (the fifth bits regrouped into masks), undone exactly.
-                    let kb = mat.blocks_per_row();
-                    let there = q5_0_to_lanes(&mat.blocks, kb);
+                    // A permutation of bits (the fifth bits regrouped into masks or words), undone exactly.
+                    let (kb, tiles) = (mat.blocks_per_row(), tiles.unwrap());
+                    let there = q5_0_to_tiles(&mat.blocks, kb, tiles);
                     assert_ne!(block_bytes(&there), block_bytes(&mat.blocks));
                     let ones = |b: &[u8]| b.iter().map(|v| v.count_ones()).sum::<u32>();
                     assert_eq!(ones(block_bytes(&there)), ones(block_bytes(&mat.blocks)));
                     assert_eq!(
-                        block_bytes(&q5_0_from_lanes(&there, kb)),
+                        block_bytes(&q5_0_permute(&there, kb, tiles, false)),
                         block_bytes(&mat.blocks)
                     );
-                    QMatrix::Q5_0Lanes(mat.to_q5_0_lanes())
+                    QMatrix::Q5_0Lanes(mat.to_q5_0_lanes(tiles), tiles)
                 }
                 _ => unreachable!("made as {dtype:?}"),
             };
@@ -1649,8 +1735,8 @@ mod shard_tests {
                 rows.row_to_f32(r, &mut b);
                 assert_eq!(a, b, "{dtype:?} row {r}");
             }
-            // Every block size, on whichever kernels this CPU runs (the lanes kernel where VNNI is active, the rows
-            // otherwise): the same bits as the rows.
+            // Every block size, on whichever kernels this CPU runs (the layout's kernel where the active variant
+            // runs it, the rows otherwise): the same bits as the rows.
             for m in [1, 2, 3, 8, 9, 17, 40] {
                 let x = random(m * k, 22 + m as u64);
                 let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);

@@ -1,5 +1,6 @@
-//! AVX2 + FMA variants (`maddubs` + `madd` per 32 products). Each computes the arithmetic of the matching
-//! `*_dot_scalar` definition in `super`, bit for bit.
+//! AVX2 + FMA variants (`maddubs` + `madd` per 32 products), and for Q5_0 in its 8-row lanes layout a kernel of 8
+//! weight rows per vector ([`q5_0_lanes8`]). Each computes the arithmetic of the matching `*_dot_scalar` definition
+//! in `super`, bit for bit.
 
 #![allow(unsafe_code)]
 
@@ -425,3 +426,136 @@ panel_fn!(
     BlockQ5_0,
     Act32Row<'_>
 );
+
+/// Bytes of one tile of Q5_0's 8-row lanes layout (`quant::Q5_0Tiles::Words8`): one block of 8 rows.
+const Q5_0_TILE8: usize = 8 * std::mem::size_of::<RawQ5_0>();
+
+/// How far ahead of the tile being computed [`q5_0_lanes8`] prefetches, in bytes (about 23 tiles). The tiles are
+/// one stream, yet on a 2-core AVX2-only EPYC (12 GB/s read by one core) the hardware prefetchers left the draft's
+/// 93.6 MB head at 10.9-12.0 ms for one activation row; with this 7.4-8.0 ms, and the draft's one-token step
+/// 41-45 -> 35-36 ms (`matmul-bench --formats q5_0`, `engine-bench --models draft`, one thread; 2 KB came between).
+const Q5_0_PREFETCH: usize = 4096;
+
+/// The fifth bits of values `4k..4k + 4` of the 8 rows at bit 4 of their bytes (0x10 or 0), from the tile's words
+/// (`h`: row `n`'s word in lane `n`, whose byte `t` holds them at bit `k`).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fifth_bits(h: __m256i, k: usize) -> __m256i {
+    let at4 = match k {
+        0 => _mm256_slli_epi32::<4>(h),
+        1 => _mm256_slli_epi32::<3>(h),
+        2 => _mm256_slli_epi32::<2>(h),
+        3 => _mm256_slli_epi32::<1>(h),
+        4 => h,
+        5 => _mm256_srli_epi32::<1>(h),
+        6 => _mm256_srli_epi32::<2>(h),
+        _ => _mm256_srli_epi32::<3>(h),
+    };
+    _mm256_and_si256(at4, _mm256_set1_epi8(0x10))
+}
+
+/// One tile of Q5_0's 8-row lanes layout unpacked: its rows' scales, and in `wq[k]` values `4k..4k + 4` of every
+/// row as unsigned bytes (`weight + 16`), one row per 32-bit lane: nibbles from one load per pair of `k`, the fifth
+/// bits a shift and an `and` of the rows' words ([`fifth_bits`]).
+///
+/// # Safety
+/// `t` must point at a whole tile (176 readable bytes).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn q5_0_tile8(t: *const u8) -> ([__m256i; 8], __m256) {
+    let nib = _mm256_set1_epi8(0xF);
+    let mut wq = [_mm256_setzero_si256(); 8];
+    // SAFETY: the caller's bound: the scales at 0..16, the words at 16..48, the nibbles at 48..176.
+    unsafe {
+        let wd = _mm256_cvtph_ps(_mm_loadu_si128(t.cast()));
+        let h = _mm256_loadu_si256(t.add(16).cast());
+        for i in 0..4 {
+            let q = _mm256_loadu_si256(t.add(48 + 32 * i).cast());
+            let lo = _mm256_and_si256(q, nib);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+            wq[i] = _mm256_or_si256(lo, fifth_bits(h, i));
+            wq[i + 4] = _mm256_or_si256(hi, fifth_bits(h, i + 4));
+        }
+        (wq, wd)
+    }
+}
+
+/// The exact integer of one block of [`q5_0_dot_scalar`] for the 8 rows of a tile ([`q5_0_tile8`]) and one
+/// activation row (its 32 bytes at `qs`, `off` its `off5`): per 4 values one `maddubs` of the 8 rows' unsigned
+/// weights by the activations' 4 bytes broadcast, four of them added as i16 (at most 8 x 31 x 127 = 31,496, no
+/// overflow) and widened by one `madd` with ones; the sum of `(weight + 16) * x` plus `off5` is `sum weight * x`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn q5_0_block8(wq: &[__m256i; 8], qs: *const i8, off: i32) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable activation bytes at qs.
+    let x = |k: usize| unsafe { _mm256_set1_epi32(qs.add(4 * k).cast::<i32>().read_unaligned()) };
+    let half = |k: usize| {
+        let p = |j: usize| _mm256_maddubs_epi16(wq[k + j], x(k + j));
+        _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)))
+    };
+    let ones = _mm256_set1_epi16(1);
+    _mm256_add_epi32(
+        _mm256_add_epi32(
+            _mm256_madd_epi16(half(0), ones),
+            _mm256_madd_epi16(half(4), ones),
+        ),
+        _mm256_set1_epi32(off),
+    )
+}
+
+/// The 8 lanes of the 32-wide formats' definition (block `b` in `acc[b % 8]`), 8 weight rows each, summed in
+/// `lane_tree`'s order.
+#[target_feature(enable = "avx")]
+#[inline]
+fn lane_tree8(acc: &[__m256; 8]) -> __m256 {
+    let t: [__m256; 4] = std::array::from_fn(|j| _mm256_add_ps(acc[j], acc[j + 4]));
+    _mm256_add_ps(_mm256_add_ps(t[0], t[2]), _mm256_add_ps(t[1], t[3]))
+}
+
+/// `out[r * stride + c] = q5_0_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` in Q5_0's 8-row lanes layout
+/// (`quant::Q5_0Tiles::Words8`, whole groups of 8 rows of `kb` blocks) and every activation row `r`. One weight row
+/// per 32-bit lane: each tile is unpacked once ([`q5_0_tile8`]) for every activation row, whose 8 lanes of the
+/// definition (block `b` in lane `b % 8`) run as 8 vectors of 8 weight rows, `fma(d_w * d_x, s, acc)` per block and
+/// lane as the definition does, and are summed in its tree at the end of the group: the same bits. Against the rows'
+/// tiles ([`q5_0_tile`]) it spends no shuffles on the fifth bits, and one `madd` per 4 `maddubs` where they spend
+/// one per `maddubs` and a reduction across lanes.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `w` must be whole groups of 8 rows of `kb` blocks in that layout; `xs` rows
+/// must hold at least `kb` blocks; `out` must hold `w.len() / kb` values at every `r * stride`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q5_0_lanes8(
+    w: &[BlockQ5_0],
+    kb: usize,
+    xs: &[Act32Row<'_>],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let groups = w.len() / kb / 8;
+    debug_assert_eq!(groups * 8 * kb, w.len());
+    let wp = w.as_ptr().cast::<u8>();
+    let mut acc = vec![[_mm256_setzero_ps(); 8]; xs.len()];
+    for g in 0..groups {
+        acc.fill([_mm256_setzero_ps(); 8]);
+        for b in 0..kb {
+            let at = (g * kb + b) * Q5_0_TILE8;
+            for line in 0..Q5_0_TILE8.div_ceil(64) {
+                // A prefetch reads nothing and cannot fault; `wrapping_add` keeps the address arithmetic defined
+                // past the matrix's end.
+                _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(at + Q5_0_PREFETCH + 64 * line).cast());
+            }
+            // SAFETY: tile (g, b) lies in `w` (the caller's bounds).
+            let (wq, wd) = unsafe { q5_0_tile8(wp.add(at)) };
+            for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                // SAFETY: the row holds kb blocks, 32 activation bytes each.
+                let s = unsafe { q5_0_block8(&wq, x.qs.as_ptr().add(32 * b), x.off5[b]) };
+                let d = _mm256_mul_ps(wd, _mm256_set1_ps(x.d[b]));
+                a[b % 8] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), a[b % 8]);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // SAFETY: out holds row r's 8 values of group g at r * stride + 8g (the caller's bounds).
+            unsafe { _mm256_storeu_ps(out[r * stride + 8 * g..][..8].as_mut_ptr(), lane_tree8(a)) };
+        }
+    }
+}

@@ -12,7 +12,7 @@
 //! Q4_K matrices loaded for this variant are stored in the lanes layout (`quant::to_lanes`), where one 64-byte
 //! load is already a word of 16 rows: [`q4k_lanes`] runs the same arithmetic without the gathering and transposing,
 //! for every block size including the one-token step; so are Q6_K matrices where no AMX tiles take them
-//! ([`q6k_lanes`]). Q5_0 matrices take a lanes layout of their own (`quant::q5_0_to_lanes`: scales, fifth bits as
+//! ([`q6k_lanes`]). Q5_0 matrices take a lanes layout of their own (`quant::Q5_0Tiles::Masks16`: scales, fifth bits as
 //! masks, nibbles as vectors), read by [`q5_0_lanes`].
 //!
 //! They compute the arithmetic of [`q4k_dot_scalar`] and [`q6k_dot_scalar`] bit for bit: the super-block integers
@@ -713,10 +713,10 @@ pub unsafe fn q5_0_groups(
     }
 }
 
-/// Bytes of one tile of Q5_0's lanes layout (`quant::q5_0_to_lanes`): one block of 16 rows.
+/// Bytes of one tile of Q5_0's lanes layout (`quant::Q5_0Tiles::Masks16`): one block of 16 rows.
 const Q5_0_TILE: usize = 16 * std::mem::size_of::<RawQ5_0>();
 
-/// One tile of Q5_0's lanes layout (`quant::q5_0_to_lanes`) unpacked: its 16 rows' scales, and in `wq[k]` values
+/// One tile of Q5_0's lanes layout (`quant::Q5_0Tiles::Masks16`) unpacked: its 16 rows' scales, and in `wq[k]` values
 /// `4k..4k + 4` of every row as unsigned bytes (`weight + 16`), one row per lane, as [`q5_0_groups`] makes them from
 /// the rows: the nibbles of one vector load (low for `k < 4`, high after), the fifth bits a mask load each.
 ///
@@ -783,7 +783,7 @@ unsafe fn q5_0_lanes_regs<const R: usize>(
     }
 }
 
-/// [`q5_0_groups`] over weights in Q5_0's lanes layout (`quant::q5_0_to_lanes`): a tile's 16 rows come from plain
+/// [`q5_0_groups`] over weights in Q5_0's lanes layout (`quant::Q5_0Tiles::Masks16`): a tile's 16 rows come from plain
 /// vector and mask loads instead of being gathered, transposed and spread by shuffles. One or two activation rows
 /// (the one-token step) run from registers ([`q5_0_lanes_regs`]); more rows unpack the group once, as
 /// [`q5_0_groups`] does, and share it. The same integers and float chains as [`q5_0_groups`] either

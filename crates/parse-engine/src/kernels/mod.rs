@@ -21,7 +21,8 @@
 //! A call computes one weight row against up to [`TILE_ROWS`] activation rows (each weight block is unpacked once
 //! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
 //! Blocks of many rows take other paths with the same arithmetic: the AMX tiles ([`amx`]), and without AMX on
-//! AVX-512 VNNI the row groups ([`groups`]: 16 weight rows in the lanes of a vector, every row of the block).
+//! AVX-512 VNNI the row groups ([`groups`]: 16 weight rows in the lanes of a vector, every row of the block), and
+//! on AVX2 Q5_0 in its 8-row lanes layout ([`q5_0_lanes8`]: 8 weight rows in the lanes, every block size).
 //! `PARSE_CPU_KERNELS=scalar|avx2|vnni|amx` forces a variant (tests, benchmarks); by default the best one the CPU
 //! supports is used, and the engine logs it.
 
@@ -34,6 +35,8 @@ use half::f16;
 pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub use avx2::q5_0_lanes8;
 pub mod choose;
 #[cfg(target_arch = "x86_64")]
 pub mod groups;
@@ -1060,6 +1063,55 @@ mod tests {
         }
     }
 
+    /// Q5_0 and Q8_0 weights of `cols` rows of `kb` blocks, the first block of the first 16 rows at the extremes:
+    /// Q5_0 values all -16 (nibbles 0, fifth bits 0) or all 15 (nibbles 15, fifth bits 1), alternating fifth bits,
+    /// scales of both signs; Q8_0 weights at both ends of a byte (-128 is never quantized, but a file may hold it).
+    #[cfg(target_arch = "x86_64")]
+    fn blocks32_with_extremes(
+        rng: &mut rand::rngs::StdRng,
+        kb: usize,
+        cols: usize,
+    ) -> (Vec<BlockQ5_0>, Vec<BlockQ8_0>) {
+        let k = kb * 32;
+        let mut w = blocks::<BlockQ5_0>(&random(rng, cols * k, 1.0));
+        for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ5_0 and RawQ5_0 have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ5_0).cast::<RawQ5_0>() };
+            match n % 3 {
+                0 => (raw.qs, raw.qh) = ([0; 16], [0; 4]),
+                1 => (raw.qs, raw.qh) = ([0xFF; 16], [0xFF; 4]),
+                _ => (raw.qs, raw.qh) = ([0xF0; 16], [0x5A, 0xA5, 0x0F, 0xF0]),
+            }
+            if n % 2 == 0 {
+                raw.d = f16::from_f32(-0.03).to_bits();
+            }
+        }
+        let mut w8 = blocks::<BlockQ8_0>(&random(rng, cols * k, 1.0));
+        for (n, b) in w8.iter_mut().step_by(kb).take(16).enumerate() {
+            #[allow(unsafe_code)]
+            // SAFETY: BlockQ8_0 and RawQ8_0 have the same layout (asserted at compile time above).
+            let raw = unsafe { &mut *(b as *mut BlockQ8_0).cast::<RawQ8_0>() };
+            raw.qs = [if n % 2 == 0 { -128 } else { 127 }; 32];
+            if n % 3 == 0 {
+                raw.d = f16::from_f32(-0.02).to_bits();
+            }
+        }
+        (w, w8)
+    }
+
+    /// `m` activation rows of `k` values for the 32-wide kernels, the first at the activations' extreme (every value
+    /// the block's largest, quantized to 127).
+    fn act32_with_extreme(rng: &mut rand::rngs::StdRng, k: usize, m: usize) -> Act32 {
+        let mut xf = random(rng, m * k, 3.0);
+        xf[..k].fill(2.5);
+        Act32::quantize(&xf, k, m)
+    }
+
+    /// Shapes of the 32-wide kernels' tests: fewer blocks per row than lanes, whole groups of 8 and a tail, and the
+    /// draft's 28.
+    const SHAPES_32: [(usize, usize); 3] = [(6, 32), (13, 48), (28, 16)];
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn q5_0_and_q8_0_row_groups_equal_the_scalar_definition_bit_for_bit() {
@@ -1068,41 +1120,11 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(14);
-        // Fewer blocks per row than lanes, whole groups of 8 and a tail, and the draft's 28.
-        for (kb, cols) in [(6, 32), (13, 48), (28, 16)] {
+        for (kb, cols) in SHAPES_32 {
             let k = kb * 32;
-            let mut w = blocks::<BlockQ5_0>(&random(&mut rng, cols * k, 1.0));
-            // The extremes of the first block of the first 16 rows: every value -16 (nibbles 0, fifth bits 0) or 15
-            // (nibbles 15, fifth bits 1), alternating fifth bits, and scales of both signs.
-            for (n, b) in w.iter_mut().step_by(kb).take(16).enumerate() {
-                #[allow(unsafe_code)]
-                // SAFETY: BlockQ5_0 and RawQ5_0 have the same layout (asserted at compile time above).
-                let raw = unsafe { &mut *(b as *mut BlockQ5_0).cast::<RawQ5_0>() };
-                match n % 3 {
-                    0 => (raw.qs, raw.qh) = ([0; 16], [0; 4]),
-                    1 => (raw.qs, raw.qh) = ([0xFF; 16], [0xFF; 4]),
-                    _ => (raw.qs, raw.qh) = ([0xF0; 16], [0x5A, 0xA5, 0x0F, 0xF0]),
-                }
-                if n % 2 == 0 {
-                    raw.d = f16::from_f32(-0.03).to_bits();
-                }
-            }
-            let mut w8 = blocks::<BlockQ8_0>(&random(&mut rng, cols * k, 1.0));
-            // Q8_0 weights at both ends of a byte (-128 is never quantized, but a file may hold it).
-            for (n, b) in w8.iter_mut().step_by(kb).take(16).enumerate() {
-                #[allow(unsafe_code)]
-                // SAFETY: BlockQ8_0 and RawQ8_0 have the same layout (asserted at compile time above).
-                let raw = unsafe { &mut *(b as *mut BlockQ8_0).cast::<RawQ8_0>() };
-                raw.qs = [if n % 2 == 0 { -128 } else { 127 }; 32];
-                if n % 3 == 0 {
-                    raw.d = f16::from_f32(-0.02).to_bits();
-                }
-            }
+            let (w, w8) = blocks32_with_extremes(&mut rng, kb, cols);
             for m in [1, 2, 5, 8, 17] {
-                let mut xf = random(&mut rng, m * k, 3.0);
-                // One row at the activations' extreme: every value the block's largest (quantized to 127).
-                xf[..k].fill(2.5);
-                let act = Act32::quantize(&xf, k, m);
+                let act = act32_with_extreme(&mut rng, k, m);
                 let xs: Vec<Act32Row<'_>> = (0..m).map(|r| act.row(r)).collect();
                 let stride = cols + 5;
                 let mut out = vec![f32::NAN; m * stride];
@@ -1116,7 +1138,7 @@ mod tests {
                 });
                 // The same weights in Q5_0's lanes layout, through its kernel (one row from registers, more through
                 // the shared unpacking).
-                let lanes = crate::quant::q5_0_to_lanes(&w, kb);
+                let lanes = crate::quant::q5_0_to_tiles(&w, kb, crate::quant::Q5_0Tiles::Masks16);
                 let mut out = vec![f32::NAN; m * stride];
                 #[allow(unsafe_code)]
                 // SAFETY: as above; `lanes` is whole 16-row groups in Q5_0's lanes layout.
@@ -1134,6 +1156,38 @@ mod tests {
                 };
                 check_block("q8_0", &out, stride, m, cols, |r, c| {
                     q8_0_dot_scalar(&w8[c * kb..(c + 1) * kb], xs[r])
+                });
+            }
+        }
+    }
+
+    /// The AVX2 kernel of Q5_0's 8-row lanes layout against the definition, at 1-17 activation rows with the
+    /// extremes of [`blocks32_with_extremes`].
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_q5_0_lanes_kernel_equals_the_scalar_definition_bit_for_bit() {
+        if !Kernels::Avx2.supported() {
+            eprintln!("skipping the avx2 lanes kernel: this CPU lacks AVX2");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+        for (kb, cols) in SHAPES_32 {
+            let k = kb * 32;
+            let (w, _) = blocks32_with_extremes(&mut rng, kb, cols);
+            let lanes = crate::quant::q5_0_to_tiles(&w, kb, crate::quant::Q5_0Tiles::Words8);
+            for m in [1, 2, 3, 5, 8, 17] {
+                let act = act32_with_extreme(&mut rng, k, m);
+                let xs: Vec<Act32Row<'_>> = (0..m).map(|r| act.row(r)).collect();
+                let stride = cols + 5;
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: checked above that the AVX2 variant is supported (with FMA and F16C); `lanes` is whole
+                // 8-row groups in that layout.
+                unsafe {
+                    q5_0_lanes8(&lanes, kb, &xs, &mut out, stride)
+                };
+                check_block("q5_0 lanes8", &out, stride, m, cols, |r, c| {
+                    q5_0_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
                 });
             }
         }
