@@ -583,9 +583,9 @@ fn lanes_env(value: &str) -> [bool; 3] {
 }
 
 /// Whether a matrix of `format` with `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]):
-/// Q4_K where the AVX-512 VNNI kernels are active (their row groups, or on AMX machines the tiles, read it), Q6_K only
-/// where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows), Q5_0 wherever the AVX2 or
-/// the VNNI kernels are (each reads a layout of its own, [`Q5_0Tiles`]).
+/// Q4_K and Q5_0 wherever the AVX2 or the AVX-512 VNNI kernels are active (Q4_K: the VNNI row groups, on AMX machines
+/// the tiles, or the AVX2 kernel read the one layout; Q5_0: each family reads a layout of its own, [`Q5_0Tiles`]),
+/// Q6_K only where the VNNI row groups are the active kernels (the AMX tiles read Q6_K in rows).
 fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -606,19 +606,15 @@ fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
             },
         };
         let whole_groups = rows > 0 && rows.is_multiple_of(16);
-        let vnni = kernels::active() >= kernels::Kernels::Vnni;
+        let simd = kernels::active() >= kernels::Kernels::Avx2;
         match format {
-            GgmlDType::Q4K => on(None, q4k) && whole_groups && vnni,
+            GgmlDType::Q4K => on(None, q4k) && whole_groups && simd,
             GgmlDType::Q6K => {
                 on(Some(&LANES_Q6K), q6k)
                     && whole_groups
                     && kernels::active() == kernels::Kernels::Vnni
             }
-            GgmlDType::Q5_0 => {
-                on(Some(&LANES_Q5_0), q5_0)
-                    && whole_groups
-                    && kernels::active() >= kernels::Kernels::Avx2
-            }
+            GgmlDType::Q5_0 => on(Some(&LANES_Q5_0), q5_0) && whole_groups && simd,
             _ => false,
         }
     }
@@ -814,10 +810,10 @@ fn matmul_k_groups<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     let kb = mat.blocks_per_row();
     let lanes = |w: &[T], rows: &[&[BlockQ8K]], dst: &mut [f32], stride: usize| {
         #[allow(unsafe_code)]
-        // SAFETY: callers pass a row-group kernel only where an AVX-512 VNNI variant is active (F16C is in the
-        // build's baseline), and the AMX tiles' only where the AMX variant is (`kernels::amx_lanes`), which
-        // is handed out only where the CPU and the OS allow it; `w` is whole 16-row groups; every activation row
-        // has kb blocks.
+        // SAFETY: callers pass a row-group kernel only where an AVX-512 VNNI variant is active, the AVX2 one
+        // (`q4k_lanes8`) where AVX2 or above is (F16C is in the build's baseline), and the AMX tiles' only where
+        // the AMX variant is (`kernels::amx_lanes`), which is handed out only where the CPU and the OS allow it;
+        // `w` is whole 16-row groups; every activation row has kb blocks.
         unsafe {
             groups(w, kb, rows, dst, stride)
         }
@@ -1268,12 +1264,12 @@ impl QMatrix {
     /// format's own quantization error. Returns the matrix unchanged for every other format (Q5_0, the draft's
     /// main format, has its own kernels and keeps its 22 bytes per 32 weights instead of Q8_0's 34).
     ///
-    /// Where the AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout through
-    /// [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout ([`to_lanes`];
-    /// the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels are active
-    /// without AMX; a Q5_0 one takes its own ([`Q5_0Tiles`]) where the VNNI or the AVX2 kernels are active, the
-    /// layout of their kernel. `PARSE_CPU_LANES=off` keeps the rows, a list of
-    /// formats (`q4k,q6k`, `q4k`) keeps the others in rows (benchmarks compare them in one build).
+    /// Where the AVX2 or AVX-512 VNNI kernels are active (with or without the AMX tiles, which read this layout
+    /// through [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout
+    /// ([`to_lanes`]; the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels
+    /// are active without AMX; a Q5_0 one takes its own ([`Q5_0Tiles`]), the layout of the active kernels.
+    /// `PARSE_CPU_LANES=off` keeps the rows, a list of formats (`q4k,q6k`, `q4k`) keeps the others in rows
+    /// (benchmarks compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
@@ -1344,6 +1340,12 @@ impl QMatrix {
                     kernels::groups::q4k_lanes
                 };
                 matmul_k_groups(mat, input, out, groups, kernels::q4k_panel);
+                pick.finish();
+                return Ok(());
+            }
+            #[cfg(target_arch = "x86_64")]
+            if kernels::active() >= kernels::Kernels::Avx2 {
+                matmul_k_groups(mat, input, out, kernels::q4k_lanes8, kernels::q4k_panel);
                 pick.finish();
                 return Ok(());
             }

@@ -559,3 +559,230 @@ pub unsafe fn q5_0_lanes8(
         }
     }
 }
+
+/// Bytes of a tile of the K-quants' lanes layout for Q4_K (`quant::to_lanes`): super-block `b` of 16 rows, word `i`
+/// of row `n` at byte `64i + 4n`, so that rows 0..8 of a word are its first 32 bytes and rows 8..16 the next.
+const Q4K_TILE16: usize = 16 * std::mem::size_of::<RawQ4K>();
+
+/// The 32-bit words `i` of 8 rows of a Q4_K lanes tile (`base`: the tile, plus 32 for rows 8..16), one row per lane.
+///
+/// # Safety
+/// `base + 64i` must have 32 readable bytes.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn word8(base: *const u8, i: usize) -> __m256i {
+    // SAFETY: the caller's bound.
+    unsafe { _mm256_loadu_si256(base.add(64 * i).cast()) }
+}
+
+/// A `shuffle_epi8` pattern that takes byte `k` of every 32-bit lane to bytes 0 and 2 of the lane (`pair`: bytes
+/// `k` and `k + 1` there), zeros in bytes 1 and 3: a byte of each row as an i16 in both halves of its lane, for `madd`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bytes_to_i16(k: usize, pair: bool) -> __m256i {
+    let idx: [u8; 32] = std::array::from_fn(|p| {
+        let lane = (p % 16) / 4 * 4;
+        match p % 4 {
+            0 => (lane + k) as u8,
+            2 => (lane + k + usize::from(pair)) as u8,
+            _ => 0x80,
+        }
+    });
+    // SAFETY: 32 bytes make the 256 bits loaded.
+    unsafe { _mm256_loadu_si256(idx.as_ptr().cast()) }
+}
+
+/// What the first four words of 8 rows of a Q4_K lanes tile give, one row per lane: the 6-bit scales of sub-blocks
+/// 0..8, each as an i16 in both halves of its lane (`madd` with a sub-block's i16 pair sums is `scale * sum`), the
+/// mins of sub-blocks `2i` and `2i + 1` as a pair of i16 (`madd` with [`groups::bsum_pairs`]' word `i`), and `d`,
+/// `dmin` as f32 (those of `scales_mins` and the block's header).
+///
+/// # Safety
+/// As [`word8`] for words 0..4.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn q4k_header8(base: *const u8) -> ([__m256i; 8], [__m256i; 4], __m256, __m256) {
+    // SAFETY: the caller's bound.
+    let [dd, u0, u1, u2] = std::array::from_fn(|i| unsafe { word8(base, i) });
+    let (mask6, mask4, mask2) = (
+        _mm256_set1_epi32(0x3f3f_3f3f),
+        _mm256_set1_epi32(0x0f0f_0f0f),
+        _mm256_set1_epi32(0x0303_0303),
+    );
+    // Bytes 0..4 of sc_lo are sub-blocks 0..4, of sc_hi 4..8 (and the same for the mins).
+    let sc_lo = _mm256_and_si256(u0, mask6);
+    let sc_hi = _mm256_or_si256(
+        _mm256_and_si256(u2, mask4),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u0), mask2)),
+    );
+    let m_lo = _mm256_and_si256(u1, mask6);
+    let m_hi = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32::<4>(u2), mask4),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u1), mask2)),
+    );
+    let scale: [__m256i; 8] = std::array::from_fn(|s| {
+        let src = if s < 4 { sc_lo } else { sc_hi };
+        _mm256_shuffle_epi8(src, bytes_to_i16(s % 4, false))
+    });
+    let mins: [__m256i; 4] = std::array::from_fn(|i| {
+        let src = if i < 2 { m_lo } else { m_hi };
+        _mm256_shuffle_epi8(src, bytes_to_i16(2 * (i % 2), true))
+    });
+    // d in the low half of each lane, dmin in the high half: packed to 8 x u16 each, then widened exactly.
+    let halves = _mm256_packus_epi32(
+        _mm256_and_si256(dd, _mm256_set1_epi32(0xFFFF)),
+        _mm256_srli_epi32::<16>(dd),
+    );
+    let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(halves);
+    let d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    let dmin = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves));
+    (scale, mins, d, dmin)
+}
+
+/// [`q4k_lanes8`] for `R` (1..=4) activation rows (`xs`, with their [`groups::bsum_pairs`] in `pairs`, 4 words per
+/// super-block) against 8 weight rows of a group (`base`: tile 0 of the group, plus 32 for its rows 8..16); row `r`'s
+/// 8 results go to `out[r * stride..]`. Per sub-block and activation row, 8 `maddubs` of 4 nibbles of the 8 rows by
+/// 4 activation bytes broadcast, added as i16 (at most 8 x 2 x 15 x 127 = 30,480) and scaled by one `madd`.
+///
+/// # Safety
+/// The group's `kb` tiles must lie at `base - 32 * half` on; every row of `xs` must hold `kb` super-blocks; `out`
+/// must hold 8 values at every `r * stride`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4k_rows8<const R: usize>(
+    base: *const u8,
+    kb: usize,
+    xs: [(&[RawQ8K], &[i32]); R],
+    next: Option<(*const u8, usize)>,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_m = [_mm256_setzero_ps(); R];
+    for b in 0..kb {
+        let tile = base.wrapping_add(b * Q4K_TILE16);
+        if let Some((next, first)) = next {
+            let tile = next.wrapping_add(b * Q4K_TILE16);
+            for line in first..first + Q4K_TILE16 / 128 {
+                // A prefetch reads nothing and cannot fault; `wrapping_add` keeps the arithmetic defined.
+                _mm_prefetch::<_MM_HINT_T0>(tile.wrapping_add(64 * line).cast());
+            }
+        }
+        // SAFETY: the tile lies in the group (the caller's bounds).
+        let (scale, mins, wd, wdmin) = unsafe { q4k_header8(tile) };
+        let mut s = [_mm256_setzero_si256(); R];
+        for j in 0..4 {
+            let mut lo = [_mm256_setzero_si256(); R];
+            let mut hi = [_mm256_setzero_si256(); R];
+            for t in 0..8 {
+                // SAFETY: word 4 + 8j + t of the tile (36 words).
+                let q = unsafe { word8(tile, 4 + 8 * j + t) };
+                let (ql, qh) = (
+                    _mm256_and_si256(q, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+                );
+                for r in 0..R {
+                    let a = xs[r].0[b].qs.as_ptr();
+                    // SAFETY: qs has 256 bytes; the words span 64j..64j + 64.
+                    let (al, ah) = unsafe {
+                        (
+                            _mm256_set1_epi32(a.add(64 * j + 4 * t).cast::<i32>().read_unaligned()),
+                            _mm256_set1_epi32(
+                                a.add(64 * j + 32 + 4 * t).cast::<i32>().read_unaligned(),
+                            ),
+                        )
+                    };
+                    lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ql, al));
+                    hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(qh, ah));
+                }
+            }
+            for r in 0..R {
+                let p = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo[r], scale[2 * j]),
+                    _mm256_madd_epi16(hi[r], scale[2 * j + 1]),
+                );
+                s[r] = _mm256_add_epi32(s[r], p);
+            }
+        }
+        for r in 0..R {
+            let (x, pairs) = (&xs[r].0[b], &xs[r].1[4 * b..4 * b + 4]);
+            let mut mn = _mm256_setzero_si256();
+            for (i, &pair) in pairs.iter().enumerate() {
+                mn = _mm256_add_epi32(mn, _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pair)));
+            }
+            let dx = _mm256_set1_ps(x.d);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s[r]), acc[r]);
+            acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wdmin), _mm256_cvtepi32_ps(mn), acc_m[r]);
+        }
+    }
+    for r in 0..R {
+        // SAFETY: the caller's bound: 8 values at r * stride.
+        unsafe {
+            _mm256_storeu_ps(
+                out[r * stride..][..8].as_mut_ptr(),
+                _mm256_sub_ps(acc[r], acc_m[r]),
+            )
+        };
+    }
+}
+
+/// `out[r * stride + c] = q4k_dot_scalar(W[c], xs[r])` for the weight rows `c` of `w` in the K-quants' lanes layout
+/// (`quant::to_lanes`, whole groups of 16 rows of `kb` super-blocks) and every activation row `r`. One weight row per
+/// 32-bit lane, 8 rows a vector (the first or second 32 bytes of each of the layout's 64-byte words): a sub-block's
+/// 8 words take 8 `maddubs` added as i16 and one `madd` by the rows' scales, where the rows' tiles ([`q4k_tile`])
+/// spend a `madd` per `maddubs` and reduce across lanes. The super-block integers `S` and `M` are exact and the float
+/// chains are the definition's, one row per lane: the same bits. Activation rows go four at a time, the sums in
+/// registers, over weights the first four brought into cache.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `w` must be whole groups of 16 rows of `kb` super-blocks in the lanes
+/// layout; `xs` rows must hold at least `kb` super-blocks; `out` must hold `w.len() / kb` values at every
+/// `r * stride`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4k_lanes8(
+    w: &[BlockQ4K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let groups = w.len() / kb / 16;
+    debug_assert_eq!(groups * 16 * kb, w.len());
+    let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
+    let pairs = groups::bsum_pairs(&xs, kb);
+    let rows: Vec<(&[RawQ8K], &[i32])> = xs
+        .iter()
+        .enumerate()
+        .map(|(r, x)| (*x, &pairs[r * kb * 4..(r + 1) * kb * 4]))
+        .collect();
+    let wp = w.as_ptr().cast::<u8>();
+    for g in 0..groups {
+        for half in 0..2 {
+            let base = wp.wrapping_add(g * kb * Q4K_TILE16 + 32 * half);
+            for (c, chunk) in rows.chunks(4).enumerate() {
+                // The first chunk of rows prefetches the next group's tiles, half of each tile's lines per half of
+                // the group, so that memory streams while both halves compute (the second reads the group's tiles
+                // from cache).
+                let prefetch = (c == 0).then(|| {
+                    let next = wp.wrapping_add((g + 1) * kb * Q4K_TILE16);
+                    (next, half * Q4K_TILE16 / 128)
+                });
+                let dst = &mut out[4 * c * stride + 16 * g + 8 * half..];
+                // SAFETY (all): the group's tiles lie in `w` and the rows hold kb super-blocks (the caller's bounds);
+                // `dst` holds 8 values at every r * stride of the chunk.
+                unsafe {
+                    match *chunk {
+                        [r0] => q4k_rows8(base, kb, [r0], prefetch, dst, stride),
+                        [r0, r1] => q4k_rows8(base, kb, [r0, r1], prefetch, dst, stride),
+                        [r0, r1, r2] => q4k_rows8(base, kb, [r0, r1, r2], prefetch, dst, stride),
+                        [r0, r1, r2, r3] => {
+                            q4k_rows8(base, kb, [r0, r1, r2, r3], prefetch, dst, stride)
+                        }
+                        _ => unreachable!("chunks of 1..=4 rows"),
+                    }
+                }
+            }
+        }
+    }
+}

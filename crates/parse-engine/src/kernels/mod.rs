@@ -36,7 +36,7 @@ pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
-pub use avx2::q5_0_lanes8;
+pub use avx2::{q4k_lanes8, q5_0_lanes8};
 pub mod choose;
 #[cfg(target_arch = "x86_64")]
 pub mod groups;
@@ -1156,6 +1156,43 @@ mod tests {
                 };
                 check_block("q8_0", &out, stride, m, cols, |r, c| {
                     q8_0_dot_scalar(&w8[c * kb..(c + 1) * kb], xs[r])
+                });
+            }
+        }
+    }
+
+    /// The AVX2 kernel of Q4_K in the lanes layout against the definition, at 1-17 activation rows (whole chunks of
+    /// four and every remainder) with the extremes of [`q4k_extremes`].
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_q4k_lanes_kernel_equals_the_scalar_definition_bit_for_bit() {
+        if !Kernels::Avx2.supported() {
+            eprintln!("skipping the avx2 lanes kernel: this CPU lacks AVX2");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(16);
+        // Three super-blocks per row, and the default target's six.
+        for (kb, cols) in [(3, 48), (6, 32)] {
+            let k = kb * QK_K;
+            let mut w = blocks::<BlockQ4K>(&random(&mut rng, cols * k, 1.0));
+            q4k_extremes(&mut w, kb);
+            let lanes = crate::quant::to_lanes(&w, kb);
+            for m in [1, 2, 3, 4, 5, 8, 9, 17] {
+                let mut xf = random(&mut rng, m * k, 3.0);
+                // One row at the activations' extreme: every value the block's largest.
+                xf[..k].fill(2.5);
+                let xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&xf);
+                let xs: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+                let stride = cols + 5;
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: checked above that the AVX2 variant is supported (with FMA and F16C); `lanes` is whole
+                // 16-row groups in the lanes layout.
+                unsafe {
+                    q4k_lanes8(&lanes, kb, &xs, &mut out, stride)
+                };
+                check_block("q4k lanes8", &out, stride, m, cols, |r, c| {
+                    q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
                 });
             }
         }
