@@ -48,8 +48,9 @@ pub enum QMatrix {
     Q5K(Mat<BlockQ5K>),
     Q6K(Mat<BlockQ6K>),
     /// Q4_K in the lanes layout ([`to_lanes`]): the AVX-512 VNNI row groups read it without transposing, at
-    /// every block size including the one-token step, and on AMX machines the tiles of [`kernels::amx::q4k_lanes`]
-    /// as their B operand. Only ever made by [`QMatrix::into_fast_cpu_format`].
+    /// every block size including the one-token step, on AMX machines the tiles of [`kernels::amx::q4k_lanes`]
+    /// as their B operand, and on AVX2 machines [`kernels::q4k_lanes8`], 8 rows a vector. Only ever made by
+    /// [`QMatrix::into_fast_cpu_format`].
     Q4KLanes(Mat<BlockQ4K>),
     /// Q6_K in the lanes layout ([`to_lanes`]), read by the AVX-512 VNNI row groups at every block size; made only
     /// where those are the active kernels (AMX machines keep Q6_K in rows, the layout of their tiles).

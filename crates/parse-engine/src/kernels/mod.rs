@@ -22,7 +22,8 @@
 //! for all of them); a *panel* runs that over a run of weight rows, so the kernel choice is made once per panel.
 //! Blocks of many rows take other paths with the same arithmetic: the AMX tiles ([`amx`]), and without AMX on
 //! AVX-512 VNNI the row groups ([`groups`]: 16 weight rows in the lanes of a vector, every row of the block), and
-//! on AVX2 Q5_0 in its 8-row lanes layout ([`q5_0_lanes8`]: 8 weight rows in the lanes, every block size).
+//! on AVX2 Q5_0 in its 8-row lanes layout and Q4_K in the lanes layout ([`q5_0_lanes8`], [`q4k_lanes8`]: 8 weight
+//! rows in the lanes of a vector, every block size).
 //! `PARSE_CPU_KERNELS=scalar|avx2|vnni|amx` forces a variant (tests, benchmarks); by default the best one the CPU
 //! supports is used, and the engine logs it.
 
