@@ -67,6 +67,15 @@ struct Args {
     /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
     #[arg(long)]
     ab_attention: bool,
+    /// Instead of the report: time each model's passes with the VNNI Q4_K kernel taking one activation row at a
+    /// time (one chain per sub-block) and up to four with their chains interleaved, alternating pass by pass in one
+    /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_q4k_chains: bool,
+    /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
+    /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
+    #[arg(long)]
+    ab_huge_pages: bool,
     /// Also time packed passes of n sessions, each holding `--context` tokens and bringing one decode row (the
     /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows.
     #[arg(long, value_delimiter = ',')]
@@ -182,6 +191,53 @@ fn ab_attention(name: &str, args: &Args) -> Result<()> {
         parse_engine::ops::set_wide_attention(true);
         let [without, with] = medians?;
         println!("| {n} | {without:.1} | {with:.1} | {:.3} |", with / without);
+    }
+    Ok(())
+}
+
+/// `--ab-q4k-chains`: medians of alternating passes of one model with the VNNI Q4_K kernel's rows one at a time and
+/// interleaved up to four (`kernels::set_interleaved_q4k`; the same bits either way).
+fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
+    let mut engines = vec![loaded(name, args)?];
+    println!(
+        "\n### {name}: Q4_K rows one at a time and interleaved, alternating pass by pass (median ms, context {})\n",
+        args.context
+    );
+    println!("| block | one at a time | interleaved | interleaved / one at a time |");
+    println!("|---:|---:|---:|---:|");
+    for n in ab_sizes(args) {
+        let side = |j: usize| {
+            parse_engine::kernels::set_interleaved_q4k(j == 1);
+            0
+        };
+        let medians = ab_medians(args, n, side, &mut engines);
+        parse_engine::kernels::set_interleaved_q4k(true);
+        let [serial, interleaved] = medians?;
+        println!(
+            "| {n} | {serial:.1} | {interleaved:.1} | {:.3} |",
+            interleaved / serial
+        );
+    }
+    Ok(())
+}
+
+/// `--ab-huge-pages`: medians of alternating passes of the same model loaded with its weights on 4 KB pages and on
+/// 2 MB pages (`alloc::set_huge_pages`; the same bits either way).
+fn ab_huge_pages(name: &str, args: &Args) -> Result<()> {
+    let mut engines = Vec::new();
+    for on in [false, true] {
+        parse_engine::alloc::set_huge_pages(on);
+        engines.push(loaded(name, args)?);
+    }
+    println!(
+        "\n### {name}: weights on 4 KB pages and on 2 MB pages, alternating pass by pass (median ms, context {})\n",
+        args.context
+    );
+    println!("| block | 4 KB pages | 2 MB pages | 2 MB / 4 KB |");
+    println!("|---:|---:|---:|---:|");
+    for n in ab_sizes(args) {
+        let [small, huge] = ab_medians(args, n, |j| j, &mut engines)?;
+        println!("| {n} | {small:.1} | {huge:.1} | {:.3} |", huge / small);
     }
     Ok(())
 }
@@ -509,6 +565,18 @@ fn main() -> Result<()> {
     if args.ab_attention {
         for m in &args.models {
             ab_attention(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_huge_pages {
+        for m in &args.models {
+            ab_huge_pages(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_q4k_chains {
+        for m in &args.models {
+            ab_q4k_chains(m, &args)?;
         }
         return Ok(());
     }

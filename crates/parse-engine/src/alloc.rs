@@ -27,3 +27,57 @@ pub fn keep_large_buffers() {
         }
     });
 }
+
+static NO_HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets [`huge_pages`] ask for 2 MB pages (`true`, the default unless `PARSE_CPU_HUGE_PAGES=off`) or not, for
+/// matrices loaded from now on: `engine-bench --ab-huge-pages` loads a model both ways in one process.
+pub fn set_huge_pages(on: bool) {
+    NO_HUGE_PAGES.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn huge_pages_wanted() -> bool {
+    static ENV_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let env_off = *ENV_OFF
+        .get_or_init(|| std::env::var("PARSE_CPU_HUGE_PAGES").is_ok_and(|v| v.trim() == "off"));
+    !env_off && !NO_HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Asks the kernel to back the whole 2 MB pages inside `bytes` (a weight matrix, streamed whole at every step) with
+/// transparent huge pages, now (`MADV_COLLAPSE`, Linux 6.1 and later) and for good (`MADV_HUGEPAGE`, for a kernel
+/// whose THP setting is `madvise`, the common default). With 4 KB pages a step over a gigabyte of weights walks the
+/// page tables a quarter of a million times, and the kernels' prefetches of the next rows wait on those walks. A
+/// kernel that refuses (no THP, too old, no memory to compact) leaves the pages as they are: the same bits either
+/// way, only the speed differs.
+pub fn huge_pages(bytes: &[u8]) {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const HUGE: usize = 2 << 20;
+        if bytes.len() < HUGE || !huge_pages_wanted() {
+            return;
+        }
+        let start = (bytes.as_ptr() as usize).next_multiple_of(HUGE);
+        let end = (bytes.as_ptr() as usize + bytes.len()) / HUGE * HUGE;
+        if end <= start {
+            return;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: the range lies inside `bytes`, memory this process owns and keeps mapped; both advices change how
+        // the kernel backs the pages, never their contents.
+        unsafe {
+            let p = start as *mut libc::c_void;
+            let hinted = libc::madvise(p, end - start, libc::MADV_HUGEPAGE) == 0;
+            let collapsed = libc::madvise(p, end - start, libc::MADV_COLLAPSE) == 0;
+            if !(hinted && collapsed) {
+                tracing::debug!(
+                    hinted,
+                    collapsed,
+                    "huge pages refused for {} MB of weights",
+                    (end - start) >> 20
+                );
+            }
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = bytes;
+}

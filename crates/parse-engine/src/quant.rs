@@ -1272,6 +1272,22 @@ impl QMatrix {
     /// `PARSE_CPU_LANES=off` keeps the rows, a list of formats (`q4k,q6k`, `q4k`) keeps the others in rows
     /// (benchmarks compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
+        let fast = self.fast_cpu_layout();
+        crate::alloc::huge_pages(fast.storage());
+        fast
+    }
+
+    /// The weights' storage as bytes.
+    #[allow(unsafe_code)]
+    fn storage(&self) -> &[u8] {
+        // SAFETY: the blocks are plain data (`repr(C)` ggml blocks, f32, f16) with no padding, read as bytes only.
+        dispatch!(self, m => unsafe {
+            std::slice::from_raw_parts(m.blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(&m.blocks[..]))
+        })
+    }
+
+    /// [`QMatrix::into_fast_cpu_format`]'s layout.
+    fn fast_cpu_layout(self) -> Self {
         match self {
             QMatrix::Q4_1(_) | QMatrix::Q5_1(_) => {
                 let (rows, cols) = (self.rows(), self.cols());

@@ -257,6 +257,7 @@ unsafe fn q4k_16<const LANES: bool>(
     let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
+    let interleave = super::interleaved_q4k();
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut acc_m = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
@@ -298,26 +299,37 @@ unsafe fn q4k_16<const LANES: bool>(
                         hi[4 * h + k] = _mm512_and_si512(_mm512_srli_epi32::<4>(qk), nib);
                     }
                 }
-                for (r, x) in xs.iter().enumerate() {
-                    let q8 = x[b].qs.as_ptr();
-                    let mut a_lo = _mm512_setzero_si512();
-                    let mut a_hi = _mm512_setzero_si512();
-                    for t in 0..8 {
-                        // SAFETY: qs has 256 bytes; the words span 64j..64j + 64.
-                        unsafe {
-                            a_lo = _mm512_dpbusd_epi32(a_lo, lo[t], bcast(q8.add(64 * j + 4 * t)));
-                            a_hi = _mm512_dpbusd_epi32(
-                                a_hi,
-                                hi[t],
-                                bcast(q8.add(64 * j + 32 + 4 * t)),
-                            );
+                // Up to four activation rows at once, their chains interleaved ([`q4k_chunk`]); or, where a
+                // benchmark asks ([`super::set_interleaved_q4k`]), one row at a time in one chain per sub-block.
+                let sc = (scale[2 * j], scale[2 * j + 1]);
+                let per = if interleave { 4 } else { 1 };
+                for r0 in (0..m).step_by(per) {
+                    let at = |r: usize| xs[r0 + r][b].qs[64 * j..].as_ptr();
+                    let s = &mut s[r0..m.min(r0 + per)];
+                    // SAFETY: each pointer is 64 bytes of an activation row's qs (64j + 64 <= 256).
+                    unsafe {
+                        match (s.len(), interleave) {
+                            (1, false) => q4k_chunk::<1, false>(&lo, &hi, [at(0)], sc, j == 0, s),
+                            (1, _) => q4k_chunk::<1, true>(&lo, &hi, [at(0)], sc, j == 0, s),
+                            (2, _) => q4k_chunk::<2, true>(&lo, &hi, [at(0), at(1)], sc, j == 0, s),
+                            (3, _) => q4k_chunk::<3, false>(
+                                &lo,
+                                &hi,
+                                [at(0), at(1), at(2)],
+                                sc,
+                                j == 0,
+                                s,
+                            ),
+                            _ => q4k_chunk::<4, false>(
+                                &lo,
+                                &hi,
+                                [at(0), at(1), at(2), at(3)],
+                                sc,
+                                j == 0,
+                                s,
+                            ),
                         }
                     }
-                    let v = _mm512_add_epi32(
-                        _mm512_mullo_epi32(a_lo, scale[2 * j]),
-                        _mm512_mullo_epi32(a_hi, scale[2 * j + 1]),
-                    );
-                    s[r] = if j == 0 { v } else { _mm512_add_epi32(s[r], v) };
                 }
             }
             for (r, x) in xs.iter().enumerate() {
@@ -337,6 +349,51 @@ unsafe fn q4k_16<const LANES: bool>(
             // SAFETY: out holds row r's 16 values at r * stride + 16g (the caller's layout).
             unsafe { _mm512_storeu_ps(out[r * stride + 16 * g..][..16].as_mut_ptr(), v) };
         }
+    }
+}
+
+/// Chunk `j` of a Q4_K super-block for `R` activation rows (`q8[r]`: the row's 64 activation bytes of the chunk),
+/// 16 weight rows in the lanes (`lo`, `hi`: the unpacked nibbles of sub-blocks `2j` and `2j + 1`): each sub-block's
+/// sum times its scale (`sc`), added into `s[r]` (or stored where `first`). The rows' chains are interleaved, and
+/// where `SPLIT` (one or two rows) each sub-block's sum runs in two chains (even and odd words), so that
+/// `vpdpbusd`'s latency does not set the pace: one chain of eight per sub-block and row, row after row, left the
+/// kernel at well under half the core's `vpdpbusd` rate at 4-8 rows on an AVX-512 VNNI Xeon (docs/figures.md, "Q4_K
+/// chains side by side"). The sums are exact integers, so their grouping leaves the bits as they are.
+///
+/// # Safety
+/// Each `q8[r]` points at 64 readable bytes; `s` has `R` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn q4k_chunk<const R: usize, const SPLIT: bool>(
+    lo: &[__m512i; 8],
+    hi: &[__m512i; 8],
+    q8: [*const i8; R],
+    sc: (__m512i, __m512i),
+    first: bool,
+    s: &mut [__m512i],
+) {
+    // Accumulators per row: low nibbles' even and odd words, high nibbles' even and odd words (the odd ones only
+    // where split: at three or four rows the rows themselves give enough chains, and the registers run out).
+    let split = SPLIT;
+    let mut a = [[_mm512_setzero_si512(); 4]; R];
+    for t in 0..8 {
+        let c = if split { t & 1 } else { 0 };
+        for r in 0..R {
+            // SAFETY: 4t + 32 + 4 <= 64 bytes of the chunk.
+            unsafe {
+                a[r][c] = _mm512_dpbusd_epi32(a[r][c], lo[t], bcast(q8[r].add(4 * t)));
+                a[r][2 + c] = _mm512_dpbusd_epi32(a[r][2 + c], hi[t], bcast(q8[r].add(32 + 4 * t)));
+            }
+        }
+    }
+    for (r, [l0, l1, h0, h1]) in a.into_iter().enumerate() {
+        let (l, h) = if split {
+            (_mm512_add_epi32(l0, l1), _mm512_add_epi32(h0, h1))
+        } else {
+            (l0, h0)
+        };
+        let v = _mm512_add_epi32(_mm512_mullo_epi32(l, sc.0), _mm512_mullo_epi32(h, sc.1));
+        s[r] = if first { v } else { _mm512_add_epi32(s[r], v) };
     }
 }
 

@@ -77,6 +77,21 @@ struct RawQ8K {
     bsums: [i16; QK_K / 16],
 }
 
+static SERIAL_Q4K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets the VNNI Q4_K row-group kernel take up to four activation rows at once with their chains interleaved
+/// (`true`, the default) or one row at a time, one chain per sub-block, as it did before (`false`), for benchmarks
+/// that time the two in one process (`engine-bench --ab-q4k-chains`); the outputs are the same bits.
+pub fn set_interleaved_q4k(on: bool) {
+    SERIAL_Q4K.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_interleaved_q4k`] left the interleaved chains on.
+#[cfg(target_arch = "x86_64")]
+fn interleaved_q4k() -> bool {
+    !SERIAL_Q4K.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 const _: () = assert!(std::mem::size_of::<RawQ4K>() == std::mem::size_of::<BlockQ4K>());
 const _: () = assert!(std::mem::align_of::<RawQ4K>() == std::mem::align_of::<BlockQ4K>());
 const _: () = assert!(std::mem::size_of::<RawQ8K>() == std::mem::size_of::<BlockQ8K>());
@@ -1014,7 +1029,8 @@ mod tests {
         q4k_extremes(&mut w, kb);
         let mut w6 = blocks::<BlockQ6K>(&wf);
         q6k_extremes(&mut w6, kb);
-        for m in [1, 2, 5, 8, 17, 33] {
+        // Every count of rows a chunk of the Q4_K kernel takes (1-4), alone and after whole chunks.
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
             xf[..k].fill(2.5);
@@ -1039,6 +1055,19 @@ mod tests {
                 groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
             };
             check_block("q4k lanes", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+            });
+            // And row by row, one chain per sub-block (the benchmarks' other side; other tests running meanwhile
+            // get the same bits either way).
+            set_interleaved_q4k(false);
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: as above.
+            unsafe {
+                groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
+            };
+            set_interleaved_q4k(true);
+            check_block("q4k lanes, row by row", &out, stride, m, cols, |r, c| {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
             let mut out = vec![f32::NAN; m * stride];
