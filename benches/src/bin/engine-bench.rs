@@ -172,53 +172,51 @@ fn ab_lanes(name: &str, args: &Args, which: LanesAb) -> Result<()> {
     Ok(())
 }
 
-/// `--ab-attention`: medians of alternating passes of one model with and without the attention's AVX-512 path
-/// (`ops::set_wide_attention`; the same bits either way).
-fn ab_attention(name: &str, args: &Args) -> Result<()> {
+/// Medians of alternating passes of one model with a switch of the engine off and on (`set`; the same bits either
+/// way): `what` heads the table, `sides` names the two columns.
+fn ab_switch(name: &str, args: &Args, what: &str, sides: [&str; 2], set: fn(bool)) -> Result<()> {
     let mut engines = vec![loaded(name, args)?];
     println!(
-        "\n### {name}: attention without and with its AVX-512 path, alternating pass by pass (median ms, context {})\n",
+        "\n### {name}: {what}, alternating pass by pass (median ms, context {})\n",
         args.context
     );
-    println!("| block | without | with | with / without |");
+    let [off, on] = sides;
+    println!("| block | {off} | {on} | {on} / {off} |");
     println!("|---:|---:|---:|---:|");
     for n in ab_sizes(args) {
         let side = |j: usize| {
-            parse_engine::ops::set_wide_attention(j == 1);
+            set(j == 1);
             0
         };
         let medians = ab_medians(args, n, side, &mut engines);
-        parse_engine::ops::set_wide_attention(true);
-        let [without, with] = medians?;
-        println!("| {n} | {without:.1} | {with:.1} | {:.3} |", with / without);
+        set(true);
+        let [a, b] = medians?;
+        println!("| {n} | {a:.1} | {b:.1} | {:.3} |", b / a);
     }
     Ok(())
 }
 
-/// `--ab-q4k-chains`: medians of alternating passes of one model with the VNNI Q4_K kernel's rows one at a time and
-/// interleaved up to four (`kernels::set_interleaved_q4k`; the same bits either way).
+/// `--ab-attention`: one model's passes with and without the attention's AVX-512 path (`ops::set_wide_attention`).
+fn ab_attention(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "attention without and with its AVX-512 path",
+        ["without", "with"],
+        parse_engine::ops::set_wide_attention,
+    )
+}
+
+/// `--ab-q4k-chains`: one model's passes with the VNNI Q4_K kernel's rows one at a time and interleaved up to four
+/// (`kernels::set_interleaved_q4k`).
 fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
-    let mut engines = vec![loaded(name, args)?];
-    println!(
-        "\n### {name}: Q4_K rows one at a time and interleaved, alternating pass by pass (median ms, context {})\n",
-        args.context
-    );
-    println!("| block | one at a time | interleaved | interleaved / one at a time |");
-    println!("|---:|---:|---:|---:|");
-    for n in ab_sizes(args) {
-        let side = |j: usize| {
-            parse_engine::kernels::set_interleaved_q4k(j == 1);
-            0
-        };
-        let medians = ab_medians(args, n, side, &mut engines);
-        parse_engine::kernels::set_interleaved_q4k(true);
-        let [serial, interleaved] = medians?;
-        println!(
-            "| {n} | {serial:.1} | {interleaved:.1} | {:.3} |",
-            interleaved / serial
-        );
-    }
-    Ok(())
+    ab_switch(
+        name,
+        args,
+        "Q4_K rows one at a time and interleaved",
+        ["one at a time", "interleaved"],
+        parse_engine::kernels::set_interleaved_q4k,
+    )
 }
 
 /// `--ab-huge-pages`: medians of alternating passes of the same model loaded with its weights on 4 KB pages and on
