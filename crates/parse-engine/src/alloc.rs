@@ -43,27 +43,28 @@ fn huge_pages_wanted() -> bool {
     !env_off && !NO_HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Asks the kernel to back the whole 2 MB pages inside `bytes` (a weight matrix, streamed whole at every step) with
+/// Asks the kernel to back the whole 2 MB pages inside the `bytes` bytes at `at` (a weight matrix this process owns,
+/// streamed whole at every step; only its address is used, nothing is read or written through it) with
 /// transparent huge pages, now (`MADV_COLLAPSE`, Linux 6.1 and later) and for good (`MADV_HUGEPAGE`, for a kernel
 /// whose THP setting is `madvise`, the common default). With 4 KB pages a step over a gigabyte of weights walks the
 /// page tables a quarter of a million times, and the kernels' prefetches of the next rows wait on those walks. A
 /// kernel that refuses (no THP, too old, no memory to compact) leaves the pages as they are: the same bits either
 /// way, only the speed differs.
-pub fn huge_pages(bytes: &[u8]) {
+pub fn huge_pages(at: *const u8, bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         const HUGE: usize = 2 << 20;
-        if bytes.len() < HUGE || !huge_pages_wanted() {
+        if bytes < HUGE || !huge_pages_wanted() {
             return;
         }
-        let start = (bytes.as_ptr() as usize).next_multiple_of(HUGE);
-        let end = (bytes.as_ptr() as usize + bytes.len()) / HUGE * HUGE;
+        let start = (at as usize).next_multiple_of(HUGE);
+        let end = (at as usize + bytes) / HUGE * HUGE;
         if end <= start {
             return;
         }
         #[allow(unsafe_code)]
-        // SAFETY: the range lies inside `bytes`, memory this process owns and keeps mapped; both advices change how
-        // the kernel backs the pages, never their contents.
+        // SAFETY: the range lies inside the caller's allocation, memory this process owns and keeps mapped; both
+        // advices change how the kernel backs the pages, never their contents.
         unsafe {
             let p = start as *mut libc::c_void;
             let hinted = libc::madvise(p, end - start, libc::MADV_HUGEPAGE) == 0;
@@ -79,5 +80,5 @@ pub fn huge_pages(bytes: &[u8]) {
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    let _ = bytes;
+    let _ = (at, bytes);
 }

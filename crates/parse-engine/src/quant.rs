@@ -1273,17 +1273,14 @@ impl QMatrix {
     /// (benchmarks compare them in one build).
     pub fn into_fast_cpu_format(self) -> Self {
         let fast = self.fast_cpu_layout();
-        crate::alloc::huge_pages(fast.storage());
+        let (at, bytes) = fast.storage();
+        crate::alloc::huge_pages(at, bytes);
         fast
     }
 
-    /// The weights' storage as bytes.
-    #[allow(unsafe_code)]
-    fn storage(&self) -> &[u8] {
-        // SAFETY: the blocks are plain data (`repr(C)` ggml blocks, f32, f16) with no padding, read as bytes only.
-        dispatch!(self, m => unsafe {
-            std::slice::from_raw_parts(m.blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(&m.blocks[..]))
-        })
+    /// Where the weights' storage starts, and its size in bytes.
+    fn storage(&self) -> (*const u8, usize) {
+        dispatch!(self, m => (m.blocks.as_ptr().cast::<u8>(), std::mem::size_of_val(&m.blocks[..])))
     }
 
     /// [`QMatrix::into_fast_cpu_format`]'s layout.
