@@ -47,9 +47,9 @@ fn huge_pages_wanted() -> bool {
 /// streamed whole at every step; only its address is used, nothing is read or written through it) with
 /// transparent huge pages, now (`MADV_COLLAPSE`, Linux 6.1 and later) and for good (`MADV_HUGEPAGE`, for a kernel
 /// whose THP setting is `madvise`, the common default). With 4 KB pages a step over a gigabyte of weights walks the
-/// page tables a quarter of a million times, and the kernels' prefetches of the next rows wait on those walks. A
-/// kernel that refuses (no THP, too old, no memory to compact) leaves the pages as they are: the same bits either
-/// way, only the speed differs.
+/// page tables a quarter of a million times, and the row groups' prefetches of the next rows can wait on those
+/// walks. A kernel that refuses (no THP, too old, no memory to compact) leaves the pages as they are: the same bits
+/// either way, only the speed differs.
 pub fn huge_pages(at: *const u8, bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
