@@ -1271,6 +1271,8 @@ impl QMatrix {
     /// are active without AMX; a Q5_0 one takes its own ([`Q5_0Tiles`]), the layout of the active kernels.
     /// `PARSE_CPU_LANES=off` keeps the rows, a list of formats (`q4k,q6k`, `q4k`) keeps the others in rows
     /// (benchmarks compare them in one build).
+    ///
+    /// The storage, once in its layout, asks for 2 MB pages ([`crate::alloc::huge_pages`]).
     pub fn into_fast_cpu_format(self) -> Self {
         let fast = self.fast_cpu_layout();
         let (at, bytes) = fast.storage();
