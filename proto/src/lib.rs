@@ -373,6 +373,8 @@ impl From<&Stats> for v1::Stats {
             pauses: u(s.pauses),
             copy_rounds: u(s.copy_rounds),
             token_rounds: u(s.token_rounds),
+            guesses: u(s.guesses),
+            guesses_right: u(s.guesses_right),
         }
     }
 }
@@ -399,6 +401,8 @@ mod tests {
             pauses: 3,
             copy_rounds: 5,
             token_rounds: 7,
+            guesses: 11,
+            guesses_right: 4,
             ..Default::default()
         };
         let p = v1::Stats::from(&s);
@@ -408,9 +412,11 @@ mod tests {
                 p.paused_tokens,
                 p.pauses,
                 p.copy_rounds,
-                p.token_rounds
+                p.token_rounds,
+                p.guesses,
+                p.guesses_right
             ),
-            (100, 40, 3, 5, 7)
+            (100, 40, 3, 5, 7, 11, 4)
         );
     }
 

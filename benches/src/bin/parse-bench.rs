@@ -402,6 +402,8 @@ fn through_router(
                                     pauses: s.pauses as usize,
                                     copy_rounds: s.copy_rounds as usize,
                                     token_rounds: s.token_rounds as usize,
+                                    guesses: s.guesses as usize,
+                                    guesses_right: s.guesses_right as usize,
                                     ..Default::default()
                                 };
                                 break;

@@ -304,6 +304,12 @@ pub trait Drafter {
     fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
         None
     }
+    /// The lookup of one-token guesses ([`crate::pace::Costs::guess_pays`]) for a drafter that drafts by prompt
+    /// lookup from longer matches only: where its draft is empty, a token-level round may have the target verify the
+    /// token this lookup finds instead of writing alone. `None`: no guesses.
+    fn guess_lookup(&self) -> Option<crate::ngram::NgramConfig> {
+        None
+    }
     /// For a drafter that copies as well as runs a model ([`CopyFirst`](crate::CopyFirst)): how many tokens of its
     /// drafts the model has written so far; a round in which this does not grow was all copies. `None` for any other
     /// drafter (its tokens are all its model's, or none is).
@@ -356,6 +362,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     }
     fn rest_lookup(&self) -> Option<crate::ngram::NgramConfig> {
         (**self).rest_lookup()
+    }
+    fn guess_lookup(&self) -> Option<crate::ngram::NgramConfig> {
+        (**self).guess_lookup()
     }
     fn model_tokens_drafted(&self) -> Option<usize> {
         (**self).model_tokens_drafted()
@@ -463,6 +472,10 @@ pub struct Stats {
     /// the load of the moment ([`crate::pace::Pace::choose_rounds`]).
     #[serde(default)]
     pub token_rounds: usize,
+    /// One-token guesses verified where the drafter proposed nothing ([`Drafter::guess_lookup`]), and those the
+    /// target kept.
+    pub guesses: usize,
+    pub guesses_right: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -1023,6 +1036,17 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.speculative_token_round(round, before, adaptive)
     }
 
+    /// The token of a one-token guess ([`Drafter::guess_lookup`]), where the drafter makes them, the request may
+    /// write two tokens more, the lookup finds one and guesses pay here ([`Pace::guess_pays`], asked last: while
+    /// guesses lose, it lets one place in a few guess, and a place with nothing to guess should not use that turn).
+    fn guess(&self) -> Option<u32> {
+        let cfg = self.d.guess_lookup()?;
+        if self.remaining() < 2 {
+            return None;
+        }
+        crate::ngram::lookup(&self.context(), &cfg).filter(|_| self.pace.guess_pays())
+    }
+
     /// The speculative part of [`Run::token_round`], from `round` (its mark) with `before` tokens written.
     fn speculative_token_round(
         &mut self,
@@ -1041,6 +1065,22 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             max
         };
         let (draft, bs, _) = self.draft(None, want)?;
+        if draft.is_empty()
+            && adaptive
+            && let Some(t) = self.guess()
+        {
+            // The drafter had nothing; a guess of one token costs the target one more row.
+            let m = self.mark();
+            let (accepted, _) = self.verify(&[t], &[1], true, true)?;
+            let this_verify = self.spent(m);
+            self.stats.guesses += 1;
+            self.stats.guesses_right += accepted;
+            self.pace.guessed(this_verify, accepted > 0);
+            let (spent, setup) = (self.spent_round(round), self.setup(round));
+            self.pace
+                .speculated(spent, self.out.len() - before, &[this_verify], setup);
+            return Ok(1);
+        }
         if draft.is_empty() {
             let m = self.mark();
             self.extend(1, None)?;

@@ -3,6 +3,10 @@
 //! edits code it was given or repeats itself gets whole runs of tokens drafted for free. Where nothing matches it
 //! drafts nothing, and the loop lets the target write (token-level modes: one plain step; `parse`: an extension).
 //!
+//! Where nothing of `min_n` tokens or more matches, a token-level round may still have the target verify a guess of
+//! one token, the one after the latest earlier occurrence of the context's last token ([`Drafter::guess_lookup`]),
+//! where the share of such guesses the target keeps pays for the row they cost ([`crate::pace::Costs::guess_pays`]).
+//!
 //! It costs a scan of the context per drafted token (no forward pass), so whatever the target accepts is gain. Its
 //! drafts are deterministic: in sampled token-level speculation each drafted token had probability 1, which keeps
 //! speculative sampling lossless (the target's residual is its own distribution without that token).
@@ -217,6 +221,11 @@ impl Drafter for NgramDrafter {
     fn release(&mut self, session: &str) -> Result<()> {
         self.sessions.remove(session);
         Ok(())
+    }
+
+    /// Guesses from a one-token match, where the drafter's own sizes start above one.
+    fn guess_lookup(&self) -> Option<NgramConfig> {
+        (self.cfg.min_n > 1).then_some(NgramConfig { min_n: 1, max_n: 1 })
     }
 }
 

@@ -241,6 +241,26 @@ impl Reach {
     }
 }
 
+/// A kind's one-token guesses ([`Costs::guess_pays`]): how many were made and how many the target kept (both decayed
+/// by [`Guesses::KEEP`] per guess), and the guesses left out since the last one made while they lose.
+#[derive(Debug, Default)]
+struct Guesses {
+    made: f64,
+    right: f64,
+    skipped: usize,
+}
+
+impl Guesses {
+    /// About the last hundred guesses count.
+    const KEEP: f64 = 0.99;
+
+    /// The share of guesses the target keeps, with one kept and one not as the prior (a kind with no guesses yet
+    /// guesses, which measures it).
+    fn rate(&self) -> f64 {
+        (self.right + 1.0) / (self.made + 2.0)
+    }
+}
+
 /// The token-level round [`Costs::draft_length`] chooses: its draft length and the ms per output token it expects,
 /// with the row and drafted-token prices it was judged by.
 #[derive(Debug, Clone, Copy)]
@@ -301,6 +321,8 @@ pub struct Costs {
     levels: Mutex<HashMap<u32, Level>>,
     activity: Mutex<Activity>,
     reach: Mutex<HashMap<String, Reach>>,
+    /// Per kind, its one-token guesses ([`Costs::guess_pays`]).
+    guesses: Mutex<HashMap<String, Guesses>>,
     /// Output lengths of the pool's last [`Costs::LENGTHS`] finished requests, newest last.
     lengths: Mutex<std::collections::VecDeque<usize>>,
 }
@@ -331,6 +353,9 @@ impl Costs {
     /// sort ([`Costs::choose_rounds`]). Such a round costs what the other sort loses for one round: at most a few
     /// percent of the time of 128 tokens where they differ by a fifth.
     pub const TRY_OTHER_EVERY: usize = 128;
+    /// While one-token guesses lose, one in this many places where they could be made still makes one
+    /// ([`Costs::guess_pays`]).
+    pub const GUESS_PROBE: usize = 8;
     /// Finished requests' lengths kept for [`Costs::expected_left`].
     pub const LENGTHS: usize = 256;
     /// Fewer past requests than this that wrote as far as a request has: its tokens so far stand for what is left.
@@ -719,20 +744,9 @@ impl Costs {
         if passes.weight <= 0.0 {
             return Err(max);
         }
-        let step = self.alone_ms(level).or_else(|| self.alone_near(level));
-        // A pass's time as a line in its rows: (fixed ms, ms per row).
-        let (fixed, per_row) = match (passes.line(), step) {
-            (Some(line), _) => line,
-            (None, Some(step)) if passes.rows > passes.weight => {
-                let per_row = ((passes.verify_ms - step * passes.weight)
-                    / (passes.rows - passes.weight))
-                    .max(0.0);
-                (step - per_row, per_row)
-            }
-            _ => {
-                let spread_round = passes.rounds % Passes::SPREAD_EVERY == Passes::SPREAD_EVERY - 1;
-                return Err(if spread_round { max.div_ceil(2) } else { max });
-            }
+        let Some((fixed, per_row)) = self.row_line(&passes, level) else {
+            let spread_round = passes.rounds % Passes::SPREAD_EVERY == Passes::SPREAD_EVERY - 1;
+            return Err(if spread_round { max.div_ceil(2) } else { max });
         };
         let draft = passes.ms_per_drafted();
         let reach = {
@@ -754,6 +768,81 @@ impl Costs {
             per_row,
             draft_ms: draft,
         })
+    }
+
+    /// A verification's time at `level` as a line in its rows, (fixed ms, ms per row), from a kind's `passes`
+    /// ([`Passes::line`], where the drafts' lengths spread; otherwise a row is the verifications' mean time less the
+    /// target's one-token step, over their mean rows less one); `None` where neither can be read yet.
+    fn row_line(&self, passes: &Passes, level: u32) -> Option<(f64, f64)> {
+        if passes.weight <= 0.0 {
+            return None;
+        }
+        let step = self.alone_ms(level).or_else(|| self.alone_near(level));
+        match (passes.line(), step) {
+            (Some(line), _) => Some(line),
+            (None, Some(step)) if passes.rows > passes.weight => {
+                let per_row = ((passes.verify_ms - step * passes.weight)
+                    / (passes.rows - passes.weight))
+                    .max(0.0);
+                Some((step - per_row, per_row))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a request of `kind` at `level` whose drafter proposes nothing should have the target verify a guess
+    /// of one token ([`Drafter::guess_lookup`]: the token after the latest earlier occurrence of the context's last
+    /// token) rather than write alone: where a guess round (a verification of two rows) is expected to write faster
+    /// than the target's step, by the share of guesses the target kept and the measured price of rows. A guess
+    /// that misses costs one row; one kept writes two tokens for a verification. Where the figures cannot say yet,
+    /// it guesses (which measures them); while guesses lose, one in [`Costs::GUESS_PROBE`] is still made, so that
+    /// a task where they start to pay is seen.
+    ///
+    /// Prompt lookup drafts from matches of two tokens or more: what a one-token match proposes is kept about half
+    /// as often (XSum's first 20 development prompts: 0.51 at two tokens, 0.23 at one), and the tokens after it,
+    /// each kept only with all before it, do not pay. One token alone does, wherever more of them are kept than a
+    /// row costs in steps: on an AMX Xeon (a row 0.126 of a step, 0.30 of the guesses kept), prompt lookup on the
+    /// first 100 XSum prompts went from 1.27x to 1.29x `target` with the same output, 1.28x to 1.30x priced at each
+    /// run's own step and row (docs/figures.md, "One-token guesses for prompt lookup").
+    ///
+    /// [`Drafter::guess_lookup`]: crate::driver::Drafter::guess_lookup
+    pub fn guess_pays(&self, kind: &str, level: u32) -> bool {
+        let passes = self
+            .with(level, |l| l.spec.get(kind).map(|s| s.passes))
+            .unwrap_or_default();
+        let step = self.alone_ms(level).or_else(|| self.alone_near(level));
+        let mut guesses = self.guesses.lock().unwrap_or_else(|e| e.into_inner());
+        let g = guesses.entry(kind.to_string()).or_default();
+        let pays = match (self.row_line(&passes, level), step) {
+            (Some((fixed, per_row)), Some(step)) => {
+                (fixed + 2.0 * per_row) / (1.0 + g.rate()) < step
+            }
+            _ => true,
+        };
+        if pays {
+            g.skipped = 0;
+            return true;
+        }
+        g.skipped += 1;
+        if g.skipped >= Self::GUESS_PROBE {
+            g.skipped = 0;
+            return true;
+        }
+        false
+    }
+
+    /// A one-token guess of `kind` at `level` was verified in `verify_ms` (a pass of two rows, which goes to the
+    /// kind's price of rows as any token-level round's does, not to its chance of each position being accepted:
+    /// that is its drafts' own): the target kept it (`right`) or not.
+    pub fn record_guess(&self, kind: &str, level: u32, verify_ms: f64, right: bool) {
+        self.with(level, |l| {
+            let s = l.spec.entry(kind.to_string()).or_default();
+            s.passes.add(verify_ms, 2, 0.0, 1);
+        });
+        let mut guesses = self.guesses.lock().unwrap_or_else(|e| e.into_inner());
+        let g = guesses.entry(kind.to_string()).or_default();
+        g.made = g.made * Guesses::KEEP + 1.0;
+        g.right = g.right * Guesses::KEEP + f64::from(u8::from(right));
     }
 
     /// Whether `kind`'s token-level rounds at `level` draft for nothing and are expected to write faster than the
@@ -1484,6 +1573,19 @@ impl Pace {
         );
     }
 
+    /// Whether a one-token guess pays at the load of the last advice ([`Costs::guess_pays`]).
+    pub fn guess_pays(&self) -> bool {
+        self.pacing.costs.guess_pays(&self.pacing.kind, self.level)
+    }
+
+    /// A one-token guess was verified for `verify`; the target kept it (`right`) or not ([`Costs::record_guess`]).
+    pub fn guessed(&self, verify: Spent, right: bool) {
+        let level = self.level;
+        self.pacing
+            .costs
+            .record_guess(&self.pacing.kind, level, verify.at(level), right);
+    }
+
     /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
     /// propose): its speed at the current load, for the others.
     pub fn target_wrote(&self, spent: Spent, tokens: usize) {
@@ -1586,6 +1688,53 @@ mod tests {
                 draft_ms * drafted as f64,
             );
         }
+    }
+
+    #[test]
+    fn one_token_guesses_are_made_where_the_target_keeps_more_of_them_than_a_row_costs() {
+        let kind = "token-spec/ngram";
+        let guesses_made =
+            |costs: &Costs, n: usize| (0..n).filter(|_| costs.guess_pays(kind, 0)).count();
+        // Nothing measured: guesses measure.
+        let (costs, _) = pool(kind, 1);
+        assert_eq!(guesses_made(&costs, 5), 5);
+        // The target alone 60 ms a token; a verification 48 ms plus 12 a row (a row 0.2 of a step): a guess round
+        // (72 ms) pays where more than a fifth of the guesses are kept.
+        costs.record_alone(None, 0, 600.0, 10);
+        token_rounds(&costs, kind, 0, 0.01, |d| d);
+        for i in 0..100 {
+            costs.record_guess(kind, 0, 72.0, i % 10 < 3);
+        }
+        assert_eq!(guesses_made(&costs, 16), 16, "3 in 10 kept: they pay");
+        for i in 0..400 {
+            costs.record_guess(kind, 0, 72.0, i % 10 == 0);
+        }
+        // 1 in 10 kept: they lose, and only one place in GUESS_PROBE still guesses, to see the task change.
+        assert_eq!(guesses_made(&costs, 4 * Costs::GUESS_PROBE), 4);
+        // The same guesses where a row costs nothing to speak of (a verification 60 ms and 0.5 a row): they pay.
+        let (costs, _) = pool(kind, 1);
+        costs.record_alone(None, 0, 600.0, 10);
+        for r in 0..40 {
+            let drafted = if r % 2 == 0 { 3 } else { 1 };
+            costs.record_token_round(kind, 0, drafted, drafted, 60.0 + 0.5 * drafted as f64, 0.0);
+        }
+        for i in 0..400 {
+            costs.record_guess(kind, 0, 61.0, i % 10 == 0);
+        }
+        assert_eq!(guesses_made(&costs, 16), 16);
+        // Guesses do not move the chance of the drafts' own positions: the draft length stays.
+        let (with, without) = (Costs::default(), Costs::default());
+        for c in [&with, &without] {
+            c.record_alone(None, 0, 600.0, 10);
+            token_rounds(c, kind, 0, 0.01, |d| d.min(2));
+        }
+        for _ in 0..100 {
+            with.record_guess(kind, 0, 72.0, false);
+        }
+        assert_eq!(
+            with.draft_length(kind, 0, 6),
+            without.draft_length(kind, 0, 6)
+        );
     }
 
     #[test]

@@ -761,3 +761,43 @@ fn a_request_whose_model_rests_drafts_as_the_lookup_drafter() {
         "{a:?}\n{b:?}"
     );
 }
+
+/// Where prompt lookup has nothing of its sizes to draft, a paced token-level round has the target verify a guess of
+/// one token (the one after the latest earlier occurrence of the context's last token) in place of a plain step,
+/// where guesses pay: the output stays the target's, each guess is a verification of one drafted token, and an unpaced
+/// request makes none.
+#[test]
+fn prompt_lookup_guesses_one_token_where_nothing_longer_matches() {
+    use parse_core::pace::{Costs, Pacing};
+    use parse_core::{NgramConfig, NgramDrafter, PieceFn};
+    use std::sync::Arc;
+    let (kind, prompt) = ("token-spec/ngram", PROMPTS[2]);
+    let pieces: PieceFn = Arc::new(|t: &[u32]| Ok(t.iter().map(|&t| piece(t)).collect()));
+    let lookup = || NgramDrafter::new(NgramConfig::default(), pieces.clone(), vec![EOS]).unwrap();
+    let mut r = request(Mode::TokenSpec, 0.0, Verdict::Relative, prompt, 60);
+    r.window.adaptive = true;
+    // The target alone 100 ms a token; speculation of this kind 1 ms a token: the request speculates throughout.
+    let costs = Arc::new(Costs::default());
+    costs.record_alone(None, 0, 16.0 * 100.0, 16);
+    costs.record_spec(kind, 0, 16.0, 16, None);
+    let pacing = Pacing {
+        costs,
+        kind: kind.into(),
+        load: Arc::new(|| 1),
+    };
+    let (mut d, mut v) = (lookup(), FakeVerifier::default());
+    let paced = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
+    let target = greedy(prompt, target_next, 60);
+    assert_eq!(paced.tokens, target);
+    let s = &paced.stats;
+    assert!(s.guesses > 0 && s.guesses_right <= s.guesses, "{s:?}");
+    assert!(
+        s.verify_passes >= s.guesses && s.draft_tokens_proposed >= s.guesses,
+        "{s:?}"
+    );
+    r.window.adaptive = false;
+    let (mut d, mut v) = (lookup(), FakeVerifier::default());
+    let plain = generate(&mut d, &mut v, &r, &mut |_, _| true).unwrap();
+    assert_eq!(plain.tokens, target);
+    assert_eq!(plain.stats.guesses, 0, "{:?}", plain.stats);
+}

@@ -626,6 +626,8 @@ fn usage(stats: Option<&Stats>) -> Value {
             "paused_tokens": s.paused_tokens,
             "copy_rounds": s.copy_rounds,
             "token_rounds": s.token_rounds,
+            "guesses": s.guesses,
+            "guesses_right": s.guesses_right,
             "tokens_per_s": s.tokens_per_s,
         },
     })
