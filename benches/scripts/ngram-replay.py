@@ -11,7 +11,8 @@ not change what matches in the prompt).
     benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20] [--row-cost 0.35]
     # RUN_DIR: <out-dir>/<suite>-runs/target-b<budget>-la3-r2 of `parse-bench --suite <suite> --modes target`
 
-It also replays rounds whose first token waits for a longer match (3+ tokens) and shorter rounds (3 tokens).
+It also replays rounds whose first token waits for a longer match (3+ tokens) and shorter rounds (3 tokens), and
+(with `--spec-run`) rounds that guess one token from a one-token match where nothing longer matches.
 
 With `--spec-run DIR2` (the same bench's speculative run dir, e.g. `token-spec_ngram_adaptive-b<budget>-la3-r2`),
 the row cost is read from that run instead of guessed: a one-token step's time (its plain steps, `extend_ms` over
@@ -79,9 +80,10 @@ def lookup(ctx, lo, hi):
     return None
 
 
-def speedup(lo, hi, k, c_row, first=None):
+def speedup(lo, hi, k, c_row, first=None, guess=False):
     """Target steps over speculative cost; with `first`, a round's first token is drafted only from a match of at
-    least `first` tokens (sizes max(hi, first)..first), later ones from matches of lo..hi as before."""
+    least `first` tokens (sizes max(hi, first)..first), later ones from matches of lo..hi as before. With `guess`,
+    where nothing of lo..hi matches, a draft of one token from a one-token match (`Drafter::guess_lookup`)."""
     cost, steps = 0.0, 0
     for x, y in data:
         # The target alone makes one pass per output token and one more (`parse-bench` counts 1.03 passes a token
@@ -99,6 +101,9 @@ def speedup(lo, hi, k, c_row, first=None):
                 if t is None:
                     break
                 draft.append(t)
+            if not draft and guess:
+                t = lookup(ctx, 1, 1)
+                draft = [] if t is None else [t]
             if not draft:
                 cost, i = cost + 1, i + 1
                 continue
@@ -114,6 +119,9 @@ for c_row in args.row_cost:
     for f in (2, 3, 4, 5):
         print(f"per-row cost {c_row}, first>={f}: " + "  ".join(
             f"k={k}: {speedup(2, 8, k, c_row, first=f):.2f}x" for k in (1, 2, 3, 4, 6)))
+    for g in (False, True):
+        print(f"per-row cost {c_row}, sizes 4..2 (as shipped){', one-token guesses' if g else ''}: " + "  ".join(
+            f"k={k}: {speedup(2, 4, k, c_row, guess=g):.2f}x" for k in (2, 3, 4, 6)))
 
 for c_row in (0.6, 0.2, 0.1, 0.05):
     print(f"per-row cost {c_row}: " + "  ".join(f"k={k}: {speedup(2, 4, k, c_row):.2f}x" for k in (2, 4, 6)))
@@ -163,6 +171,9 @@ if args.spec_run:
     best = max((speedup(2, 4, k, c_run), k) for k in range(1, 7))
     print(f"replayed at the run's row cost, sizes 4..2 (as shipped): best {best[0]:.2f}x at k={best[1]}; "
           + "  ".join(f"k={k}: {speedup(2, 4, k, c_run):.2f}x" for k in (2, 3, 4, 6)))
+    best = max((speedup(2, 4, k, c_run, guess=True), k) for k in range(1, 7))
+    print(f"  with one-token guesses where nothing of 2+ tokens matches: best {best[0]:.2f}x at k={best[1]}; "
+          + "  ".join(f"k={k}: {speedup(2, 4, k, c_run, guess=True):.2f}x" for k in (2, 3, 4, 6)))
 
 proposed, right, positions = [0] * 9, [0] * 9, 0
 for x, y in data:
