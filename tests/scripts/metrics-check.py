@@ -9,7 +9,7 @@ Installs the pinned `prometheus-client` into .cache/ci-tools/prometheus-client (
 checks that the counters moved by the amounts the request's own usage reports: the router's requests, output tokens,
 accepted draft tokens, target passes and first-token histogram, the per-position and per-worker series; the target worker's session open (its prompt rows)
 and release and its verifications; the draft worker's drafted tokens; no session left open, a KV capacity, an empty
-queue.
+queue; then a prompt-lookup request's one-token guesses, kept and missed.
 Run it with no other client on the cluster. Exits non-zero on the first failed check.
 """
 
@@ -143,4 +143,24 @@ for w in ("draft", "target"):
 check(delta("draft", "parse_worker_rows_total", op="draft") >= figures["draft_tokens_proposed"],
       f"draft: drafted tokens >= {figures['draft_tokens_proposed']}")
 check(get(after["draft"], "parse_worker_open_sessions") == 0, "draft: no session left open")
+
+# Prompt lookup in the router, token-level rounds: its one-token guesses (where nothing longer matches) move
+# parse_guesses_total by the request's own figures, kept and missed.
+before = after
+body = json.dumps({
+    "messages": [{"role": "user", "content": "Repeat this list twice: red, green, blue, red, green, blue."}],
+    "max_tokens": 32,
+    "parse": {"drafter": "ngram", "mode": "token-spec"},
+}).encode()
+req = urllib.request.Request(f"{router}/v1/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=600) as r:
+    lookup = json.load(r)["usage"]["parse"]
+after = {"router": scrape(router)}
+m = {"mode": lookup["mode"]}
+kept, made = lookup["guesses_right"], lookup["guesses"]
+check(kept <= made, f"router: guesses kept {kept} of {made}")
+check(delta("router", "parse_guesses_total", outcome="kept", **m) == kept, f"router: guesses kept +{kept}")
+check(delta("router", "parse_guesses_total", outcome="missed", **m) == made - kept,
+      f"router: guesses missed +{made - kept}")
 print("metrics-check: all checks passed", file=sys.stderr)

@@ -744,6 +744,8 @@ impl Router {
                 entries_declined: n(|s| s.entries_declined),
                 copy_rounds: n(|s| s.copy_rounds),
                 token_rounds: n(|s| s.token_rounds),
+                guesses: n(|s| s.guesses),
+                guesses_right: n(|s| s.guesses_right),
                 draft_ahead_hits: drafter.prefetch_hits as u64,
                 draft_ahead_misses: drafter.prefetch_misses as u64,
                 draft_failovers: drafter.failovers as u64,

@@ -62,6 +62,9 @@ pub struct RequestRecord<'a> {
     pub copy_rounds: u64,
     /// Token-level rounds made in place of PARSE rounds where those measured faster (`parse+token-spec`).
     pub token_rounds: u64,
+    /// One-token guesses verified where prompt lookup had nothing longer (`Drafter::guess_lookup`), and those kept.
+    pub guesses: u64,
+    pub guesses_right: u64,
     /// Drafts begun ahead during a verification (`Drafter::prefetch`, `prefetch_guessing`) that the next round took,
     /// and those it threw away.
     pub draft_ahead_hits: u64,
@@ -104,6 +107,7 @@ pub struct Metrics {
     entries_declined: IntCounterVec,
     copy_rounds: IntCounterVec,
     token_rounds: IntCounterVec,
+    guesses: IntCounterVec,
     draft_ahead: IntCounterVec,
     failovers: IntCounterVec,
     fallbacks: IntCounter,
@@ -251,6 +255,13 @@ impl Metrics {
             "Token-level rounds made in place of PARSE rounds, where those measured faster per output token at the \
              load of the moment (mode parse+token-spec).",
         );
+        let guesses = counter(
+            &r,
+            "parse_guesses_total",
+            "One-token guesses the target verified where prompt lookup had nothing of two tokens or more (drafter \
+             ngram), by mode and outcome: kept or missed.",
+            &["mode", "outcome"],
+        );
         let draft_ahead = counter(
             &r,
             "parse_draft_ahead_total",
@@ -346,6 +357,7 @@ impl Metrics {
             entries_declined,
             copy_rounds,
             token_rounds,
+            guesses,
             draft_ahead,
             failovers,
             fallbacks,
@@ -405,6 +417,12 @@ impl Metrics {
         self.token_rounds
             .with_label_values(&m)
             .inc_by(r.token_rounds);
+        let missed = r.guesses.saturating_sub(r.guesses_right);
+        for (outcome, n) in [("kept", r.guesses_right), ("missed", missed)] {
+            if n > 0 {
+                self.guesses.with_label_values(&[r.mode, outcome]).inc_by(n);
+            }
+        }
         for (outcome, n) in [("hit", r.draft_ahead_hits), ("miss", r.draft_ahead_misses)] {
             if n > 0 {
                 self.draft_ahead
@@ -657,6 +675,8 @@ mod tests {
             entries_declined: 2,
             copy_rounds: 3,
             token_rounds: 4,
+            guesses: 9,
+            guesses_right: 2,
             draft_ahead_hits: 5,
             draft_ahead_misses: 2,
             draft_failovers: 1,
@@ -708,6 +728,14 @@ mod tests {
         );
         assert_eq!(value(&t, "parse_copy_rounds_total{mode=\"parse\"}"), 3.0);
         assert_eq!(value(&t, "parse_token_rounds_total{mode=\"parse\"}"), 4.0);
+        assert_eq!(
+            value(&t, "parse_guesses_total{mode=\"parse\",outcome=\"kept\"}"),
+            2.0
+        );
+        assert_eq!(
+            value(&t, "parse_guesses_total{mode=\"parse\",outcome=\"missed\"}"),
+            7.0
+        );
         assert_eq!(
             value(
                 &t,
