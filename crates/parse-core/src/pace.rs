@@ -738,9 +738,7 @@ impl Costs {
     /// The token-level round [`Costs::draft_length`] chooses, with what it expects of it; where the figures cannot
     /// say yet, `Err` with the length to draft (`max`, or half of it on a spreading round).
     fn best_round(&self, kind: &str, level: u32, max: usize) -> Result<BestRound, usize> {
-        let passes = self
-            .with(level, |l| l.spec.get(kind).map(|s| s.passes))
-            .unwrap_or_default();
+        let passes = self.passes(kind, level);
         if passes.weight <= 0.0 {
             return Err(max);
         }
@@ -768,6 +766,12 @@ impl Costs {
             per_row,
             draft_ms: draft,
         })
+    }
+
+    /// `kind`'s verification passes at `level` (none yet: empty).
+    fn passes(&self, kind: &str, level: u32) -> Passes {
+        self.with(level, |l| l.spec.get(kind).map(|s| s.passes))
+            .unwrap_or_default()
     }
 
     /// A verification's time at `level` as a line in its rows, (fixed ms, ms per row), from a kind's `passes`
@@ -807,9 +811,7 @@ impl Costs {
     ///
     /// [`Drafter::guess_lookup`]: crate::driver::Drafter::guess_lookup
     pub fn guess_pays(&self, kind: &str, level: u32) -> bool {
-        let passes = self
-            .with(level, |l| l.spec.get(kind).map(|s| s.passes))
-            .unwrap_or_default();
+        let passes = self.passes(kind, level);
         let step = self.alone_ms(level).or_else(|| self.alone_near(level));
         let mut guesses = self.guesses.lock().unwrap_or_else(|e| e.into_inner());
         let g = guesses.entry(kind.to_string()).or_default();
