@@ -67,6 +67,11 @@ struct Args {
     /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
     #[arg(long)]
     ab_attention: bool,
+    /// Instead of the report: time each model's passes with the attention's path without AVX-512 taking each row of
+    /// a block alone, key by key, and taking the rows together with keys scored 8 at a time, alternating pass by pass
+    /// in one process (`ops::set_rows_together`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_attention_rows: bool,
     /// Instead of the report: time each model's passes with the VNNI Q4_K kernel taking one activation row at a
     /// time (one chain per sub-block) and up to four with their chains interleaved, alternating pass by pass in one
     /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
@@ -204,6 +209,18 @@ fn ab_attention(name: &str, args: &Args) -> Result<()> {
         "attention without and with its AVX-512 path",
         ["without", "with"],
         parse_engine::ops::set_wide_attention,
+    )
+}
+
+/// `--ab-attention-rows`: one model's passes with the attention's rows alone and together
+/// (`ops::set_rows_together`).
+fn ab_attention_rows(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "attention without AVX-512, rows alone and together",
+        ["alone", "together"],
+        parse_engine::ops::set_rows_together,
     )
 }
 
@@ -563,6 +580,12 @@ fn main() -> Result<()> {
     if args.ab_attention {
         for m in &args.models {
             ab_attention(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_attention_rows {
+        for m in &args.models {
+            ab_attention_rows(m, &args)?;
         }
         return Ok(());
     }

@@ -277,9 +277,11 @@ pub struct AttnShape {
 /// Masked softmax attention. `q`: rows x n_heads x head_dim; `k_cache`/`v_cache`: tokens x n_kv_heads x head_dim,
 /// holding the cached tokens followed by the block's own; `out`: like `q`.
 ///
-/// Work is split by (row, KV head): the query heads sharing a KV head read each key and value once. For every
-/// (row, head) the visible keys are visited in cache order (the cached prefix, then the visible block spans), and
-/// the scores, softmax and weighted sum follow that order: the result depends only on the keys the row sees.
+/// Work is split by (row, KV head) on the AVX-512 path, by (run of rows, KV head) without it
+/// ([`attention_narrow`]): the query heads sharing a KV head read each key and value once, and without AVX-512 the
+/// rows of a run read each key once. For every (row, head) the visible keys are visited in cache order (the cached
+/// prefix, then the visible block spans), and the scores, softmax and weighted sum follow that order: the result
+/// depends only on the keys the row sees.
 pub fn attention(
     q: &[f32],
     k_cache: &[f32],
@@ -317,6 +319,15 @@ fn wide_attention_runs() -> bool {
 
 static NARROW_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+static ROWS_TOGETHER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets [`attention`]'s path without AVX-512 take a block's rows together and score keys 8 at a time (`true`, the
+/// default) or take each row alone and score key by key (`false`), for benchmarks that time the two in one process
+/// (`engine-bench --ab-attention-rows`); the outputs are the same bits.
+pub fn set_rows_together(on: bool) {
+    ROWS_TOGETHER.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Lets [`attention`] take its AVX-512 path where the CPU has it (`true`, the default) or not (`false`), for
 /// benchmarks that time the two in one process (`engine-bench --ab-attention`); the outputs are the same bits.
 pub fn set_wide_attention(on: bool) {
@@ -335,10 +346,36 @@ fn attention_with(
     out: &mut [f32],
 ) {
     let hd = s.head_dim;
+    let wide = wide && wide_attention_runs() && hd.is_multiple_of(16) && hd <= 128;
+    if !wide {
+        let together = ROWS_TOGETHER.load(std::sync::atomic::Ordering::Relaxed);
+        let rb = if together {
+            rows_per_task(mask.len(), s)
+        } else {
+            1
+        };
+        return attention_narrow(q, k_cache, v_cache, mask, s, out, rb, together);
+    }
+    #[cfg(target_arch = "x86_64")]
+    attention_wide(q, k_cache, v_cache, mask, s, out);
+}
+
+/// [`attention`]'s AVX-512 path, its work split by (row, KV head): whole runs of 16 keys scored at once
+/// ([`scores16_wide`]), the rest key by key ([`dot_heads_wide`]), every head of the group over each value row at once
+/// ([`weighted_sums_wide`]). Only where [`wide_attention_runs`] and the head width is a multiple of 16, at most 128.
+#[cfg(target_arch = "x86_64")]
+fn attention_wide(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    mask: &[MaskRow],
+    s: &AttnShape,
+    out: &mut [f32],
+) {
+    let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let kv_stride = s.n_kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let wide = wide && wide_attention_runs() && hd.is_multiple_of(16) && hd <= 128;
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
@@ -356,35 +393,26 @@ fn attention_with(
             // scores[h * n + i]: head h of the group, i-th visible key.
             let mut scores = vec![0f32; group * n];
             let mut row = vec![0f32; group];
-            // The AVX-512 path scores whole runs of 16 keys at once (`scores16_wide`), the rest key by key.
-            let by16 = if wide { n / 16 * 16 } else { 0 };
+            let by16 = n / 16 * 16;
             for i0 in (0..by16).step_by(16) {
                 let ks: [&[f32]; 16] = std::array::from_fn(|j| {
                     let t = keys[i0 + j];
                     &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd]
                 });
-                #[cfg(target_arch = "x86_64")]
                 #[allow(unsafe_code)]
-                // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention_runs`); hd is a multiple of 16, at
-                // most 128; `scores` holds group x n values and i0 + 16 <= n.
+                // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (the caller's check); hd is a multiple of 16, at most
+                // 128; `scores` holds group x n values and i0 + 16 <= n.
                 unsafe {
                     scores16_wide(qs, &ks, &mut scores, n, i0, scale)
                 };
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = ks;
             }
             for (i, &t) in keys.iter().enumerate().skip(by16) {
                 let kv = &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
-                if wide {
-                    #[cfg(target_arch = "x86_64")]
-                    #[allow(unsafe_code)]
-                    // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (`wide_attention_runs`); hd is a multiple of 16.
-                    unsafe {
-                        dot_heads_wide(qs, kv, &mut row)
-                    };
-                } else {
-                    dot_heads(qs, kv, &mut row);
-                }
+                #[allow(unsafe_code)]
+                // SAFETY: as above.
+                unsafe {
+                    dot_heads_wide(qs, kv, &mut row)
+                };
                 for h in 0..group {
                     scores[h * n + i] = row[h] * scale;
                 }
@@ -395,26 +423,12 @@ fn attention_with(
                 sums[h] = crate::vexp::exp_sum(sc, crate::vexp::max_of(sc));
             }
             o.fill(0.0);
-            if wide {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    let offsets: Vec<usize> =
-                        keys.iter().map(|&t| t * kv_stride + kvh * hd).collect();
-                    #[allow(unsafe_code)]
-                    // SAFETY: as above; every offset starts a value row of hd values in v_cache.
-                    unsafe {
-                        weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
-                    };
-                }
-            } else {
-                for h in 0..group {
-                    let p = keys
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &t)| (scores[h * n + i], t * kv_stride + kvh * hd));
-                    weighted_sum(p, v_cache, &mut o[h * hd..(h + 1) * hd]);
-                }
-            }
+            let offsets: Vec<usize> = keys.iter().map(|&t| t * kv_stride + kvh * hd).collect();
+            #[allow(unsafe_code)]
+            // SAFETY: as above; every offset starts a value row of hd values in v_cache.
+            unsafe {
+                weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
+            };
             for h in 0..group {
                 let inv = 1.0 / sums[h];
                 for a in o[h * hd..(h + 1) * hd].iter_mut() {
@@ -422,6 +436,230 @@ fn attention_with(
                 }
             }
         });
+}
+
+/// Rows of a block that one task of [`attention_narrow`] takes together for a KV head: as many as leave a task for
+/// each of the pool's threads (one row each where the threads outnumber the rows' KV heads, as before), at most 8.
+fn rows_per_task(rows: usize, s: &AttnShape) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    (rows * s.n_kv_heads / threads).clamp(1, 8)
+}
+
+/// Keys visited per step of [`attention_narrow`]'s scoring: every row of a task scores them before the next run, so
+/// their keys are read from memory once for all rows (32 keys of 128 f32 are 16 KB).
+const KEY_RUN: usize = 32;
+
+/// [`attention`] without the AVX-512 path, its work split by (KV head, run of `rb` rows): the rows of a task score
+/// each run of [`KEY_RUN`] keys in turn, so a key comes from memory once for all of them, and (`together`) score 8
+/// keys at a time with their sums reduced side by side ([`scores8`]). Per (row, head) the scores, softmax and
+/// weighted sum ([`weighted_sum`], one head per pass over the values) are the same operations in the same order as
+/// the row alone runs them (`rb` 1, keys one by one, as before rows went together): the same bits whatever `rb`.
+/// In-process alternation (`engine-bench --ab-attention-rows`) measures the difference.
+#[allow(clippy::too_many_arguments)]
+fn attention_narrow(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    mask: &[MaskRow],
+    s: &AttnShape,
+    out: &mut [f32],
+    rb: usize,
+    together: bool,
+) {
+    let (hd, n_kv) = (s.head_dim, s.n_kv_heads);
+    let group = s.n_heads / n_kv;
+    let kv_stride = n_kv * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let rows = mask.len();
+    let tasks: Vec<(usize, usize)> = (0..rows)
+        .step_by(rb.max(1))
+        .flat_map(|r0| (0..n_kv).map(move |kvh| (kvh, r0)))
+        .collect();
+    let done: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(kvh, r0)| {
+            let r1 = (r0 + rb.max(1)).min(rows);
+            let keys: Vec<Vec<usize>> = mask[r0..r1]
+                .iter()
+                .map(|m| {
+                    (0..m.cached)
+                        .chain(
+                            m.spans
+                                .iter()
+                                .flat_map(|sp| sp.clone().map(|j| s.block_start + j)),
+                        )
+                        .collect()
+                })
+                .collect();
+            let qs = |j: usize| {
+                let idx = (r0 + j) * n_kv + kvh;
+                &q[idx * group * hd..(idx + 1) * group * hd]
+            };
+            // scores[j][h * n + i]: row r0 + j, head h of the group, i-th visible key of the row.
+            let mut scores: Vec<Vec<f32>> =
+                keys.iter().map(|k| vec![0f32; group * k.len()]).collect();
+            let mut row = vec![0f32; group];
+            let mut by8 = vec![0f32; group * 8];
+            let most = keys.iter().map(Vec::len).max().unwrap_or(0);
+            let key = |t: usize| &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd];
+            for i0 in (0..most).step_by(KEY_RUN) {
+                for (j, ks) in keys.iter().enumerate() {
+                    let n = ks.len();
+                    let end = (i0 + KEY_RUN).min(n);
+                    let mut i = i0;
+                    // Runs of 8 keys, their sums reduced side by side (`scores8`); the rest key by key.
+                    while together
+                        && i + 8 <= end
+                        && scores8(qs(j), std::array::from_fn(|e| key(ks[i + e])), &mut by8)
+                    {
+                        for h in 0..group {
+                            for e in 0..8 {
+                                scores[j][h * n + i + e] = by8[h * 8 + e] * scale;
+                            }
+                        }
+                        i += 8;
+                    }
+                    for (i, &t) in ks.iter().enumerate().take(end).skip(i) {
+                        dot_heads(qs(j), key(t), &mut row);
+                        for h in 0..group {
+                            scores[j][h * n + i] = row[h] * scale;
+                        }
+                    }
+                }
+            }
+            let mut o = vec![0f32; (r1 - r0) * group * hd];
+            let mut sums = vec![0f32; (r1 - r0) * group];
+            for (j, sc) in scores.iter_mut().enumerate() {
+                let n = keys[j].len();
+                for h in 0..group {
+                    let sh = &mut sc[h * n..(h + 1) * n];
+                    sums[j * group + h] = crate::vexp::exp_sum(sh, crate::vexp::max_of(sh));
+                }
+            }
+            for (j, ks) in keys.iter().enumerate() {
+                let n = ks.len();
+                for h in 0..group {
+                    let p = ks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &t)| (scores[j][h * n + i], t * kv_stride + kvh * hd));
+                    let at = (j * group + h) * hd;
+                    weighted_sum(p, v_cache, &mut o[at..at + hd]);
+                }
+            }
+            for (a, inv) in o.chunks_mut(hd).zip(sums.iter().map(|s| 1.0 / s)) {
+                for x in a.iter_mut() {
+                    *x *= inv;
+                }
+            }
+            o
+        })
+        .collect();
+    for (&(kvh, r0), o) in tasks.iter().zip(&done) {
+        for (j, oj) in o.chunks(group * hd).enumerate() {
+            let idx = (r0 + j) * n_kv + kvh;
+            out[idx * group * hd..(idx + 1) * group * hd].copy_from_slice(oj);
+        }
+    }
+}
+
+/// [`dot_heads`] of 8 keys: `out[h * 8 + e] = dot(qs[h], ks[e])`, bitwise, where AVX2 and FMA are available and
+/// the head width is a multiple of 16 (returns whether it ran). Each key's accumulator chains are those of
+/// [`dot_heads`]; the 8 keys' lane sums are then taken side by side in vectors with [`lane_sum`]'s additions (lanes
+/// `l` and `l + 4`, then `(0 + 2) + (1 + 3)`) and the empty tail's `+ 0`, instead of one store and seven scalar
+/// additions per key and head.
+fn scores8(qs: &[f32], ks: [&[f32]; 8], out: &mut [f32]) -> bool {
+    let hd = ks[0].len();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if hd.is_multiple_of(16)
+            && hd > 0
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+        {
+            let group = qs.len() / hd;
+            let mut h = 0;
+            while h < group {
+                let g = (group - h).min(4);
+                let (q, o) = (&qs[h * hd..], &mut out[h * 8..]);
+                #[allow(unsafe_code)]
+                // SAFETY: AVX2 and FMA are available (checked just above); every key has hd values, a multiple of
+                // 16; q holds g heads of hd values and o g x 8 values.
+                unsafe {
+                    match g {
+                        4 => scores8_avx2::<4>(q, &ks, o),
+                        3 => scores8_avx2::<3>(q, &ks, o),
+                        2 => scores8_avx2::<2>(q, &ks, o),
+                        _ => scores8_avx2::<1>(q, &ks, o),
+                    }
+                }
+                h += g;
+            }
+            return true;
+        }
+    }
+    let _ = (qs, out, hd);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores8_avx2<const G: usize>(qs: &[f32], ks: &[&[f32]; 8], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = ks[0].len();
+    assert!(hd.is_multiple_of(16) && qs.len() >= G * hd && out.len() >= G * 8);
+    assert!(ks.iter().all(|k| k.len() == hd));
+    let mut lanes = [[_mm256_setzero_ps(); 8]; G];
+    for (e, k) in ks.iter().enumerate() {
+        let mut acc0 = [_mm256_setzero_ps(); G];
+        let mut acc1 = [_mm256_setzero_ps(); G];
+        for i in (0..hd).step_by(16) {
+            // SAFETY: i + 16 <= hd, and every head's slice has hd values.
+            unsafe {
+                let k0 = _mm256_loadu_ps(k.as_ptr().add(i));
+                let k1 = _mm256_loadu_ps(k.as_ptr().add(i + 8));
+                for h in 0..G {
+                    let q = qs.as_ptr().add(h * hd + i);
+                    acc0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q), k0, acc0[h]);
+                    acc1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8)), k1, acc1[h]);
+                }
+            }
+        }
+        for h in 0..G {
+            lanes[h][e] = _mm256_add_ps(acc0[h], acc1[h]);
+        }
+    }
+    for (h, v) in lanes.iter().enumerate() {
+        // s = lanes l + l + 4 of each key, two keys a vector: keys (0, 1), (2, 3), (4, 5), (6, 7).
+        let s: [__m256; 4] = std::array::from_fn(|p| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(v[2 * p], v[2 * p + 1]),
+                _mm256_permute2f128_ps::<0x31>(v[2 * p], v[2 * p + 1]),
+            )
+        });
+        // Per 128-bit half: (s0 + s2, s1 + s3) of two keys.
+        let g: [__m256; 2] = std::array::from_fn(|p| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(s[2 * p], s[2 * p + 1]),
+                _mm256_shuffle_ps::<0b11_10_11_10>(s[2 * p], s[2 * p + 1]),
+            )
+        });
+        // (s0 + s2) + (s1 + s3), then the empty tail's + 0: keys 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high.
+        let r = _mm256_add_ps(
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b10_00_10_00>(g[0], g[1]),
+                _mm256_shuffle_ps::<0b11_01_11_01>(g[0], g[1]),
+            ),
+            _mm256_setzero_ps(),
+        );
+        let mut t = [0f32; 8];
+        // SAFETY: t holds 8 f32.
+        unsafe { _mm256_storeu_ps(t.as_mut_ptr(), r) };
+        for (e, x) in [0, 2, 4, 6, 1, 3, 5, 7].into_iter().zip(t) {
+            out[h * 8 + e] = x;
+        }
+    }
 }
 
 /// [`dot_heads`] with one 16-lane accumulator per head in place of two of 8 (lanes 0..8 are the first 8-lane
@@ -818,6 +1056,149 @@ mod tests {
                 "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {cached} cached"
             );
             assert!(narrow.iter().all(|x| x.is_finite() && *x != 0.0));
+        }
+    }
+
+    #[test]
+    fn eight_keys_scored_side_by_side_equal_dot_heads_bitwise() {
+        for hd in [16usize, 64, 128] {
+            for group in [1usize, 4, 6, 7] {
+                let qs: Vec<f32> = (0..group * hd)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 337.0 - 1.3)
+                    .collect();
+                let keys: Vec<Vec<f32>> = (0..8)
+                    .map(|e| {
+                        (0..hd)
+                            .map(|i| ((i * 104729 + e * 31) % 997) as f32 / 211.0 - 2.1)
+                            .collect()
+                    })
+                    .collect();
+                let mut got = vec![0f32; group * 8];
+                if !scores8(&qs, std::array::from_fn(|e| &keys[e][..]), &mut got) {
+                    eprintln!("skipped: no AVX2 and FMA");
+                    return;
+                }
+                let mut want = vec![0f32; group];
+                for (e, k) in keys.iter().enumerate() {
+                    dot_heads(&qs, k, &mut want);
+                    for h in 0..group {
+                        assert_eq!(
+                            got[h * 8 + e].to_bits(),
+                            want[h].to_bits(),
+                            "hd {hd}, head {h}, key {e}"
+                        );
+                    }
+                }
+            }
+        }
+        // A head width without whole runs of 16 is left to dot_heads.
+        let k = [1f32; 40];
+        assert!(!scores8(
+            &[1f32; 40],
+            std::array::from_fn(|_| &k[..]),
+            &mut [0f32; 8]
+        ));
+    }
+
+    #[test]
+    fn rows_taken_together_give_the_bits_of_rows_taken_alone() {
+        let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
+        for (n_heads, n_kv_heads, head_dim, cached) in [
+            (12, 2, 128, 70),
+            (14, 2, 64, 37),
+            (4, 4, 48, 37),
+            (9, 1, 40, 5),
+            (8, 1, 16, 0),
+        ] {
+            // Rows that see different caches and spans; more keys than a run of KEY_RUN where the cache is long.
+            let rows = 7;
+            let kv = n_kv_heads * head_dim;
+            let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
+            let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
+            let q: Vec<f32> = (0..rows * n_heads * head_dim).map(|i| val(i, 3)).collect();
+            let mask: Vec<MaskRow> = (0..rows)
+                .map(|r| MaskRow {
+                    cached: cached.saturating_sub(r % 3),
+                    spans: vec![0..1, (r / 2)..(r + 1)],
+                })
+                .collect();
+            let s = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                block_start: cached,
+            };
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let mut alone = vec![0f32; q.len()];
+            // As before rows went together: each row alone, key by key.
+            attention_narrow(&q, &k, &v, &mask, &s, &mut alone, 1, false);
+            // Each row by itself, as a block of one row.
+            let width = n_heads * head_dim;
+            for r in 0..rows {
+                let mut one = vec![0f32; width];
+                attention_narrow(
+                    &q[r * width..(r + 1) * width],
+                    &k,
+                    &v,
+                    &mask[r..r + 1],
+                    &s,
+                    &mut one,
+                    1,
+                    false,
+                );
+                assert_eq!(
+                    bits(&one),
+                    bits(&alone[r * width..(r + 1) * width]),
+                    "row {r}"
+                );
+            }
+            for rb in [1, 2, 3, 7, 8] {
+                let mut together = vec![0f32; q.len()];
+                attention_narrow(&q, &k, &v, &mask, &s, &mut together, rb, true);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&together),
+                    "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {rb} rows a task"
+                );
+            }
+            assert!(alone.iter().all(|x| x.is_finite() && *x != 0.0));
+            // Against the plain loops: softmax-weighted values, within float rounding.
+            for r in 0..rows {
+                let m = &mask[r];
+                let keys: Vec<usize> = (0..m.cached)
+                    .chain(m.spans.iter().flat_map(|sp| sp.clone().map(|j| cached + j)))
+                    .collect();
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv_heads);
+                    let qh = &q[(r * n_heads + h) * head_dim..][..head_dim];
+                    let sc: Vec<f64> = keys
+                        .iter()
+                        .map(|&t| {
+                            let kt = &k[t * kv + kvh * head_dim..][..head_dim];
+                            qh.iter()
+                                .zip(kt)
+                                .map(|(a, b)| (*a * *b) as f64)
+                                .sum::<f64>()
+                                / (head_dim as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..head_dim {
+                        let want: f64 = keys
+                            .iter()
+                            .zip(&e)
+                            .map(|(&t, w)| w / z * v[t * kv + kvh * head_dim + d] as f64)
+                            .sum();
+                        let got = alone[(r * n_heads + h) * head_dim + d] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-3,
+                            "row {r} head {h} dim {d}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
         }
     }
 
