@@ -1010,14 +1010,40 @@ mod tests {
         assert!((x[0] - (1.0 * 3f32.cos() - 3.0 * 3f32.sin())).abs() < 1e-5);
     }
 
+    /// Keys, values and queries of one attention call for the tests (values in -2..2), with rows that see the cache
+    /// less `r % drop` keys, the block's first token and its tokens `r / 2..=r`.
+    fn attention_case(
+        (n_heads, n_kv_heads, head_dim, cached): (usize, usize, usize, usize),
+        rows: usize,
+        drop: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<MaskRow>, AttnShape) {
+        let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
+        let kv = n_kv_heads * head_dim;
+        let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
+        let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
+        let q: Vec<f32> = (0..rows * n_heads * head_dim).map(|i| val(i, 3)).collect();
+        let mask: Vec<MaskRow> = (0..rows)
+            .map(|r| MaskRow {
+                cached: cached.saturating_sub(r % drop),
+                spans: vec![0..1, (r / 2)..(r + 1)],
+            })
+            .collect();
+        let s = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_start: cached,
+        };
+        (k, v, q, mask, s)
+    }
+
     #[test]
     fn attentions_avx512_path_gives_the_same_bits_as_the_others() {
         if !wide_attention_runs() {
             eprintln!("skipped: no AVX-512 on this CPU");
             return;
         }
-        let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
-        for (n_heads, n_kv_heads, head_dim, cached) in [
+        for case in [
             (12, 2, 128, 37),
             (14, 2, 64, 37),
             (4, 4, 48, 37),
@@ -1026,25 +1052,10 @@ mod tests {
             (14, 2, 128, 80),
             (6, 1, 128, 3),
         ] {
-            // Rows see up to `cached + 5` keys: whole runs of 16 and the rest, or fewer than 16 in all.
-            let rows = 5;
-            let kv = n_kv_heads * head_dim;
-            let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
-            let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
-            let q: Vec<f32> = (0..rows * n_heads * head_dim).map(|i| val(i, 3)).collect();
-            // A tree of rows: each sees the cache and some of the block.
-            let mask: Vec<MaskRow> = (0..rows)
-                .map(|r| MaskRow {
-                    cached: cached - r % 2,
-                    spans: vec![0..1, (r / 2)..(r + 1)],
-                })
-                .collect();
-            let s = AttnShape {
-                n_heads,
-                n_kv_heads,
-                head_dim,
-                block_start: cached,
-            };
+            let (n_heads, n_kv_heads, head_dim, cached) = case;
+            // Rows see up to `cached + 5` keys: whole runs of 16 and the rest, or fewer than 16 in all. A tree of
+            // rows: each sees the cache and some of the block.
+            let (k, v, q, mask, s) = attention_case(case, 5, 2);
             let mut narrow = vec![0f32; q.len()];
             let mut wide = vec![0f32; q.len()];
             attention_with(false, &q, &k, &v, &mask, &s, &mut narrow);
@@ -1102,32 +1113,18 @@ mod tests {
 
     #[test]
     fn rows_taken_together_give_the_bits_of_rows_taken_alone() {
-        let val = |i: usize, m: usize| ((i * 7919 + m) % 2003) as f32 / 500.0 - 2.0;
-        for (n_heads, n_kv_heads, head_dim, cached) in [
+        for case in [
             (12, 2, 128, 70),
             (14, 2, 64, 37),
             (4, 4, 48, 37),
             (9, 1, 40, 5),
             (8, 1, 16, 0),
         ] {
+            let (n_heads, n_kv_heads, head_dim, cached) = case;
             // Rows that see different caches and spans; more keys than a run of KEY_RUN where the cache is long.
             let rows = 7;
             let kv = n_kv_heads * head_dim;
-            let k: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 1)).collect();
-            let v: Vec<f32> = (0..(cached + rows) * kv).map(|i| val(i, 2)).collect();
-            let q: Vec<f32> = (0..rows * n_heads * head_dim).map(|i| val(i, 3)).collect();
-            let mask: Vec<MaskRow> = (0..rows)
-                .map(|r| MaskRow {
-                    cached: cached.saturating_sub(r % 3),
-                    spans: vec![0..1, (r / 2)..(r + 1)],
-                })
-                .collect();
-            let s = AttnShape {
-                n_heads,
-                n_kv_heads,
-                head_dim,
-                block_start: cached,
-            };
+            let (k, v, q, mask, s) = attention_case(case, rows, 3);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let mut alone = vec![0f32; q.len()];
             // As before rows went together: each row alone, key by key.
