@@ -115,18 +115,26 @@ pub fn dot_heads(qs: &[f32], k: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The two accumulator chains of [`dot`] over the first `n16` values (a multiple of 16) for each of `G` heads (`qs`:
+/// G heads of `k.len()` values) against one key `k`, added lane-wise: what [`lane_sum`] then sums.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `qs` must hold `G * k.len()` values and `n16 <= k.len()`.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_heads_avx2<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+#[inline]
+unsafe fn heads_lanes_avx2<const G: usize>(
+    qs: &[f32],
+    k: &[f32],
+    n16: usize,
+) -> [std::arch::x86_64::__m256; G] {
     use std::arch::x86_64::*;
     let hd = k.len();
-    assert!(qs.len() >= G * hd && out.len() >= G);
-    let n16 = hd / 16 * 16;
     let mut acc0 = [_mm256_setzero_ps(); G];
     let mut acc1 = [_mm256_setzero_ps(); G];
     for i in (0..n16).step_by(16) {
-        // SAFETY: i + 16 <= n16 <= hd, and every head's slice has hd values.
+        // SAFETY: i + 16 <= n16 <= hd, and every head's slice has hd values (the caller's bounds).
         unsafe {
             let k0 = _mm256_loadu_ps(k.as_ptr().add(i));
             let k1 = _mm256_loadu_ps(k.as_ptr().add(i + 8));
@@ -138,9 +146,25 @@ unsafe fn dot_heads_avx2<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32])
         }
     }
     for h in 0..G {
+        acc0[h] = _mm256_add_ps(acc0[h], acc1[h]);
+    }
+    acc0
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_heads_avx2<const G: usize>(qs: &[f32], k: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = k.len();
+    assert!(qs.len() >= G * hd && out.len() >= G);
+    let n16 = hd / 16 * 16;
+    // SAFETY: the caller's CPU has AVX2 and FMA; the lengths are checked above.
+    let acc = unsafe { heads_lanes_avx2::<G>(qs, k, n16) };
+    for h in 0..G {
         let mut lanes = [0f32; 8];
         // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc0[h], acc1[h])) };
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[h]) };
         let a = &qs[h * hd..(h + 1) * hd];
         out[h] = lane_sum(lanes) + dot_tail(a, k, n16);
     }
@@ -612,22 +636,10 @@ unsafe fn scores8_avx2<const G: usize>(qs: &[f32], ks: &[&[f32]; 8], out: &mut [
     assert!(ks.iter().all(|k| k.len() == hd));
     let mut lanes = [[_mm256_setzero_ps(); 8]; G];
     for (e, k) in ks.iter().enumerate() {
-        let mut acc0 = [_mm256_setzero_ps(); G];
-        let mut acc1 = [_mm256_setzero_ps(); G];
-        for i in (0..hd).step_by(16) {
-            // SAFETY: i + 16 <= hd, and every head's slice has hd values.
-            unsafe {
-                let k0 = _mm256_loadu_ps(k.as_ptr().add(i));
-                let k1 = _mm256_loadu_ps(k.as_ptr().add(i + 8));
-                for h in 0..G {
-                    let q = qs.as_ptr().add(h * hd + i);
-                    acc0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q), k0, acc0[h]);
-                    acc1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8)), k1, acc1[h]);
-                }
-            }
-        }
+        // SAFETY: the caller's CPU has AVX2 and FMA; the lengths are checked above.
+        let acc = unsafe { heads_lanes_avx2::<G>(qs, k, hd) };
         for h in 0..G {
-            lanes[h][e] = _mm256_add_ps(acc0[h], acc1[h]);
+            lanes[h][e] = acc[h];
         }
     }
     for (h, v) in lanes.iter().enumerate() {
