@@ -77,6 +77,11 @@ struct Args {
     /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q4k_chains: bool,
+    /// Instead of the report: time each model's passes with the AVX2 Q6_K panels taking a `madd` per `maddubs` and
+    /// adding two `maddubs` as i16 before each `madd` (on activations laid out for it), alternating pass by pass in
+    /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_q6k_pairs: bool,
     /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
     /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
     #[arg(long)]
@@ -233,6 +238,18 @@ fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
         "Q4_K rows one at a time and interleaved",
         ["one at a time", "interleaved"],
         parse_engine::kernels::set_interleaved_q4k,
+    )
+}
+
+/// `--ab-q6k-pairs`: one model's passes with the AVX2 Q6_K panels' products one `madd` each and in pairs
+/// (`kernels::set_paired_q6k`).
+fn ab_q6k_pairs(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "Q6_K products one madd each and in pairs",
+        ["one each", "pairs"],
+        parse_engine::kernels::set_paired_q6k,
     )
 }
 
@@ -598,6 +615,12 @@ fn main() -> Result<()> {
     if args.ab_q4k_chains {
         for m in &args.models {
             ab_q4k_chains(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_q6k_pairs {
+        for m in &args.models {
+            ab_q6k_pairs(m, &args)?;
         }
         return Ok(());
     }

@@ -180,25 +180,75 @@ pub(super) fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// Each row's 8 lanes of scaled products with one Q6_K super-block (block `b` of the rows; the offset of 32 is not
-/// yet taken off), in the first `R` of `N` (>= `R`) vectors: lane sums are exact integers.
+/// Each row's 8 lanes of scaled products with one Q6_K super-block (block `b` of the rows, in the paired layout of
+/// [`q6k_paired`]; the offset of 32 is not yet taken off), in the first `R` of `N` (>= `R`) vectors: lane sums are
+/// exact integers.
+///
+/// Two `maddubs` add as i16 before one `madd` by the sub-blocks' scales: the weights of two 32-value vectors are
+/// unpacked by 64-bit halves (`unpacklo`/`unpackhi_epi64`) so that each i16 lane of both holds values of the same
+/// sub-block (lanes 0..4 of sub-block `s`, 4..8 of `s + 2`, 8..12 of `s + 1`, 12..16 of `s + 3`), and the
+/// activations were laid out the same way once per panel. Each `maddubs` lane is at most 2 x 63 x 128 in magnitude,
+/// so the two add without saturating (32,256 < 32,768); the integers are the definition's. Without `PAIRED` (the
+/// kernel before, kept for `engine-bench --ab-q6k-pairs`) the activations are in their own order and each `maddubs`
+/// takes its own `madd`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn q6k_sums<const R: usize, const N: usize>(
+fn q6k_sums<const R: usize, const N: usize, const PAIRED: bool>(
     wb: &RawQ6K,
     xs: &[&[RawQ8K]; R],
     b: usize,
 ) -> [__m256i; N] {
     let m4 = _mm256_set1_epi8(0xF);
     let m2 = _mm256_set1_epi8(3);
+    // The scales' i16 words each lane of a pair holds: (0, 0, 0, 0, 2, 2, 2, 2) in the low half and (1, 1, 1, 1, 3,
+    // 3, 3, 3) in the high half (the first pair), and the same plus 4 (the second).
+    let pick = |w: i8| {
+        let (a, b, c, d) = (2 * w, 2 * w + 4, 2 * w + 2, 2 * w + 6);
+        _mm256_setr_epi8(
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            c,
+            c + 1,
+            c,
+            c + 1,
+            c,
+            c + 1,
+            c,
+            c + 1,
+            d,
+            d + 1,
+            d,
+            d + 1,
+            d,
+            d + 1,
+            d,
+            d + 1,
+        )
+    };
+    let picks = [pick(0), pick(4)];
     let mut sumi = [_mm256_setzero_si256(); N];
     for n in 0..2 {
-        // SAFETY: ql has 128 bytes and qh 64; the loads span 64n..64n+64 and 32n..32n+32.
-        let (ql0, ql1, qh) = unsafe {
+        // SAFETY: ql has 128 bytes, qh 64 and scales 16; the loads span 64n..64n+64, 32n..32n+32 and 8n..8n+8.
+        let (ql0, ql1, qh, sc8) = unsafe {
             (
                 _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n).cast()),
                 _mm256_loadu_si256(wb.ql.as_ptr().add(64 * n + 32).cast()),
                 _mm256_loadu_si256(wb.qh.as_ptr().add(32 * n).cast()),
+                _mm_loadl_epi64(wb.scales.as_ptr().add(8 * n).cast()),
             )
         };
         let high = |shift: i32| -> __m256i {
@@ -216,24 +266,80 @@ fn q6k_sums<const R: usize, const N: usize>(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
         ];
-        let scale: [__m256i; 4] = std::array::from_fn(|j| {
-            let g = 8 * n + 2 * j;
-            _mm256_set_m128i(
-                _mm_set1_epi16(wb.scales[g + 1] as i16),
-                _mm_set1_epi16(wb.scales[g] as i16),
+        if !PAIRED {
+            let scale: [__m256i; 4] = std::array::from_fn(|j| {
+                let g = 8 * n + 2 * j;
+                _mm256_set_m128i(
+                    _mm_set1_epi16(wb.scales[g + 1] as i16),
+                    _mm_set1_epi16(wb.scales[g] as i16),
+                )
+            });
+            for r in 0..R {
+                let q8 = xs[r][b].qs.as_ptr();
+                for j in 0..4 {
+                    // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
+                    let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], p);
+                }
+            }
+            continue;
+        }
+        // Sub-blocks 8n..8n+8 as i16 in both halves, then each pair's lanes.
+        let sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
+        let pairs: [(__m256i, __m256i, __m256i); 2] = std::array::from_fn(|p| {
+            (
+                _mm256_unpacklo_epi64(q[2 * p], q[2 * p + 1]),
+                _mm256_unpackhi_epi64(q[2 * p], q[2 * p + 1]),
+                _mm256_shuffle_epi8(sc, picks[p]),
             )
         });
         for r in 0..R {
             let q8 = xs[r][b].qs.as_ptr();
-            for j in 0..4 {
-                // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
-                let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
-                sumi[r] = _mm256_add_epi32(sumi[r], p);
+            for (p, &(lo, hi, scale)) in pairs.iter().enumerate() {
+                // SAFETY: qs has 256 bytes; the loads span 128n + 64p .. +64.
+                let (a_lo, a_hi) = unsafe {
+                    (
+                        _mm256_loadu_si256(q8.add(128 * n + 64 * p).cast()),
+                        _mm256_loadu_si256(q8.add(128 * n + 64 * p + 32).cast()),
+                    )
+                };
+                let s = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, a_lo),
+                    _mm256_maddubs_epi16(hi, a_hi),
+                );
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s, scale));
             }
         }
     }
     sumi
+}
+
+/// Activation rows laid out for [`q6k_sums`]: in each 64 values of a super-block, the two 32-value halves `a0`, `a1`
+/// become `unpacklo_epi64(a0, a1)`, `unpackhi_epi64(a0, a1)` (the scale `d` and the sub-block sums `bsums` stay,
+/// since they are sums over the same values). Into `buf`, one row after another.
+#[target_feature(enable = "avx2")]
+fn q6k_paired(xs: &[&[BlockQ8K]], buf: &mut Vec<RawQ8K>) {
+    buf.clear();
+    for x in xs {
+        for xb in raw_q8k(x) {
+            let mut pb = *xb;
+            for g in 0..QK_K / 64 {
+                // SAFETY: qs has 256 bytes; the loads and stores span 64g..64g + 64.
+                unsafe {
+                    let src = xb.qs.as_ptr().add(64 * g);
+                    let (a0, a1) = (
+                        _mm256_loadu_si256(src.cast()),
+                        _mm256_loadu_si256(src.add(32).cast()),
+                    );
+                    let dst = pb.qs.as_mut_ptr().add(64 * g);
+                    _mm256_storeu_si256(dst.cast(), _mm256_unpacklo_epi64(a0, a1));
+                    _mm256_storeu_si256(dst.add(32).cast(), _mm256_unpackhi_epi64(a0, a1));
+                }
+            }
+            buf.push(pb);
+        }
+    }
 }
 
 /// The offset term of a Q6_K super-block in 8 lanes: `32 * scale * bsum` over the 16 sub-blocks.
@@ -248,14 +354,16 @@ fn q6k_offset(sc16: __m256i, bsums: &[i16; 16]) -> __m256i {
 /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+unsafe fn q6k_tile<const R: usize, const PAIRED: bool>(
+    w: &[BlockQ6K],
+    xs: &[&[RawQ8K]; R],
+) -> [f32; R] {
     let w = raw_q6k(w);
-    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
     let mut acc = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
-        let sumi: [__m256i; R] = q6k_sums(wb, &xs, b);
+        let sumi: [__m256i; R] = q6k_sums::<R, R, PAIRED>(wb, xs, b);
         let wd = f16::from_bits(wb.d).to_f32();
         for r in 0..R {
             let xb = &xs[r][b];
@@ -270,20 +378,22 @@ unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f3
 /// reduced together ([`sum_rows8`]) and the float chain run with one row per lane, bit for bit [`q6k_dot_scalar`].
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -> [f32; R] {
+unsafe fn q6k_tile_rows<const R: usize, const PAIRED: bool>(
+    w: &[BlockQ6K],
+    xs: &[&[RawQ8K]; R],
+) -> [f32; R] {
     let w = raw_q6k(w);
-    let xs: [&[RawQ8K]; R] = std::array::from_fn(|r| raw_q8k(xs[r]));
     let mut acc = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
-        let mut sumi: [__m256i; 8] = q6k_sums(wb, &xs, b);
+        let mut sumi: [__m256i; 8] = q6k_sums::<R, 8, PAIRED>(wb, xs, b);
         for r in 0..R {
             sumi[r] = _mm256_sub_epi32(sumi[r], q6k_offset(sc16, &xs[r][b].bsums));
         }
         acc = fma_rows(
             acc,
-            row_scales(&xs, b),
+            row_scales(xs, b),
             f16::from_bits(wb.d).to_f32(),
             sum_rows8(sumi),
         );
@@ -292,7 +402,34 @@ unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[BlockQ8K]; R]) -
 }
 
 tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
-tile_any_fn!(q6k_tile_any, q6k_tile, q6k_tile_rows, "avx2,fma", BlockQ6K);
+
+/// [`q6k_tile`] or [`q6k_tile_rows`] by `R`, on activation rows in [`q6k_paired`]'s layout.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_paired<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
+    // SAFETY: the caller's CPU has this function's features, which both tiles need.
+    unsafe {
+        if R == 1 {
+            q6k_tile::<R, true>(w, xs)
+        } else {
+            q6k_tile_rows::<R, true>(w, xs)
+        }
+    }
+}
+
+/// [`q6k_tile_paired`] as it was before, on activation rows in their own order.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_single<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
+    // SAFETY: as above.
+    unsafe {
+        if R == 1 {
+            q6k_tile::<R, false>(w, xs)
+        } else {
+            q6k_tile_rows::<R, false>(w, xs)
+        }
+    }
+}
 
 /// `R` activation rows against one weight row of a 32-wide format, 8 blocks per step: `unpack` a block's weights once
 /// for every row, `product(q, x)` its 8 lane sums (`maddubs` then `madd` with ones), [`sum_rows8`] the 8 blocks'
@@ -411,7 +548,61 @@ unsafe fn q5_0_tile<const R: usize>(w: &[BlockQ5_0], xs: &[Act32Row<'_>; R]) -> 
 }
 
 panel_fn!(q4k_panel, q4k_tile_any, "avx2,fma", BlockQ4K, &[BlockQ8K]);
-panel_fn!(q6k_panel, q6k_tile_any, "avx2,fma", BlockQ6K, &[BlockQ8K]);
+panel_fn!(
+    q6k_panel_paired,
+    q6k_tile_paired,
+    "avx2,fma",
+    BlockQ6K,
+    &[RawQ8K]
+);
+panel_fn!(
+    q6k_panel_single,
+    q6k_tile_single,
+    "avx2,fma",
+    BlockQ6K,
+    &[RawQ8K]
+);
+
+thread_local! {
+    /// The activation rows of the panel running on this thread, in [`q6k_paired`]'s layout.
+    static Q6K_PAIRED: std::cell::RefCell<Vec<RawQ8K>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The Q6_K panel: the activation rows laid out once for the call ([`q6k_paired`]), then the tiles over them (or,
+/// where [`set_paired_q6k`] turned the pairs off, the kernel before on the rows as they are).
+///
+/// # Safety
+/// As the panels of [`panel_fn`]: the CPU has AVX2 and FMA, `w` holds whole rows of `kb` blocks, every row of `xs`
+/// holds `kb` blocks, and `out` holds `w.len() / kb` values at every `r * stride`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn q6k_panel(
+    w: &[BlockQ6K],
+    kb: usize,
+    xs: &[&[BlockQ8K]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    if !paired_q6k() {
+        let mut rows: [&[RawQ8K]; TILE_ROWS] = [&[]; TILE_ROWS];
+        for (row, x) in rows.iter_mut().zip(xs) {
+            *row = raw_q8k(x);
+        }
+        // SAFETY: the caller's bounds.
+        return unsafe { q6k_panel_single(w, kb, &rows[..xs.len()], out, stride) };
+    }
+    Q6K_PAIRED.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        q6k_paired(xs, &mut buf);
+        let mut rows: [&[RawQ8K]; TILE_ROWS] = [&[]; TILE_ROWS];
+        let mut at = 0;
+        for (row, x) in rows.iter_mut().zip(xs) {
+            *row = &buf[at..at + x.len()];
+            at += x.len();
+        }
+        // SAFETY: the caller's bounds, with the rows laid out anew (as many blocks each).
+        unsafe { q6k_panel_paired(w, kb, &rows[..xs.len()], out, stride) }
+    })
+}
 panel_fn!(
     q8_0_panel,
     q8_0_tile,

@@ -92,6 +92,21 @@ fn interleaved_q4k() -> bool {
     !SERIAL_Q4K.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+static SINGLE_Q6K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets the AVX2 Q6_K panels add two `maddubs` as i16 before each `madd` on activations laid out for it (`true`, the
+/// default) or take a `madd` per `maddubs` on the activations as they are, as they did before (`false`), for
+/// benchmarks that time the two in one process (`engine-bench --ab-q6k-pairs`); the outputs are the same bits.
+pub fn set_paired_q6k(on: bool) {
+    SINGLE_Q6K.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_paired_q6k`] left the pairs on.
+#[cfg(target_arch = "x86_64")]
+fn paired_q6k() -> bool {
+    !SINGLE_Q6K.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 const _: () = assert!(std::mem::size_of::<RawQ4K>() == std::mem::size_of::<BlockQ4K>());
 const _: () = assert!(std::mem::align_of::<RawQ4K>() == std::mem::align_of::<BlockQ4K>());
 const _: () = assert!(std::mem::size_of::<RawQ8K>() == std::mem::size_of::<BlockQ8K>());
@@ -1223,6 +1238,48 @@ mod tests {
                 };
                 check_block("q4k lanes8", &out, stride, m, cols, |r, c| {
                     q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+                });
+            }
+        }
+    }
+
+    /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
+    /// against the definition at 1-8 activation rows, with weights and scales at their extremes
+    /// ([`q6k_extremes`]) and activation rows at both ends of a byte: the i16 sums come closest to saturating there.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_q6k_panel_equals_the_scalar_definition_at_the_extremes() {
+        if !Kernels::Avx2.supported() {
+            eprintln!("skipping the avx2 q6k panel: this CPU lacks AVX2");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        let (kb, cols) = (3, 40);
+        let k = kb * QK_K;
+        let mut w = blocks::<BlockQ6K>(&random(&mut rng, cols * k, 1.0));
+        q6k_extremes(&mut w, kb);
+        let mut xq: Vec<BlockQ8K> = blocks::<BlockQ8K>(&random(&mut rng, TILE_ROWS * k, 3.0));
+        // Rows 0 and 1: every value -128 or every value 127 (the quantizer writes -127 at most, the definition takes
+        // any byte), their sub-block sums to match.
+        for (r, v) in [(0, -128i8), (1, 127)] {
+            for b in &mut xq[r * kb..(r + 1) * kb] {
+                #[allow(unsafe_code)]
+                // SAFETY: BlockQ8K and RawQ8K have the same layout (asserted at compile time above).
+                let raw = unsafe { &mut *(b as *mut BlockQ8K).cast::<RawQ8K>() };
+                raw.qs = [v; QK_K];
+                raw.bsums = [16 * i16::from(v); QK_K / 16];
+            }
+        }
+        let xs: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
+        // Both sides of the benchmarks' switch (other tests running meanwhile get the same bits either way).
+        for paired in [false, true] {
+            set_paired_q6k(paired);
+            for m in 1..=TILE_ROWS {
+                let stride = cols + 3;
+                let mut out = vec![f32::NAN; m * stride];
+                q6k_panel(Kernels::Avx2, &w, kb, &xs[..m], &mut out, stride);
+                check_block("q6k avx2", &out, stride, m, cols, |r, c| {
+                    q6k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
                 });
             }
         }
