@@ -403,32 +403,36 @@ unsafe fn q6k_tile_rows<const R: usize, const PAIRED: bool>(
 
 tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
 
-/// [`q6k_tile`] or [`q6k_tile_rows`] by `R`, on activation rows in [`q6k_paired`]'s layout.
+/// [`q6k_tile`] or [`q6k_tile_rows`] by `R`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile_paired<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
+unsafe fn q6k_tile_any<const R: usize, const PAIRED: bool>(
+    w: &[BlockQ6K],
+    xs: &[&[RawQ8K]; R],
+) -> [f32; R] {
     // SAFETY: the caller's CPU has this function's features, which both tiles need.
     unsafe {
         if R == 1 {
-            q6k_tile::<R, true>(w, xs)
+            q6k_tile::<R, PAIRED>(w, xs)
         } else {
-            q6k_tile_rows::<R, true>(w, xs)
+            q6k_tile_rows::<R, PAIRED>(w, xs)
         }
     }
 }
 
-/// [`q6k_tile_paired`] as it was before, on activation rows in their own order.
+/// The tiles on activation rows in [`q6k_paired`]'s layout, and (the kernel before) in their own order.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6k_tile_paired<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
+    // SAFETY: the caller's CPU has this function's features.
+    unsafe { q6k_tile_any::<R, true>(w, xs) }
+}
+
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q6k_tile_single<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
     // SAFETY: as above.
-    unsafe {
-        if R == 1 {
-            q6k_tile::<R, false>(w, xs)
-        } else {
-            q6k_tile_rows::<R, false>(w, xs)
-        }
-    }
+    unsafe { q6k_tile_any::<R, false>(w, xs) }
 }
 
 /// `R` activation rows against one weight row of a 32-wide format, 8 blocks per step: `unpack` a block's weights once
