@@ -1,6 +1,7 @@
-//! AVX2 + FMA variants (`maddubs` + `madd` per 32 products), and for Q5_0 in its 8-row lanes layout and Q4_K in the
-//! lanes layout kernels of 8 weight rows per vector ([`q5_0_lanes8`], [`q4k_lanes8`]). Each computes the arithmetic
-//! of the matching `*_dot_scalar` definition in `super`, bit for bit.
+//! AVX2 + FMA variants (`maddubs` + `madd` per 32 products; Q6_K one `madd` per two `maddubs`, [`q6k_sums`]), and
+//! for Q5_0 in its 8-row lanes layout and Q4_K in the lanes layout kernels of 8 weight rows per vector
+//! ([`q5_0_lanes8`], [`q4k_lanes8`]). Each computes the arithmetic of the matching `*_dot_scalar` definition in
+//! `super`, bit for bit.
 
 #![allow(unsafe_code)]
 
