@@ -77,6 +77,11 @@ struct Args {
     /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q4k_chains: bool,
+    /// Instead of the report: time each model's passes with the row-group kernels prefetching the next group's
+    /// weights into L2 (`prefetcht1`) and into every level (`prefetcht0`), alternating pass by pass in one process
+    /// (`kernels::set_prefetch_l1`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_prefetch_l1: bool,
     /// Instead of the report: time each model's passes with the AVX2 Q6_K panels taking a `madd` per `maddubs` and
     /// adding two `maddubs` as i16 before each `madd` (on activations laid out for it), alternating pass by pass in
     /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
@@ -238,6 +243,18 @@ fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
         "Q4_K rows one at a time and interleaved",
         ["one at a time", "interleaved"],
         parse_engine::kernels::set_interleaved_q4k,
+    )
+}
+
+/// `--ab-prefetch-l1`: one model's passes with the row groups' prefetches into L2 and into every level
+/// (`kernels::set_prefetch_l1`).
+fn ab_prefetch_l1(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "row-group prefetches into L2 and into L1",
+        ["prefetcht1", "prefetcht0"],
+        parse_engine::kernels::set_prefetch_l1,
     )
 }
 
@@ -615,6 +632,12 @@ fn main() -> Result<()> {
     if args.ab_q4k_chains {
         for m in &args.models {
             ab_q4k_chains(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_prefetch_l1 {
+        for m in &args.models {
+            ab_prefetch_l1(m, &args)?;
         }
         return Ok(());
     }

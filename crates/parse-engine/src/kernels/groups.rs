@@ -59,8 +59,8 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
     ]
 }
 
-/// Prefetches share `b` of `kb` of the `bytes` bytes at `next` (the next group's weight rows, contiguous) into L2,
-/// so that they arrive while this group computes. The hardware prefetchers do not follow 16 short rows at once: on a
+/// Prefetches share `b` of `kb` of the `bytes` bytes at `next` (the next group's weight rows, contiguous) into L2
+/// (into every level on AMD CPUs: [`super::set_prefetch_l1`]), so that they arrive while this group computes. The hardware prefetchers do not follow 16 short rows at once: on a
 /// 2-core AVX-512 VNNI EPYC a 62 MB Q4_K matrix took about twice as long for 8 activation rows as its weights would
 /// in L3 (memory time and compute added up), 1.1-1.3x with this; requesting all of a group's lines at its start got
 /// less than half of that gain (docs/figures.md, "Row groups that prefetch"), hence the shares spread over its work.
@@ -68,9 +68,17 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
 pub(super) fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     let (from, to) = (bytes * b / kb, bytes * (b + 1) / kb);
     let mut off = from & !63;
+    let l1 = super::prefetch_l1();
     while off < to {
+        let p = next.wrapping_add(off).cast();
         // SAFETY: a prefetch reads nothing and cannot fault; `wrapping_add` keeps the address arithmetic defined.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(off).cast()) };
+        unsafe {
+            if l1 {
+                _mm_prefetch::<_MM_HINT_T0>(p)
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(p)
+            }
+        };
         off += 64;
     }
 }

@@ -92,6 +92,48 @@ fn interleaved_q4k() -> bool {
     !SERIAL_Q4K.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The row-group kernels' prefetch of the next group's weights ([`groups::prefetch_share`]): 0 until chosen (the
+/// CPU's vendor decides), 1 into L2 (`prefetcht1`), 2 into every level (`prefetcht0`).
+static PREFETCH_HINT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Lets the row-group kernels prefetch the next group's weights into every cache level (`true`, `prefetcht0`) or
+/// into L2 (`false`, `prefetcht1`), for benchmarks that time the two in one process (`engine-bench
+/// --ab-prefetch-l1`); the outputs are the same bits. Unset, AMD CPUs take `prefetcht0` and others `prefetcht1`
+/// ([`prefetch_l1`]).
+pub fn set_prefetch_l1(on: bool) {
+    PREFETCH_HINT.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the row-group kernels prefetch into every cache level ([`set_prefetch_l1`]). By default on AMD CPUs
+/// only: Zen 4 and later take `prefetcht1` into L2 alone, and such prefetches have been reported dropped there at
+/// times (the data left in memory). On a 2-core Zen 5 EPYC, `prefetcht0` made the target's passes 1-8% faster
+/// (one-token steps 2-5%) and the draft's 2-6% in all but one of ten comparisons, with the sides timed in either
+/// order (docs/figures.md, "Prefetches into every cache level on AMD"). Intel CPUs keep `prefetcht1`, with which the
+/// kernels were measured there; the AVX2 kernels prefetch with `prefetcht0` everywhere.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_l1() -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    match PREFETCH_HINT.load(Relaxed) {
+        0 => {
+            let on = amd_cpu();
+            PREFETCH_HINT.store(if on { 2 } else { 1 }, Relaxed);
+            on
+        }
+        h => h == 2,
+    }
+}
+
+/// Whether the CPU's vendor string is AMD's.
+#[cfg(target_arch = "x86_64")]
+fn amd_cpu() -> bool {
+    let r = std::arch::x86_64::__cpuid(0);
+    let mut vendor = [0u8; 12];
+    vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    &vendor == b"AuthenticAMD"
+}
+
 static SINGLE_Q6K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Lets the AVX2 Q6_K panels add two `maddubs` as i16 before each `madd` on activations laid out for it (`true`, the
