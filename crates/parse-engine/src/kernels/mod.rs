@@ -1288,6 +1288,22 @@ mod tests {
     /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
     /// against the definition at 1-8 activation rows, with weights and scales at their extremes
     /// ([`q6k_extremes`]) and activation rows at both ends of a byte: the i16 sums come closest to saturating there.
+    /// The prefetch hint's switch: unset, the CPU's vendor decides (AMD: every level); set, it holds either way.
+    /// Prefetches leave the bits as they are, so the kernels' equality tests cover both hints alike.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_prefetch_hint_follows_the_vendor_until_set() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let before = PREFETCH_HINT.load(Relaxed);
+        PREFETCH_HINT.store(0, Relaxed);
+        assert_eq!(prefetch_l1(), amd_cpu());
+        set_prefetch_l1(false);
+        assert!(!prefetch_l1());
+        set_prefetch_l1(true);
+        assert!(prefetch_l1());
+        PREFETCH_HINT.store(before, Relaxed);
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx2_q6k_panel_equals_the_scalar_definition_at_the_extremes() {
