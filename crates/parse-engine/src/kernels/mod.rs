@@ -1285,9 +1285,6 @@ mod tests {
         }
     }
 
-    /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
-    /// against the definition at 1-8 activation rows, with weights and scales at their extremes
-    /// ([`q6k_extremes`]) and activation rows at both ends of a byte: the i16 sums come closest to saturating there.
     /// The prefetch hint's switch: unset, the CPU's vendor decides (AMD: every level); set, it holds either way.
     /// Prefetches leave the bits as they are, so the kernels' equality tests cover both hints alike.
     #[cfg(target_arch = "x86_64")]
@@ -1304,6 +1301,9 @@ mod tests {
         PREFETCH_HINT.store(before, Relaxed);
     }
 
+    /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
+    /// against the definition at 1-8 activation rows, with weights and scales at their extremes
+    /// ([`q6k_extremes`]) and activation rows at both ends of a byte: the i16 sums come closest to saturating there.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx2_q6k_panel_equals_the_scalar_definition_at_the_extremes() {
