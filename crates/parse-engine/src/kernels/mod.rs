@@ -107,7 +107,7 @@ pub fn set_prefetch_l1(on: bool) {
 /// Whether the row-group kernels prefetch into every cache level ([`set_prefetch_l1`]). By default on AMD CPUs
 /// only: Zen 4 and later take `prefetcht1` into L2 alone, and such prefetches have been reported dropped there at
 /// times (the data left in memory). On a 2-core Zen 5 EPYC, `prefetcht0` made the target's passes 1-8% faster
-/// (one-token steps 2-5%) and the draft's 2-6% in all but one of ten comparisons, with the sides timed in either
+/// (one-token steps 2-5%) and the draft's 1-6% in nine of ten comparisons, with the sides timed in either
 /// order (docs/figures.md, "Prefetches into every cache level on AMD"). Intel CPUs keep `prefetcht1`, with which the
 /// kernels were measured there; the AVX2 kernels prefetch with `prefetcht0` everywhere.
 #[cfg(target_arch = "x86_64")]
