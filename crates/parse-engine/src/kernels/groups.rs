@@ -61,10 +61,10 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
 
 /// Prefetches share `b` of `kb` of the `bytes` bytes at `next` (the next group's weight rows, contiguous) into L2
 /// (into every level on AMD CPUs: [`super::set_prefetch_l1`]), so that they arrive while this group computes. The
-/// hardware prefetchers do not follow 16 short rows at once: on a
-/// 2-core AVX-512 VNNI EPYC a 62 MB Q4_K matrix took about twice as long for 8 activation rows as its weights would
-/// in L3 (memory time and compute added up), 1.1-1.3x with this; requesting all of a group's lines at its start got
-/// less than half of that gain (docs/figures.md, "Row groups that prefetch"), hence the shares spread over its work.
+/// hardware prefetchers do not follow 16 short rows at once: on a 2-core AVX-512 VNNI EPYC a 62 MB Q4_K matrix took
+/// about twice as long for 8 activation rows as its weights would in L3 (memory time and compute added up), 1.1-1.3x
+/// with this; requesting all of a group's lines at its start got less than half of that gain (docs/figures.md, "Row
+/// groups that prefetch"), hence the shares spread over its work.
 #[inline]
 pub(super) fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     let (from, to) = (bytes * b / kb, bytes * (b + 1) / kb);
