@@ -87,6 +87,11 @@ struct Args {
     /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q6k_pairs: bool,
+    /// Instead of the report: time each model's passes with the AVX2 Q4_K lanes kernel's two-row blocks scheduled
+    /// as the compiler chose and with each sub-block's words read in order, alternating pass by pass in one process
+    /// (`kernels::set_q4k_two_rows_in_order`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_q4k_in_order: bool,
     /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
     /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
     #[arg(long)]
@@ -267,6 +272,18 @@ fn ab_q6k_pairs(name: &str, args: &Args) -> Result<()> {
         "Q6_K products one madd each and in pairs",
         ["one each", "pairs"],
         parse_engine::kernels::set_paired_q6k,
+    )
+}
+
+/// `--ab-q4k-in-order`: one model's passes with the AVX2 Q4_K lanes kernel's two-row blocks as the compiler scheduled
+/// them and with each sub-block's words read in order (`kernels::set_q4k_two_rows_in_order`).
+fn ab_q4k_in_order(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "Q4_K two-row blocks as scheduled and in order",
+        ["as scheduled", "in order"],
+        parse_engine::kernels::set_q4k_two_rows_in_order,
     )
 }
 
@@ -644,6 +661,12 @@ fn main() -> Result<()> {
     if args.ab_q6k_pairs {
         for m in &args.models {
             ab_q6k_pairs(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_q4k_in_order {
+        for m in &args.models {
+            ab_q4k_in_order(m, &args)?;
         }
         return Ok(());
     }

@@ -835,17 +835,88 @@ unsafe fn q4k_header8(base: *const u8) -> ([__m256i; 8], [__m256i; 4], __m256, _
     (scale, mins, d, dmin)
 }
 
+/// One super-block of 8 weight rows of a Q4_K lanes tile (`tile`: the tile, plus 32 for its rows 8..16) against `R`
+/// (1..=4) activation rows (`xs`, with their [`groups::bsum_pairs`], 4 words per super-block), super-block `b` of
+/// theirs: per sub-block and activation row, 8 `maddubs` of 4 nibbles of the 8 rows by 4 activation bytes broadcast,
+/// added as i16 (at most 8 x 2 x 15 x 127 = 30,480) and scaled by one `madd`; the super-block's `S` and `M` then go
+/// into each row's float chains `acc` and `acc_m` as [`q4k_dot_scalar`]'s do.
+///
+/// # Safety
+/// The tile's 36 words must be readable at `tile`; every row of `xs` must hold more than `b` super-blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4k_super_block8<const R: usize, const IN_ORDER: bool>(
+    tile: *const u8,
+    b: usize,
+    xs: &[(&[RawQ8K], &[i32]); R],
+    acc: &mut [__m256; R],
+    acc_m: &mut [__m256; R],
+) {
+    let m4 = _mm256_set1_epi8(0xF);
+    // SAFETY: the tile's words are readable (the caller's bound).
+    let (scale, mins, wd, wdmin) = unsafe { q4k_header8(tile) };
+    let mut s = [_mm256_setzero_si256(); R];
+    for j in 0..4 {
+        let mut lo = [_mm256_setzero_si256(); R];
+        let mut hi = [_mm256_setzero_si256(); R];
+        for t in 0..8 {
+            if IN_ORDER {
+                // SAFETY: an empty block that touches nothing; as far as the compiler knows it may read and write
+                // memory, so the loads of word t stay after those of word t - 1 (see `q4k_lanes8`).
+                unsafe { std::arch::asm!("", options(nostack, preserves_flags)) };
+            }
+            // SAFETY: word 4 + 8j + t of the tile (36 words).
+            let q = unsafe { word8(tile, 4 + 8 * j + t) };
+            let (ql, qh) = (
+                _mm256_and_si256(q, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
+            );
+            for r in 0..R {
+                let a = xs[r].0[b].qs.as_ptr();
+                // SAFETY: qs has 256 bytes; the words span 64j..64j + 64.
+                let (al, ah) = unsafe {
+                    (
+                        _mm256_set1_epi32(a.add(64 * j + 4 * t).cast::<i32>().read_unaligned()),
+                        _mm256_set1_epi32(
+                            a.add(64 * j + 32 + 4 * t).cast::<i32>().read_unaligned(),
+                        ),
+                    )
+                };
+                lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ql, al));
+                hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(qh, ah));
+            }
+        }
+        for r in 0..R {
+            let p = _mm256_add_epi32(
+                _mm256_madd_epi16(lo[r], scale[2 * j]),
+                _mm256_madd_epi16(hi[r], scale[2 * j + 1]),
+            );
+            s[r] = _mm256_add_epi32(s[r], p);
+        }
+    }
+    for r in 0..R {
+        let (x, pairs) = (&xs[r].0[b], &xs[r].1[4 * b..4 * b + 4]);
+        let mut mn = _mm256_setzero_si256();
+        for (i, &pair) in pairs.iter().enumerate() {
+            mn = _mm256_add_epi32(mn, _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pair)));
+        }
+        let dx = _mm256_set1_ps(x.d);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s[r]), acc[r]);
+        acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wdmin), _mm256_cvtepi32_ps(mn), acc_m[r]);
+    }
+}
+
 /// [`q4k_lanes8`] for `R` (1..=4) activation rows (`xs`, with their [`groups::bsum_pairs`] in `pairs`, 4 words per
-/// super-block) against 8 weight rows of a group (`base`: tile 0 of the group, plus 32 for its rows 8..16); row `r`'s
-/// 8 results go to `out[r * stride..]`. Per sub-block and activation row, 8 `maddubs` of 4 nibbles of the 8 rows by
-/// 4 activation bytes broadcast, added as i16 (at most 8 x 2 x 15 x 127 = 30,480) and scaled by one `madd`.
+/// super-block) against 8 weight rows of a group (`base`: tile 0 of the group, plus 32 for its rows 8..16), one
+/// [`q4k_super_block8`] after another; row `r`'s 8 results go to `out[r * stride..]`. With `IN_ORDER` each sub-block's
+/// words are read first to last, whatever schedule the compiler would choose (see [`q4k_lanes8`]).
 ///
 /// # Safety
 /// The group's `kb` tiles must lie at `base - 32 * half` on; every row of `xs` must hold `kb` super-blocks; `out`
 /// must hold 8 values at every `r * stride`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q4k_rows8<const R: usize>(
+unsafe fn q4k_rows8<const R: usize, const IN_ORDER: bool>(
     base: *const u8,
     kb: usize,
     xs: [(&[RawQ8K], &[i32]); R],
@@ -853,7 +924,6 @@ unsafe fn q4k_rows8<const R: usize>(
     out: &mut [f32],
     stride: usize,
 ) {
-    let m4 = _mm256_set1_epi8(0xF);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut acc_m = [_mm256_setzero_ps(); R];
     for b in 0..kb {
@@ -866,51 +936,7 @@ unsafe fn q4k_rows8<const R: usize>(
             }
         }
         // SAFETY: the tile lies in the group (the caller's bounds).
-        let (scale, mins, wd, wdmin) = unsafe { q4k_header8(tile) };
-        let mut s = [_mm256_setzero_si256(); R];
-        for j in 0..4 {
-            let mut lo = [_mm256_setzero_si256(); R];
-            let mut hi = [_mm256_setzero_si256(); R];
-            for t in 0..8 {
-                // SAFETY: word 4 + 8j + t of the tile (36 words).
-                let q = unsafe { word8(tile, 4 + 8 * j + t) };
-                let (ql, qh) = (
-                    _mm256_and_si256(q, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4),
-                );
-                for r in 0..R {
-                    let a = xs[r].0[b].qs.as_ptr();
-                    // SAFETY: qs has 256 bytes; the words span 64j..64j + 64.
-                    let (al, ah) = unsafe {
-                        (
-                            _mm256_set1_epi32(a.add(64 * j + 4 * t).cast::<i32>().read_unaligned()),
-                            _mm256_set1_epi32(
-                                a.add(64 * j + 32 + 4 * t).cast::<i32>().read_unaligned(),
-                            ),
-                        )
-                    };
-                    lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ql, al));
-                    hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(qh, ah));
-                }
-            }
-            for r in 0..R {
-                let p = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo[r], scale[2 * j]),
-                    _mm256_madd_epi16(hi[r], scale[2 * j + 1]),
-                );
-                s[r] = _mm256_add_epi32(s[r], p);
-            }
-        }
-        for r in 0..R {
-            let (x, pairs) = (&xs[r].0[b], &xs[r].1[4 * b..4 * b + 4]);
-            let mut mn = _mm256_setzero_si256();
-            for (i, &pair) in pairs.iter().enumerate() {
-                mn = _mm256_add_epi32(mn, _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pair)));
-            }
-            let dx = _mm256_set1_ps(x.d);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wd), _mm256_cvtepi32_ps(s[r]), acc[r]);
-            acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dx, wdmin), _mm256_cvtepi32_ps(mn), acc_m[r]);
-        }
+        unsafe { q4k_super_block8::<R, IN_ORDER>(tile, b, &xs, &mut acc, &mut acc_m) };
     }
     for r in 0..R {
         // SAFETY: the caller's bound: 8 values at r * stride.
@@ -930,6 +956,14 @@ unsafe fn q4k_rows8<const R: usize>(
 /// spend a `madd` per `maddubs` and reduce across lanes. The super-block integers `S` and `M` are exact and the float
 /// chains are the definition's, one row per lane: the same bits. Activation rows go four at a time, the sums in
 /// registers, over weights the first four brought into cache.
+///
+/// Chunks of two rows read each sub-block's words in order (an empty `asm!` block per word, which the compiler must
+/// take for a memory access; `set_q4k_two_rows_in_order`). Left to itself the compiler scheduled the two-row
+/// instance unlike the others (in one build: each sub-block's words loaded last to first, their unpacked nibbles
+/// spilled to the stack), and on a 2-core AVX2-only Zen 3 EPYC two activation rows cost more than three: target
+/// passes of two rows, alternated in one process with the order kept, took 0.89-0.94 of the time (draft passes
+/// 0.94-0.99), one, three and four rows unchanged (docs/figures.md, "Two Q4_K rows in order on AVX2"). Reading in
+/// order gained nothing for the other instances, so they keep their schedule.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` must be whole groups of 16 rows of `kb` super-blocks in the lanes
@@ -953,27 +987,33 @@ pub unsafe fn q4k_lanes8(
         .map(|(r, x)| (*x, &pairs[r * kb * 4..(r + 1) * kb * 4]))
         .collect();
     let wp = w.as_ptr().cast::<u8>();
+    let in_order = two_rows_in_order();
     for g in 0..groups {
+        let next = wp.wrapping_add((g + 1) * kb * Q4K_TILE16);
         for half in 0..2 {
             let base = wp.wrapping_add(g * kb * Q4K_TILE16 + 32 * half);
             for (c, chunk) in rows.chunks(4).enumerate() {
                 // The first chunk of rows prefetches the next group's tiles, half of each tile's lines per half of
                 // the group, so that memory streams while both halves compute (the second reads the group's tiles
                 // from cache).
-                let prefetch = (c == 0).then(|| {
-                    let next = wp.wrapping_add((g + 1) * kb * Q4K_TILE16);
-                    (next, half * Q4K_TILE16 / 128)
-                });
+                let prefetch = (c == 0).then_some((next, half * Q4K_TILE16 / 128));
                 let dst = &mut out[4 * c * stride + 16 * g + 8 * half..];
                 // SAFETY (all): the group's tiles lie in `w` and the rows hold kb super-blocks (the caller's bounds);
                 // `dst` holds 8 values at every r * stride of the chunk.
                 unsafe {
-                    match *chunk {
-                        [r0] => q4k_rows8(base, kb, [r0], prefetch, dst, stride),
-                        [r0, r1] => q4k_rows8(base, kb, [r0, r1], prefetch, dst, stride),
-                        [r0, r1, r2] => q4k_rows8(base, kb, [r0, r1, r2], prefetch, dst, stride),
-                        [r0, r1, r2, r3] => {
-                            q4k_rows8(base, kb, [r0, r1, r2, r3], prefetch, dst, stride)
+                    match (chunk, in_order) {
+                        (&[r0], _) => q4k_rows8::<1, false>(base, kb, [r0], prefetch, dst, stride),
+                        (&[r0, r1], false) => {
+                            q4k_rows8::<2, false>(base, kb, [r0, r1], prefetch, dst, stride)
+                        }
+                        (&[r0, r1], true) => {
+                            q4k_rows8::<2, true>(base, kb, [r0, r1], prefetch, dst, stride)
+                        }
+                        (&[r0, r1, r2], _) => {
+                            q4k_rows8::<3, false>(base, kb, [r0, r1, r2], prefetch, dst, stride)
+                        }
+                        (&[r0, r1, r2, r3], _) => {
+                            q4k_rows8::<4, false>(base, kb, [r0, r1, r2, r3], prefetch, dst, stride)
                         }
                         _ => unreachable!("chunks of 1..=4 rows"),
                     }

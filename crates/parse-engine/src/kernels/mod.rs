@@ -149,6 +149,22 @@ fn paired_q6k() -> bool {
     !SINGLE_Q6K.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+static TWO_ROWS_REORDERED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Lets the AVX2 Q4_K lanes kernel take blocks of two activation rows with the words of each sub-block read in
+/// order (`true`, the default) or as the compiler schedules them (`false`, as before), for benchmarks that time the
+/// two in one process (`engine-bench --ab-q4k-in-order`); the outputs are the same bits.
+pub fn set_q4k_two_rows_in_order(on: bool) {
+    TWO_ROWS_REORDERED.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_q4k_two_rows_in_order`] left the order on.
+#[cfg(target_arch = "x86_64")]
+fn two_rows_in_order() -> bool {
+    !TWO_ROWS_REORDERED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 const _: () = assert!(std::mem::size_of::<RawQ4K>() == std::mem::size_of::<BlockQ4K>());
 const _: () = assert!(std::mem::align_of::<RawQ4K>() == std::mem::align_of::<BlockQ4K>());
 const _: () = assert!(std::mem::size_of::<RawQ8K>() == std::mem::size_of::<BlockQ8K>());
@@ -1249,7 +1265,8 @@ mod tests {
     }
 
     /// The AVX2 kernel of Q4_K in the lanes layout against the definition, at 1-17 activation rows (whole chunks of
-    /// four and every remainder) with the extremes of [`q4k_extremes`].
+    /// four and every remainder) with the extremes of [`q4k_extremes`], with two-row chunks read in order and as
+    /// the compiler scheduled them ([`set_q4k_two_rows_in_order`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx2_q4k_lanes_kernel_equals_the_scalar_definition_bit_for_bit() {
@@ -1259,7 +1276,11 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(16);
         // Three super-blocks per row, and the default target's six.
-        for (kb, cols) in [(3, 48), (6, 32)] {
+        for ((kb, cols), in_order) in [(3, 48), (6, 32)]
+            .into_iter()
+            .flat_map(|shape| [(shape, true), (shape, false)])
+        {
+            set_q4k_two_rows_in_order(in_order);
             let k = kb * QK_K;
             let mut w = blocks::<BlockQ4K>(&random(&mut rng, cols * k, 1.0));
             q4k_extremes(&mut w, kb);
@@ -1283,6 +1304,7 @@ mod tests {
                 });
             }
         }
+        set_q4k_two_rows_in_order(true);
     }
 
     /// The prefetch hint's switch: unset, the CPU's vendor decides (AMD: every level); set, it holds either way.
