@@ -963,7 +963,7 @@ unsafe fn q4k_rows8<const R: usize, const IN_ORDER: bool>(
 /// spilled to the stack), and on a 2-core AVX2-only Zen 3 EPYC two activation rows cost more than three: target
 /// passes of two rows, alternated in one process with the order kept, took 0.89-0.94 of the time (draft passes
 /// 0.94-0.99), one, three and four rows unchanged (docs/figures.md, "Two Q4_K rows in order on AVX2"). Reading in
-/// order gained nothing for the other instances, so they keep their schedule.
+/// order gained nothing beyond the spread for the other instances, so they keep their schedule.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` must be whole groups of 16 rows of `kb` super-blocks in the lanes
