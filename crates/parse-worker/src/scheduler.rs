@@ -8,7 +8,9 @@
 //! every running task says what block it needs next, the blocks of up to `step_rows` rows are packed into one
 //! forward pass ([`Forward::forward_blocks`]), and each task gets its block's logits back at its next step. A task
 //! that joins does not wait for the others to finish; a prefill is cut to the room a step has left, so a long
-//! prompt does not stall the decode steps beside it. Tasks that did not get into a step go first at the next one.
+//! prompt does not stall the decode steps beside it. The short blocks (decode steps, verifications) are planned
+//! first, a prompt that starts among them leaving a row for each, and prefills under way take what is left, oldest
+//! first ([`plan_order`]). Short tasks that did not get into a step go first at the next one.
 //! A step whose planning answered callers waits a moment (`Packing::linger`, at most an eighth of the last pass)
 //! for their next calls before its pass starts: a caller that calls again at once (the router's next `Extend` of a
 //! request) otherwise sits out a whole pass.
@@ -120,6 +122,11 @@ impl<S> Clone for Scheduler<S> {
 struct Running<S> {
     task: Box<dyn Task<S>>,
     started: bool,
+    /// Its place in arrival order: tasks that fill the room left (prefills) take it oldest first.
+    seq: u64,
+    /// Its last block took all the room it was offered (more than one row): a prefill under way, whose next
+    /// chunk takes what the short blocks leave (see [`plan_order`]).
+    filling: bool,
     /// The result of its last block, not yet handed to it.
     input: Option<parse_engine::Result<Logits>>,
     /// Its next block, waiting for a step with room.
@@ -134,6 +141,7 @@ fn run<S: Forward>(
     cancel: &CancellationToken,
 ) {
     let mut running: VecDeque<Running<S>> = VecDeque::new();
+    let mut seq = 0u64;
     let step_rows = packing.step_rows.max(1);
     let mut last_pass = std::time::Duration::ZERO;
     loop {
@@ -141,7 +149,7 @@ fn run<S: Forward>(
         // work runs (what was queued is dropped: its callers get Stopped).
         if running.is_empty() {
             match rx.blocking_recv() {
-                Some(w) if !cancel.is_cancelled() => take(state, &mut running, w),
+                Some(w) if !cancel.is_cancelled() => take(state, &mut running, &mut seq, w),
                 _ => return,
             }
         }
@@ -150,7 +158,7 @@ fn run<S: Forward>(
                 return;
             }
             match rx.try_recv() {
-                Ok(w) => take(state, &mut running, w),
+                Ok(w) => take(state, &mut running, &mut seq, w),
                 Err(_) => break,
             }
         }
@@ -173,7 +181,9 @@ fn run<S: Forward>(
         let mut answered = 0;
         let mut from = 0;
         loop {
-            for (i, r) in running.iter_mut().enumerate().skip(from) {
+            let order = plan_order(&running, from);
+            for &(i, reserve) in &order {
+                let r = &mut running[i];
                 if r.task.abandoned() {
                     if r.started {
                         r.task.cancel(state);
@@ -184,16 +194,22 @@ fn run<S: Forward>(
                 if !r.started && busy.iter().any(|b| b == r.task.session()) {
                     continue;
                 }
+                // Room for this task: what the step has left, less a row for each short block after it.
+                let room = step_rows.saturating_sub(planned + reserve);
                 if r.block.is_none() {
-                    if planned >= step_rows {
+                    if room == 0 && planned > 0 {
                         continue;
                     }
                     if !r.started {
                         busy.push(r.task.session().to_string());
                     }
                     r.started = true;
-                    match r.task.advance(state, r.input.take(), step_rows - planned) {
-                        Some(b) => r.block = Some(b),
+                    let room = room.max(1);
+                    match r.task.advance(state, r.input.take(), room) {
+                        Some(b) => {
+                            r.filling = b.rows() > 1 && b.rows() >= room;
+                            r.block = Some(b);
+                        }
                         None => {
                             // Done and answered: its session is free for the next task.
                             busy.retain(|b| b != r.task.session());
@@ -204,7 +220,7 @@ fn run<S: Forward>(
                     }
                 }
                 let Some(b) = r.block.as_ref() else { continue };
-                let fits = planned == 0 || planned + b.rows() <= step_rows;
+                let fits = planned == 0 || b.rows() <= room;
                 if fits && !blocks.iter().any(|x| x.session == b.session) {
                     planned += b.rows();
                     owners.push(i);
@@ -225,7 +241,7 @@ fn run<S: Forward>(
                 match rx.try_recv() {
                     Ok(w) => {
                         arrived += usize::from(matches!(w, Work::Task(_)));
-                        take(state, &mut running, w);
+                        take(state, &mut running, &mut seq, w);
                     }
                     Err(mpsc::error::TryRecvError::Empty)
                         if std::time::Instant::now() < deadline =>
@@ -283,12 +299,41 @@ fn run<S: Forward>(
     }
 }
 
-fn take<S>(state: &mut S, running: &mut VecDeque<Running<S>>, w: Work<S>) {
+/// The order in which a step plans the tasks from `from` on, each with the rows it leaves for the tasks after it:
+/// first the tasks whose blocks are short (decode steps, verifications, extends; tasks not yet started) in the
+/// queue's order, each leaving a row for every other such task after it, so that a prompt that starts among them
+/// does not shut them out of the pass; then the prefills under way oldest first, each taking what is left. A
+/// prefill cut into passes beside the decode steps of the others costs them a few rows of their pass instead of
+/// whole passes, and prompts that arrive together are served one after another (the first answer comes after
+/// one prompt's passes, not after all of theirs) instead of by turns.
+fn plan_order<S>(running: &VecDeque<Running<S>>, from: usize) -> Vec<(usize, usize)> {
+    let short: Vec<usize> = (from..running.len())
+        .filter(|&i| !running[i].filling)
+        .collect();
+    let mut filling: Vec<usize> = (from..running.len())
+        .filter(|&i| running[i].filling)
+        .collect();
+    filling.sort_by_key(|&i| running[i].seq);
+    let n = short.len();
+    short
+        .into_iter()
+        .enumerate()
+        .map(|(k, i)| (i, n - 1 - k))
+        .chain(filling.into_iter().map(|i| (i, 0)))
+        .collect()
+}
+
+fn take<S>(state: &mut S, running: &mut VecDeque<Running<S>>, seq: &mut u64, w: Work<S>) {
     match w {
         Work::Command(f) => f(state),
         Work::Task(task) => running.push_back(Running {
             task,
             started: false,
+            seq: {
+                *seq += 1;
+                *seq
+            },
+            filling: false,
             input: None,
             block: None,
         }),
@@ -748,6 +793,88 @@ mod tests {
         assert_eq!(with, ["long", "s"]);
         // Without the linger the pass starts at once and the second call waits for the one after.
         assert_eq!(second_call_pass(Duration::ZERO).await, ["long"]);
+    }
+
+    /// Feeds `total` rows in chunks that take the room offered, at least `min` rows (as the engine's prefill cuts a
+    /// prompt), then answers how many chunks it took.
+    struct Prompt {
+        session: String,
+        total: usize,
+        min: usize,
+        fed: usize,
+        chunks: Vec<f32>,
+        reply: Option<oneshot::Sender<Vec<f32>>>,
+    }
+
+    impl Task<Ledger> for Prompt {
+        fn session(&self) -> &str {
+            &self.session
+        }
+        fn advance(
+            &mut self,
+            _st: &mut Ledger,
+            input: Option<parse_engine::Result<Logits>>,
+            room: usize,
+        ) -> Option<Block> {
+            if input.is_some() {
+                self.chunks.push(self.chunks.len() as f32);
+            }
+            if self.fed == self.total {
+                let _ = self.reply.take()?.send(std::mem::take(&mut self.chunks));
+                return None;
+            }
+            let n = (self.total - self.fed).min(room.max(self.min));
+            self.fed += n;
+            Some(Block::causal(&self.session, 0, &vec![1; n], vec![0]))
+        }
+        fn abandoned(&self) -> bool {
+            self.reply.as_ref().is_none_or(|r| r.is_closed())
+        }
+        fn cancel(&mut self, _st: &mut Ledger) {}
+    }
+
+    fn prompt(session: &str, total: usize) -> Counted {
+        let (reply, rx) = oneshot::channel();
+        let t = Prompt {
+            session: session.to_string(),
+            total,
+            min: 4,
+            fed: 0,
+            chunks: Vec::new(),
+            reply: Some(reply),
+        };
+        (Box::new(t), rx)
+    }
+
+    #[tokio::test]
+    async fn prompts_leave_room_for_decode_steps_and_are_fed_oldest_first() {
+        let s = ledger_scheduler(16, 16);
+        let mut tasks = vec![prompt("p1", 40), prompt("p2", 40)];
+        tasks.extend(["d1", "d2", "d3"].map(|d| counter(d, 12, 1)));
+        for a in queued_together(&s, tasks).await {
+            a.await.unwrap().unwrap();
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        let has = |p: &Vec<(String, usize)>, name: &str| p.iter().any(|(s, _)| s == name);
+        for p in &passes {
+            let rows: usize = p.iter().map(|x| x.1).sum();
+            assert!(rows <= 16, "{passes:?}");
+        }
+        // While the decode steps run, every pass holds all three, prompt chunks or not.
+        let decoding = passes.iter().filter(|p| has(p, "d1")).count();
+        assert_eq!(decoding, 12, "{passes:?}");
+        for p in &passes[..12] {
+            assert!(["d1", "d2", "d3"].iter().all(|d| has(p, d)), "{passes:?}");
+        }
+        assert!(has(&passes[0], "p1"), "{passes:?}");
+        // The first prompt is fed to its end before the second takes more than the chunk it was cut at first.
+        let last_p1 = passes.iter().rposition(|p| has(p, "p1")).unwrap();
+        let p2_before: usize = passes[..last_p1]
+            .iter()
+            .flatten()
+            .filter(|(s, _)| s == "p2")
+            .count();
+        assert!(p2_before <= 1, "{passes:?}");
     }
 
     #[tokio::test]
