@@ -127,6 +127,8 @@ struct Running<S> {
     /// Its last block took all the room it was offered (more than one row): a prefill under way, whose next
     /// chunk takes what the short blocks leave (see [`plan_order`]).
     filling: bool,
+    /// It was left out of the last pass.
+    sat_out: bool,
     /// The result of its last block, not yet handed to it.
     input: Option<parse_engine::Result<Logits>>,
     /// Its next block, waiting for a step with room.
@@ -289,9 +291,12 @@ fn run<S: Forward>(
                 continue;
             }
             if owners.contains(&i) {
-                ran.push(r);
+                ran.push(Running {
+                    sat_out: false,
+                    ..r
+                });
             } else {
-                waited.push_back(r);
+                waited.push_back(Running { sat_out: true, ..r });
             }
         }
         waited.extend(ran);
@@ -305,7 +310,10 @@ fn run<S: Forward>(
 /// does not shut them out of the pass; then the prefills under way oldest first, each taking what is left. A
 /// prefill cut into passes beside the decode steps of the others costs them a few rows of their pass instead of
 /// whole passes, and prompts that arrive together are served one after another (the first answer comes after
-/// one prompt's passes, not after all of theirs) instead of by turns.
+/// one prompt's passes, not after all of theirs) instead of by turns. So that short blocks that fill whole steps
+/// (many sessions' verifications) cannot hold a prompt back for ever, the oldest prefill that sat out the last pass
+/// is planned first, leaving a row for each short task (a prefill chunk takes at least its engine's minimum, 16 rows,
+/// where a step is otherwise full).
 fn plan_order<S>(running: &VecDeque<Running<S>>, from: usize) -> Vec<(usize, usize)> {
     let short: Vec<usize> = (from..running.len())
         .filter(|&i| !running[i].filling)
@@ -315,12 +323,16 @@ fn plan_order<S>(running: &VecDeque<Running<S>>, from: usize) -> Vec<(usize, usi
         .collect();
     filling.sort_by_key(|&i| running[i].seq);
     let n = short.len();
-    short
-        .into_iter()
-        .enumerate()
-        .map(|(k, i)| (i, n - 1 - k))
-        .chain(filling.into_iter().map(|i| (i, 0)))
-        .collect()
+    let mut order = Vec::with_capacity(n + filling.len());
+    if let Some(&first) = filling.first()
+        && running[first].sat_out
+    {
+        order.push((first, n));
+        filling.remove(0);
+    }
+    order.extend(short.into_iter().enumerate().map(|(k, i)| (i, n - 1 - k)));
+    order.extend(filling.into_iter().map(|i| (i, 0)));
+    order
 }
 
 fn take<S>(state: &mut S, running: &mut VecDeque<Running<S>>, seq: &mut u64, w: Work<S>) {
@@ -334,6 +346,7 @@ fn take<S>(state: &mut S, running: &mut VecDeque<Running<S>>, seq: &mut u64, w: 
                 *seq
             },
             filling: false,
+            sat_out: false,
             input: None,
             block: None,
         }),
@@ -875,6 +888,30 @@ mod tests {
             .filter(|(s, _)| s == "p2")
             .count();
         assert!(p2_before <= 1, "{passes:?}");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_is_fed_while_short_blocks_fill_every_step() {
+        let s = ledger_scheduler(16, 4);
+        let mut tasks: Vec<Counted> = ["d1", "d2", "d3", "d4"]
+            .into_iter()
+            .map(|d| counter(d, 30, 1))
+            .collect();
+        tasks.insert(0, prompt("p", 20));
+        for a in queued_together(&s, tasks).await {
+            a.await.unwrap().unwrap();
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        // The four decode tasks fill every step's 4 rows; the prompt still gets passes (of its minimum chunk,
+        // alone or over the budget) long before they end.
+        let last_p = passes
+            .iter()
+            .rposition(|p| p.iter().any(|(s, _)| s == "p"))
+            .unwrap();
+        assert!(
+            last_p < 25,
+            "the prompt waited for the decode tasks: {passes:?}"
+        );
     }
 
     #[tokio::test]
