@@ -809,7 +809,7 @@ mod tests {
     }
 
     /// Feeds `total` rows in chunks that take the room offered, at least `min` rows (as the engine's prefill cuts a
-    /// prompt), then answers how many chunks it took.
+    /// prompt), then answers one value per chunk fed (its index).
     struct Prompt {
         session: String,
         total: usize,
