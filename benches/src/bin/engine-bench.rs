@@ -82,6 +82,11 @@ struct Args {
     /// (`kernels::set_prefetch_l1`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_prefetch_l1: bool,
+    /// Instead of the report: time each model's passes with the row-group matmuls split into L2-sized items and
+    /// into two runs of rows per thread, alternating pass by pass in one process (`quant::set_long_chunks`; the same
+    /// bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_long_chunks: bool,
     /// Instead of the report: time each model's passes with the AVX2 Q6_K panels taking a `madd` per `maddubs` and
     /// adding two `maddubs` as i16 before each `madd` (on activations laid out for it), alternating pass by pass in
     /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
@@ -260,6 +265,18 @@ fn ab_prefetch_l1(name: &str, args: &Args) -> Result<()> {
         "row-group prefetches into L2 and into L1",
         ["prefetcht1", "prefetcht0"],
         parse_engine::kernels::set_prefetch_l1,
+    )
+}
+
+/// `--ab-long-chunks`: one model's passes with the row-group matmuls in L2-sized items and in long runs of rows
+/// (`quant::set_long_chunks`).
+fn ab_long_chunks(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "row-group matmuls in L2-sized items and in two runs a thread",
+        ["L2-sized", "long runs"],
+        parse_engine::quant::set_long_chunks,
     )
 }
 
@@ -655,6 +672,12 @@ fn main() -> Result<()> {
     if args.ab_prefetch_l1 {
         for m in &args.models {
             ab_prefetch_l1(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_long_chunks {
+        for m in &args.models {
+            ab_long_chunks(m, &args)?;
         }
         return Ok(());
     }

@@ -701,12 +701,38 @@ type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usiz
 #[cfg(target_arch = "x86_64")]
 type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 
+/// Work items per thread of a K-quant row-group matmul ([`set_long_chunks`]).
+#[cfg(target_arch = "x86_64")]
+const LONG_CHUNKS_PER_THREAD: usize = 2;
+
+static LONG_CHUNKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
+/// [`LONG_CHUNKS_PER_THREAD`] runs of rows per thread (on, the default) or into L2-sized items ([`column_chunk`]).
+/// The same bits either way: each output value is one kernel call's. The row groups read each weight once for every
+/// activation row, so no item need fit L2; and each item's first group starts unprefetched (a kernel prefetches
+/// only its own next group), so long runs keep the weights streaming. On a 2-core AMX Xeon, passes alternating in
+/// one process (`engine-bench --ab-long-chunks --models target,draft --context 512`, two runs), the target's
+/// one-token step took 0.98-0.99 of the time, blocks of 2, 4 and 8 rows 0.976-0.985, 0.955-0.958 and 0.932-0.943;
+/// the draft's Q5_0 row groups lost 2-5% at 1-2 rows the same way (its matrices are a fifth of the target's, and
+/// two items a thread balance worse), so they keep the L2-sized items (docs/figures.md, "Long runs of rows").
+pub fn set_long_chunks(on: bool) {
+    LONG_CHUNKS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn long_chunks() -> bool {
+    LONG_CHUNKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
 /// whole 16-row groups of a chunk's columns (`rows`: the activation rows), the panels (the same arithmetic) any
-/// remaining columns.
+/// remaining columns. With `long`, each thread takes [`LONG_CHUNKS_PER_THREAD`] runs of rows
+/// ([`set_long_chunks`]); otherwise L2-sized items ([`column_chunk`]).
 #[cfg(target_arch = "x86_64")]
 fn matmul_16<T: GgmlType, X: Sync>(
     mat: &Mat<T>,
+    long: bool,
     rows: &[X],
     out: &mut [f32],
     kern: kernels::Kernels,
@@ -716,7 +742,12 @@ fn matmul_16<T: GgmlType, X: Sync>(
     let (n, m) = (mat.rows, rows.len());
     let kb = mat.blocks_per_row();
     let w = &mat.blocks;
-    let chunk = (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16);
+    let chunk = if long {
+        let threads = rayon::current_num_threads().max(1);
+        (n / (threads * LONG_CHUNKS_PER_THREAD)).div_ceil(16).max(1) * 16
+    } else {
+        (column_chunk(n, kb * std::mem::size_of::<T>()) / 16 * 16).max(16)
+    };
     drive(
         n,
         m,
@@ -747,7 +778,7 @@ fn matmul_k_16<'a, T: GgmlType<VecDotType = BlockQ8K>>(
     panel: Panel<T, &'a [BlockQ8K]>,
 ) {
     let rows: Vec<&[BlockQ8K]> = input.q8k().chunks(mat.blocks_per_row()).collect();
-    matmul_16(mat, &rows, out, kern, groups, panel);
+    matmul_16(mat, long_chunks(), &rows, out, kern, groups, panel);
 }
 
 /// The row-group function of a 32-wide format ([`kernels::groups`]).
@@ -775,7 +806,7 @@ fn matmul_32_groups<'a, T: GgmlType>(
             groups(w, kb, rows, dst, stride)
         }
     };
-    matmul_16(mat, &rows, out, kernels::active(), lanes, panel);
+    matmul_16(mat, false, &rows, out, kernels::active(), lanes, panel);
 }
 
 /// K-quant matmul of a block of rows through AMX tiles ([`matmul_k_16`]).
@@ -1776,6 +1807,46 @@ mod shard_tests {
                 lanes.select_cols(256..768).unwrap().to_f32(),
                 rows.select_cols(256..768).unwrap().to_f32()
             );
+        }
+    }
+
+    /// The K-quant row-group matmuls give the same bits in long runs of rows a thread and in L2-sized items
+    /// ([`set_long_chunks`]), in the lanes layout and in rows (a row count that leaves a remainder for the panels).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn long_runs_of_rows_compute_what_short_items_do() {
+        let k = 2 * 256;
+        for (dtype, n, lanes) in [
+            (GgmlDType::Q4K, 16 * 37, true),
+            (GgmlDType::Q6K, 16 * 37, true),
+            (GgmlDType::Q4K, 600, false),
+        ] {
+            let w = random(n * k, 31);
+            let mat = QMatrix::from_f32(dtype, n, k, &w).unwrap();
+            let mat = match (mat, lanes) {
+                (QMatrix::Q4K(m), true) => QMatrix::Q4KLanes(m.to_lanes()),
+                (QMatrix::Q6K(m), true) => QMatrix::Q6KLanes(m.to_lanes()),
+                (m, _) => m,
+            };
+            for m in [1, 3, 8, 20] {
+                let x = random(m * k, 32 + m as u64);
+                let outs = [true, false, true].map(|long| {
+                    set_long_chunks(long);
+                    let mut out = vec![0f32; m * n];
+                    mat.matmul(&x, m, &mut out).unwrap();
+                    out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+                });
+                set_long_chunks(true);
+                assert!(
+                    outs[0].iter().any(|&b| b != 0),
+                    "{dtype:?}, {m} rows: computed"
+                );
+                assert_eq!(
+                    outs[0], outs[1],
+                    "{dtype:?}, {m} rows: long runs against short items"
+                );
+                assert_eq!(outs[0], outs[2], "{dtype:?}, {m} rows: long runs again");
+            }
         }
     }
 
