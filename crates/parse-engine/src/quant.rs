@@ -712,10 +712,11 @@ static LONG_CHUNKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 /// The same bits either way: each output value is one kernel call's. The row groups read each weight once for every
 /// activation row, so no item need fit L2; and each item's first group starts unprefetched (a kernel prefetches
 /// only its own next group), so long runs keep the weights streaming. On a 2-core AMX Xeon, passes alternating in
-/// one process (`engine-bench --ab-long-chunks --models target,draft --context 512`, two runs), the target's
-/// one-token step took 0.98-0.99 of the time, blocks of 2, 4 and 8 rows 0.976-0.985, 0.955-0.958 and 0.932-0.943;
-/// the draft's Q5_0 row groups lost 2-5% at 1-2 rows the same way (its matrices are a fifth of the target's, and
-/// two items a thread balance worse), so they keep the L2-sized items (docs/figures.md, "Long runs of rows").
+/// one process (`engine-bench --ab-long-chunks --models target,draft --context 512`, three runs), the target's
+/// one-token step took 0.980-0.995 of the time, blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and
+/// 0.932-0.963; the draft's Q5_0 row groups lost 1.5-5% at 1-2 rows the same way (its matrices are a fifth of the
+/// target's, and two items a thread balance worse), so they keep the L2-sized items (docs/figures.md, "Long runs of
+/// rows for the K-quant row groups").
 pub fn set_long_chunks(on: bool) {
     LONG_CHUNKS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
