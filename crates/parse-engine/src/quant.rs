@@ -716,7 +716,8 @@ static LONG_CHUNKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 /// one-token step took 0.980-0.995 of the time, blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and
 /// 0.932-0.963; the draft's Q5_0 row groups lost 1.5-5% at 1-2 rows the same way (its matrices are a fifth of the
 /// target's, and two items a thread balance worse), so they keep the L2-sized items (docs/figures.md, "Long runs of
-/// rows for the K-quant row groups").
+/// rows for the K-quant row groups"). With the AVX2 kernels forced there (`PARSE_CPU_KERNELS=avx2`), 0.976-0.989
+/// at 1-8 rows (one run); AMD CPUs take the same split unmeasured, and `--ab-long-chunks` measures it there.
 pub fn set_long_chunks(on: bool) {
     LONG_CHUNKS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
