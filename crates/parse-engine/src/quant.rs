@@ -708,7 +708,7 @@ const LONG_CHUNKS_PER_THREAD: usize = 2;
 static LONG_CHUNKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
-/// [`LONG_CHUNKS_PER_THREAD`] runs of rows per thread (on, the default) or into L2-sized items ([`column_chunk`]).
+/// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on, the default) or into L2-sized items (`column_chunk`).
 /// The same bits either way: each output value is one kernel call's. The row groups read each weight once for every
 /// activation row, so no item need fit L2; and each item's first group starts unprefetched (a kernel prefetches
 /// only its own next group), so long runs keep the weights streaming. On a 2-core AMX Xeon, passes alternating in
