@@ -82,9 +82,10 @@ struct Args {
     /// (`kernels::set_prefetch_l1`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_prefetch_l1: bool,
-    /// Instead of the report: time each model's passes with the row-group matmuls split into L2-sized items and
-    /// into two runs of rows per thread, alternating pass by pass in one process (`quant::set_long_chunks`; the same
-    /// bits either way), as `--ab-attention` does
+    /// Instead of the report: time each model's passes with the K-quant (Q4_K, Q6_K) row-group matmuls split into
+    /// L2-sized items and into two runs of rows per thread, alternating pass by pass in one process
+    /// (`quant::set_long_chunks`; the same bits either way; Q5_0 and Q8_0 keep the L2-sized items on both sides), as
+    /// `--ab-attention` does
     #[arg(long)]
     ab_long_chunks: bool,
     /// Instead of the report: time each model's passes with the AVX2 Q6_K panels taking a `madd` per `maddubs` and
@@ -268,13 +269,13 @@ fn ab_prefetch_l1(name: &str, args: &Args) -> Result<()> {
     )
 }
 
-/// `--ab-long-chunks`: one model's passes with the row-group matmuls in L2-sized items and in long runs of rows
-/// (`quant::set_long_chunks`).
+/// `--ab-long-chunks`: one model's passes with the K-quant row-group matmuls in L2-sized items and in long runs of
+/// rows (`quant::set_long_chunks`).
 fn ab_long_chunks(name: &str, args: &Args) -> Result<()> {
     ab_switch(
         name,
         args,
-        "row-group matmuls in L2-sized items and in two runs a thread",
+        "K-quant row-group matmuls in L2-sized items and in two runs a thread",
         ["L2-sized", "long runs"],
         parse_engine::quant::set_long_chunks,
     )
