@@ -705,26 +705,43 @@ type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 #[cfg(target_arch = "x86_64")]
 const LONG_CHUNKS_PER_THREAD: usize = 2;
 
-static LONG_CHUNKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// [`set_long_chunks`]'s switch: 0 until chosen (the CPU's vendor decides, [`long_chunks`]), 1 off, 2 on.
+static LONG_CHUNKS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
-/// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on, the default) or into L2-sized items (`column_chunk`).
-/// The same bits either way: each output value is one kernel call's. The row groups read each weight once for every
-/// activation row, so no item need fit L2; and each item's first group starts unprefetched (a kernel prefetches
-/// only its own next group), so long runs keep the weights streaming. On a 2-core AMX Xeon, passes alternating in
-/// one process (`engine-bench --ab-long-chunks --models target,draft --context 512`, three runs), the target's
-/// one-token step took 0.980-0.995 of the time, blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and
-/// 0.932-0.963; the draft's Q5_0 row groups lost 1.5-5% at 1-2 rows the same way (its matrices are a fifth of the
-/// target's, and two items a thread balance worse), so they keep the L2-sized items (docs/figures.md, "Long runs of
-/// rows for the K-quant row groups"). With the AVX2 kernels forced there (`PARSE_CPU_KERNELS=avx2`), 0.976-0.989
-/// at 1-8 rows (one run); AMD CPUs take the same split unmeasured, and `--ab-long-chunks` measures it there.
+/// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off); unset, the
+/// CPU's vendor decides ([`long_chunks`]). The same bits either way: each output value is one kernel call's. The row
+/// groups read each weight once for every activation row, so no item need fit L2; and each item's first group
+/// starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights streaming.
+/// `engine-bench --ab-long-chunks` times the two in one process.
 pub fn set_long_chunks(on: bool) {
-    LONG_CHUNKS.store(on, std::sync::atomic::Ordering::Relaxed);
+    LONG_CHUNKS.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether the K-quant row-group matmuls take long runs of rows ([`set_long_chunks`]). By default on Intel and
+/// other non-AMD CPUs, off on AMD ones:
+/// - On a 2-core AMX Xeon, passes alternating in one process (`engine-bench --ab-long-chunks --models target,draft
+///   --context 512`, three runs), long runs made the target's one-token step take 0.980-0.995 of the time and its
+///   blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and 0.932-0.963; with the AVX2 kernels forced there
+///   (`PARSE_CPU_KERNELS=avx2`), 0.976-0.989 at 1-8 rows (one run).
+/// - On a 2-core AVX2-only Zen 1 EPYC (CPU family 23), the same command gave the target's blocks of 2, 4 and 8 rows
+///   1.014-1.075, 0.998-1.174 and 0.990-1.094 of the L2-sized items' time over three runs, one-token steps
+///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC"). AMD
+///   CPUs had been measured with the L2-sized items through every change before the long runs, so they keep them.
+///
+/// The draft's Q5_0 row groups keep the L2-sized items everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with
+/// long runs (its matrices are a fifth of the target's, and two items a thread balance worse).
 #[cfg(target_arch = "x86_64")]
 fn long_chunks() -> bool {
-    LONG_CHUNKS.load(std::sync::atomic::Ordering::Relaxed)
+    use std::sync::atomic::Ordering::Relaxed;
+    match LONG_CHUNKS.load(Relaxed) {
+        0 => {
+            let on = !kernels::amd_cpu();
+            LONG_CHUNKS.store(if on { 2 } else { 1 }, Relaxed);
+            on
+        }
+        h => h == 2,
+    }
 }
 
 /// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
@@ -1832,13 +1849,14 @@ mod shard_tests {
             };
             for m in [1, 3, 8, 20] {
                 let x = random(m * k, 32 + m as u64);
+                let before = LONG_CHUNKS.load(std::sync::atomic::Ordering::Relaxed);
                 let outs = [true, false, true].map(|long| {
                     set_long_chunks(long);
                     let mut out = vec![0f32; m * n];
                     mat.matmul(&x, m, &mut out).unwrap();
                     out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
                 });
-                set_long_chunks(true);
+                LONG_CHUNKS.store(before, std::sync::atomic::Ordering::Relaxed);
                 assert!(
                     outs[0].iter().any(|&b| b != 0),
                     "{dtype:?}, {m} rows: computed"
@@ -1850,6 +1868,22 @@ mod shard_tests {
                 assert_eq!(outs[0], outs[2], "{dtype:?}, {m} rows: long runs again");
             }
         }
+    }
+
+    /// The split's switch: unset, the CPU's vendor decides (AMD: L2-sized items, others: long runs); set, it holds
+    /// either way. The split leaves the bits as they are ([`long_runs_of_rows_compute_what_short_items_do`]).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn long_runs_follow_the_vendor_until_set() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let before = LONG_CHUNKS.load(Relaxed);
+        LONG_CHUNKS.store(0, Relaxed);
+        assert_eq!(long_chunks(), !kernels::amd_cpu());
+        set_long_chunks(false);
+        assert!(!long_chunks());
+        set_long_chunks(true);
+        assert!(long_chunks());
+        LONG_CHUNKS.store(before, Relaxed);
     }
 
     /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:

@@ -125,7 +125,7 @@ fn prefetch_l1() -> bool {
 
 /// Whether the CPU's vendor string is AMD's.
 #[cfg(target_arch = "x86_64")]
-fn amd_cpu() -> bool {
+pub(crate) fn amd_cpu() -> bool {
     let r = std::arch::x86_64::__cpuid(0);
     let mut vendor = [0u8; 12];
     vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
