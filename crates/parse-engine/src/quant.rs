@@ -710,7 +710,7 @@ static LONG_CHUNKS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::n
 
 /// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
 /// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off); unset, the
-/// CPU's vendor decides ([`long_chunks`]). The same bits either way: each output value is one kernel call's. The row
+/// CPU's vendor decides (`long_chunks`). The same bits either way: each output value is one kernel call's. The row
 /// groups read each weight once for every activation row, so no item need fit L2; and each item's first group
 /// starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights streaming.
 /// `engine-bench --ab-long-chunks` times the two in one process.
