@@ -705,8 +705,8 @@ type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 #[cfg(target_arch = "x86_64")]
 const LONG_CHUNKS_PER_THREAD: usize = 2;
 
-/// [`set_long_chunks`]'s switch: 0 until chosen (the CPU's vendor decides, [`long_chunks`]), 1 off, 2 on.
-static LONG_CHUNKS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// [`set_long_chunks`]'s switch: until chosen the CPU's vendor decides ([`long_chunks`]).
+static LONG_CHUNKS: kernels::Switch = kernels::Switch::unset();
 
 /// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
 /// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off); unset, the
@@ -715,7 +715,7 @@ static LONG_CHUNKS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::n
 /// starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights streaming.
 /// `engine-bench --ab-long-chunks` times the two in one process.
 pub fn set_long_chunks(on: bool) {
-    LONG_CHUNKS.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    LONG_CHUNKS.set(on);
 }
 
 /// Whether the K-quant row-group matmuls take long runs of rows ([`set_long_chunks`]). By default on Intel and
@@ -733,15 +733,7 @@ pub fn set_long_chunks(on: bool) {
 /// long runs (its matrices are a fifth of the target's, and two items a thread balance worse).
 #[cfg(target_arch = "x86_64")]
 fn long_chunks() -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    match LONG_CHUNKS.load(Relaxed) {
-        0 => {
-            let on = !kernels::amd_cpu();
-            LONG_CHUNKS.store(if on { 2 } else { 1 }, Relaxed);
-            on
-        }
-        h => h == 2,
-    }
+    LONG_CHUNKS.get(|| !kernels::amd_cpu())
 }
 
 /// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
@@ -1849,14 +1841,14 @@ mod shard_tests {
             };
             for m in [1, 3, 8, 20] {
                 let x = random(m * k, 32 + m as u64);
-                let before = LONG_CHUNKS.load(std::sync::atomic::Ordering::Relaxed);
+                let before = LONG_CHUNKS.swap_raw(0);
                 let outs = [true, false, true].map(|long| {
                     set_long_chunks(long);
                     let mut out = vec![0f32; m * n];
                     mat.matmul(&x, m, &mut out).unwrap();
                     out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
                 });
-                LONG_CHUNKS.store(before, std::sync::atomic::Ordering::Relaxed);
+                LONG_CHUNKS.swap_raw(before);
                 assert!(
                     outs[0].iter().any(|&b| b != 0),
                     "{dtype:?}, {m} rows: computed"
@@ -1875,15 +1867,13 @@ mod shard_tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn long_runs_follow_the_vendor_until_set() {
-        use std::sync::atomic::Ordering::Relaxed;
-        let before = LONG_CHUNKS.load(Relaxed);
-        LONG_CHUNKS.store(0, Relaxed);
+        let before = LONG_CHUNKS.swap_raw(0);
         assert_eq!(long_chunks(), !kernels::amd_cpu());
         set_long_chunks(false);
         assert!(!long_chunks());
         set_long_chunks(true);
         assert!(long_chunks());
-        LONG_CHUNKS.store(before, Relaxed);
+        LONG_CHUNKS.swap_raw(before);
     }
 
     /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:

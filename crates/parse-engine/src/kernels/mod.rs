@@ -92,16 +92,49 @@ fn interleaved_q4k() -> bool {
     !SERIAL_Q4K.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The row-group kernels' prefetch of the next group's weights ([`groups::prefetch_share`]): 0 until chosen (the
-/// CPU's vendor decides), 1 into L2 (`prefetcht1`), 2 into every level (`prefetcht0`).
-static PREFETCH_HINT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// A switch that benchmarks set and that, left unset, takes a default the first time it is read (the CPU's vendor,
+/// say) and keeps it: 0 until chosen, 1 off, 2 on.
+pub(crate) struct Switch(AtomicU8);
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl Switch {
+    pub(crate) const fn unset() -> Self {
+        Switch(AtomicU8::new(0))
+    }
+
+    pub(crate) fn set(&self, on: bool) {
+        self.0.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+
+    /// Where the switch stands; unset, `default()`'s answer, kept from then on.
+    pub(crate) fn get(&self, default: impl FnOnce() -> bool) -> bool {
+        match self.0.load(Ordering::Relaxed) {
+            0 => {
+                let on = default();
+                self.set(on);
+                on
+            }
+            h => h == 2,
+        }
+    }
+
+    /// The raw state, swapped for `raw` (tests unset a switch and put it back).
+    #[cfg(test)]
+    pub(crate) fn swap_raw(&self, raw: u8) -> u8 {
+        self.0.swap(raw, Ordering::Relaxed)
+    }
+}
+
+/// The row-group kernels' prefetch of the next group's weights ([`groups::prefetch_share`]): until chosen the CPU's
+/// vendor decides; off into L2 (`prefetcht1`), on into every level (`prefetcht0`).
+static PREFETCH_HINT: Switch = Switch::unset();
 
 /// Lets the row-group kernels prefetch the next group's weights into every cache level (`true`, `prefetcht0`) or
 /// into L2 (`false`, `prefetcht1`), for benchmarks that time the two in one process (`engine-bench
 /// --ab-prefetch-l1`); the outputs are the same bits. Unset, AMD CPUs take `prefetcht0` and others `prefetcht1`
 /// ([`prefetch_l1`]).
 pub fn set_prefetch_l1(on: bool) {
-    PREFETCH_HINT.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    PREFETCH_HINT.set(on);
 }
 
 /// Whether the row-group kernels prefetch into every cache level ([`set_prefetch_l1`]). By default on AMD CPUs
@@ -112,15 +145,7 @@ pub fn set_prefetch_l1(on: bool) {
 /// kernels were measured there; the AVX2 kernels prefetch with `prefetcht0` everywhere.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_l1() -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    match PREFETCH_HINT.load(Relaxed) {
-        0 => {
-            let on = amd_cpu();
-            PREFETCH_HINT.store(if on { 2 } else { 1 }, Relaxed);
-            on
-        }
-        h => h == 2,
-    }
+    PREFETCH_HINT.get(amd_cpu)
 }
 
 /// Whether the CPU's vendor string is AMD's.
@@ -1312,15 +1337,13 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_prefetch_hint_follows_the_vendor_until_set() {
-        use std::sync::atomic::Ordering::Relaxed;
-        let before = PREFETCH_HINT.load(Relaxed);
-        PREFETCH_HINT.store(0, Relaxed);
+        let before = PREFETCH_HINT.swap_raw(0);
         assert_eq!(prefetch_l1(), amd_cpu());
         set_prefetch_l1(false);
         assert!(!prefetch_l1());
         set_prefetch_l1(true);
         assert!(prefetch_l1());
-        PREFETCH_HINT.store(before, Relaxed);
+        PREFETCH_HINT.swap_raw(before);
     }
 
     /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
