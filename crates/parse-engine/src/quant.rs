@@ -705,35 +705,47 @@ type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 #[cfg(target_arch = "x86_64")]
 const LONG_CHUNKS_PER_THREAD: usize = 2;
 
-/// [`set_long_chunks`]'s switch: until chosen the CPU's vendor decides ([`long_chunks`]).
+/// [`set_long_chunks`]'s switch: until chosen the CPU decides ([`long_chunks`]).
 static LONG_CHUNKS: kernels::Switch = kernels::Switch::unset();
 
 /// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
 /// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off); unset, the
-/// CPU's vendor decides (`long_chunks`). The same bits either way: each output value is one kernel call's. The row
-/// groups read each weight once for every activation row, so no item need fit L2; and each item's first group
-/// starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights streaming.
-/// `engine-bench --ab-long-chunks` times the two in one process.
+/// CPU decides (`long_chunks`: its vendor and family). The same bits either way: each output value is one kernel
+/// call's. The row groups read each weight once for every activation row, so no item need fit L2; and each item's
+/// first group starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights
+/// streaming. `engine-bench --ab-long-chunks` times the two in one process.
 pub fn set_long_chunks(on: bool) {
     LONG_CHUNKS.set(on);
 }
 
-/// Whether the K-quant row-group matmuls take long runs of rows ([`set_long_chunks`]). By default on Intel and
-/// other non-AMD CPUs, off on AMD ones:
+/// Whether the K-quant row-group matmuls take long runs of rows ([`set_long_chunks`]). By default on every CPU but
+/// AMD's before CPU family 25 (Zen, Zen+ and Zen 2), which keep L2-sized items ([`long_chunks_by_cpu`]):
 /// - On a 2-core AMX Xeon, passes alternating in one process (`engine-bench --ab-long-chunks --models target,draft
 ///   --context 512`, three runs), long runs made the target's one-token step take 0.980-0.995 of the time and its
 ///   blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and 0.932-0.963; with the AVX2 kernels forced there
 ///   (`PARSE_CPU_KERNELS=avx2`), 0.976-0.989 at 1-8 rows (one run).
-/// - On a 2-core AVX2-only Zen 1 EPYC (CPU family 23), the same command gave the target's blocks of 2, 4 and 8 rows
+/// - On a 2-core AVX-512 VNNI Zen 4 EPYC (CPU family 25, model 17), the same command (four runs) gave the target's
+///   blocks of 4 and 8 rows 0.926-0.953 and 0.865-0.899, 3 rows 0.932, 16 rows 0.906 and 1.002, one-token steps
+///   0.928-1.017 and 2 rows 0.955-1.042; `target` mode at 8 clients on a local cluster (`parsectl bench -n 24 -c 8
+///   --mode target --max-new-tokens 128`, builds alternating) 62.9-70.6 tok/s against 55.6-61.7, 1.10-1.16x in
+///   three pairs (docs/figures.md, "Long runs of rows on a Zen 4 EPYC").
+/// - On a 2-core AVX2-only Zen 1 EPYC (CPU family 23), it gave the target's blocks of 2, 4 and 8 rows
 ///   1.014-1.075, 0.998-1.174 and 0.990-1.094 of the L2-sized items' time over three runs, one-token steps
-///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC"). AMD
-///   CPUs had been measured with the L2-sized items through every change before the long runs, so they keep them.
+///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC").
 ///
-/// The draft's Q5_0 row groups keep the L2-sized items everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with
-/// long runs (its matrices are a fifth of the target's, and two items a thread balance worse).
+/// Zen 3 (family 25, AVX2 only) and Zen 5 (family 26) were not measured with long runs; they take them with Zen 4,
+/// whose cache hierarchy they share more of than Zen 1's. The draft's Q5_0 row groups keep the L2-sized items
+/// everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with long runs (its matrices are a fifth of the
+/// target's, and two items a thread balance worse).
 #[cfg(target_arch = "x86_64")]
 fn long_chunks() -> bool {
-    LONG_CHUNKS.get(|| !kernels::amd_cpu())
+    LONG_CHUNKS.get(long_chunks_by_cpu)
+}
+
+/// [`long_chunks`]'s default on this CPU: off on AMD CPUs before family 25, on elsewhere.
+#[cfg(target_arch = "x86_64")]
+fn long_chunks_by_cpu() -> bool {
+    !(kernels::amd_cpu() && kernels::cpu_family() < 25)
 }
 
 /// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
@@ -1862,13 +1874,13 @@ mod shard_tests {
         }
     }
 
-    /// The split's switch: unset, the CPU's vendor decides (AMD: L2-sized items, others: long runs); set, it holds
-    /// either way. The split leaves the bits as they are ([`long_runs_of_rows_compute_what_short_items_do`]).
+    /// The split's switch: unset, the CPU decides (AMD before family 25: L2-sized items, others: long runs); set, it
+    /// holds either way. The split leaves the bits as they are ([`long_runs_of_rows_compute_what_short_items_do`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn long_runs_follow_the_vendor_until_set() {
+    fn long_runs_follow_the_cpu_until_set() {
         let before = LONG_CHUNKS.swap_raw(0);
-        assert_eq!(long_chunks(), !kernels::amd_cpu());
+        assert_eq!(long_chunks(), long_chunks_by_cpu());
         set_long_chunks(false);
         assert!(!long_chunks());
         set_long_chunks(true);

@@ -159,6 +159,19 @@ pub(crate) fn amd_cpu() -> bool {
     &vendor == b"AuthenticAMD"
 }
 
+/// The CPU's family as its vendors number them (CPUID leaf 1: the base family, plus the extended family where the base
+/// reads 15): on AMD 23 for Zen, Zen+ and Zen 2, 25 for Zen 3 and Zen 4, 26 for Zen 5; on Intel's cores 6.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn cpu_family() -> u32 {
+    let eax = std::arch::x86_64::__cpuid(1).eax;
+    let base = (eax >> 8) & 0xf;
+    if base == 0xf {
+        base + ((eax >> 20) & 0xff)
+    } else {
+        base
+    }
+}
+
 static SINGLE_Q6K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Lets the AVX2 Q6_K panels add two `maddubs` as i16 before each `madd` on activations laid out for it (`true`, the
@@ -1330,6 +1343,28 @@ mod tests {
             }
         }
         set_q4k_two_rows_in_order(true);
+    }
+
+    /// The CPU family read from CPUID is the one the kernel reports (`/proc/cpuinfo`'s `cpu family`), which the
+    /// K-quant split's default goes by (`quant::long_chunks`).
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn the_cpu_family_is_the_one_linux_reports() {
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+            return;
+        };
+        let reported = info
+            .lines()
+            .find(|l| l.starts_with("cpu family"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|v| {
+                v.trim()
+                    .parse::<u32>()
+                    .expect("a number after `cpu family`")
+            });
+        if let Some(family) = reported {
+            assert_eq!(cpu_family(), family);
+        }
     }
 
     /// The prefetch hint's switch: unset, the CPU's vendor decides (AMD: every level); set, it holds either way.
