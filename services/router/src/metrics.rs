@@ -474,7 +474,8 @@ impl Metrics {
         }
     }
 
-    /// A request is running until the guard is dropped.
+    /// A request is running until the guard is dropped (the router drops it when the request's loop ends, before
+    /// its sessions are released).
     pub fn running(&self) -> InFlight {
         self.in_flight.inc();
         InFlight(self.in_flight.clone())
