@@ -722,8 +722,9 @@ impl Router {
             // The loop is over: the request adds no more rows to the workers' passes, so it leaves the load that the
             // other requests' pace reads (and the gauge) now, not once its sessions are released and its reply sent.
             // A client that stops reading when its answer is over (a stop rule of its own) sends its next request at
-            // once, and the old one's releases wait behind a pass: at 8 such clients the gauge read 9 in 19 of 560
-            // samples of a run, and requests that read it then were judged by the figures of 9-16 requests.
+            // once, while the old one's sessions are still being released: at 8 such clients the gauge read 9 in 19
+            // of 560 samples of a run, and requests that read it then were judged by the figures of 9-16 requests
+            // (docs/figures.md, "Long runs of rows on a Zen 4 EPYC").
             drop(running);
             metrics.pace_costs(&pacing.costs.snapshot());
             let mut used: Vec<(&str, String)> = Vec::new();
