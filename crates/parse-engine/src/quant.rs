@@ -734,9 +734,9 @@ pub fn set_long_chunks(on: bool) {
 ///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC").
 ///
 /// Zen 3 (family 25, AVX2 only) and Zen 5 (family 26) were not measured with long runs; they take them with Zen 4,
-/// the nearest measured design (`engine-bench --ab-long-chunks` measures them). The draft's Q5_0 row groups keep the L2-sized items
-/// everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with long runs (its matrices are a fifth of the
-/// target's, and two items a thread balance worse).
+/// the nearest measured design (`engine-bench --ab-long-chunks` measures them). The draft's Q5_0 row groups keep the
+/// L2-sized items everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with long runs (its matrices are a fifth
+/// of the target's, and two items a thread balance worse).
 #[cfg(target_arch = "x86_64")]
 fn long_chunks() -> bool {
     LONG_CHUNKS.get(long_chunks_by_cpu)

@@ -723,7 +723,8 @@ impl Router {
             // other requests' pace reads (and the gauge) now, not once its sessions are released and its reply sent.
             // A client that stops reading when its answer is over (a stop rule of its own) sends its next request at
             // once, while the old one's sessions are still being released: at 8 such clients the gauge read 9 in 19
-            // of 560 samples of a run, and requests that read it then were judged by the figures of 9-16 requests
+            // of 560 samples of a run, and requests that read it then were judged by the figures of 9-16 requests;
+            // with this, 7 and 9 of about 620. What is left is the time the loop takes to see its client went away
             // (docs/figures.md, "Long runs of rows on a Zen 4 EPYC").
             drop(running);
             metrics.pace_costs(&pacing.costs.snapshot());
