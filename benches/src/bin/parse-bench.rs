@@ -20,7 +20,9 @@
 //! With `--router ADDR --clients N` the requests go through a running cluster instead, N at a time (prompts taken
 //! in order), each reply streamed and dropped once its answer is over (the router then stops it); tok/s is then the
 //! aggregate: kept output tokens of all prompts over the run's wall time, prefill included (the same work in every
-//! mode). The loop's counters come back only with a reply that runs to its end, so through a router the passes and
+//! mode). `--repeat R` runs every configuration's cell R times through the router, each repetition in the reverse
+//! order of the last, and reports each repetition's ratio to its own `target` cell with their mean and its 95%
+//! interval; the other columns pool all cells. The loop's counters come back only with a reply that runs to its end, so through a router the passes and
 //! acceptance columns count those replies alone (HumanEval's, stopped at the code block's close, mostly do not).
 //!
 //! Every prompt's result is also kept in `<out-dir>/<suite>-runs/<run>/<i>.json`; `--resume` reuses them, so a long
@@ -103,6 +105,13 @@ struct Args {
     /// With --router: requests at once.
     #[arg(long, default_value_t = 1)]
     clients: usize,
+    /// With --router: run every configuration this many times, each repetition in the reverse order of the last
+    /// (A B, B A, A B, ...), so that a drift of the machine's speed meets every configuration alike. tok/s is then
+    /// over all the cells of a configuration, and each repetition's ratio to the `target` cell of the same
+    /// repetition is reported, with their mean and its 95% interval: at 8 clients on a 2-core machine one cell's
+    /// ratio spread from 0.88x to 1.09x over seven clusters, too wide for one cell to tell a few points from noise.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 struct Record {
@@ -629,6 +638,14 @@ fn main() -> Result<()> {
     if args.clients == 0 {
         bail!("--clients must be at least 1");
     }
+    if args.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
+    if args.repeat > 1 && args.router.is_none() {
+        bail!(
+            "--repeat needs --router: in process every prompt already runs in every configuration in turn"
+        );
+    }
     // Through a router the models run there; the tokenizer here only reads the replies.
     let mut engines = match args.router {
         Some(_) => None,
@@ -658,7 +675,6 @@ fn main() -> Result<()> {
         .map(|r| tok.encode_chat(&[Message::user(&r.prompt)]))
         .collect::<Result<_, _>>()?;
 
-    let mut target_outputs: Vec<Vec<u32>> = Vec::new();
     let mut rows = Vec::new();
     let runs_dir = args.out_dir.join(format!("{}-runs", args.suite));
     let run_dir = |cfg: &RunCfg| {
@@ -708,82 +724,124 @@ fn main() -> Result<()> {
         }
         eprintln!(" {} prompts x {} runs", prompts.len(), runs.len());
     }
-    for cfg in &runs {
+    // Through a router, every cell runs before any is scored (scoring runs HumanEval's tests, which would load the
+    // machine between cells): `cells[c]` holds configuration c's cells, one per repetition, each with its wall time.
+    let mut cells: Vec<Vec<(Vec<Saved>, f64)>> = runs.iter().map(|_| Vec::new()).collect();
+    if let Some(addr) = &args.router {
+        for rep in 0..args.repeat {
+            let order: Vec<usize> = if rep % 2 == 0 {
+                (0..runs.len()).collect()
+            } else {
+                (0..runs.len()).rev().collect()
+            };
+            for c in order {
+                let (outs, wall_s) = through_router(addr, &args, &runs[c], &recs, &tok, budget)?;
+                let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
+                eprintln!(
+                    " {} (repetition {}): {:.2} tok/s",
+                    label(&runs[c]),
+                    rep + 1,
+                    tokens as f64 / wall_s.max(1e-9)
+                );
+                cells[c].push((outs, wall_s));
+            }
+        }
+    }
+    // The `target` cells' outputs, one list per repetition, which the others are compared with.
+    let mut target_outputs: Vec<Vec<Vec<u32>>> = Vec::new();
+    for (c, cfg) in runs.iter().enumerate() {
         let mut total = Stats::default();
-        let mut outputs = Vec::new();
         let mut quality = 0.0;
         let mut prefix_share = 0.0;
         let mut draft_in_output = 0;
         let (mut first_ms, mut after_first_ms, mut after_first_tokens) = (0.0, 0.0, 0usize);
-        let mut remote = match &args.router {
-            Some(addr) => {
-                let (outs, wall_s) = through_router(addr, &args, cfg, &recs, &tok, budget)?;
-                Some((outs.into_iter(), wall_s))
+        let sets: Vec<(Vec<Saved>, Option<f64>)> = if args.router.is_some() {
+            std::mem::take(&mut cells[c])
+                .into_iter()
+                .map(|(outs, wall_s)| (outs, Some(wall_s)))
+                .collect()
+        } else {
+            let mut outs = Vec::with_capacity(prompts.len());
+            for i in 0..prompts.len() {
+                let saved = run_dir(cfg).join(format!("{}.json", i + args.skip));
+                let text = std::fs::read_to_string(&saved)
+                    .with_context(|| format!("{}", saved.display()))?;
+                outs.push(
+                    serde_json::from_str::<Saved>(&text)
+                        .with_context(|| format!("{}", saved.display()))?,
+                );
             }
-            None => None,
+            vec![(outs, None)]
         };
-        let wall_s = remote.as_ref().map(|r| r.1);
-        for (i, _) in prompts.iter().enumerate() {
-            let saved = run_dir(cfg).join(format!("{}.json", i + args.skip));
-            let out = match (std::fs::read_to_string(&saved), remote.as_mut()) {
-                (_, Some((outs, _))) => outs.next().context("a reply per prompt")?,
-                (Ok(text), None) => serde_json::from_str::<Saved>(&text)
-                    .with_context(|| format!("{}", saved.display()))?,
-                (Err(e), None) => bail!("{}: {e}", saved.display()),
-            };
-            let s = &out.stats;
-            draft_in_output += out.draft_tokens_in_output;
-            if let Some((ms, n)) = out.first {
-                first_ms += ms;
-                after_first_tokens += out.tokens.len() - n;
-                after_first_ms += s.total_ms - ms;
+        let wall_s = sets.iter().map(|(_, w)| *w).sum::<Option<f64>>();
+        // tok/s of each repetition's cell, for its ratio to the same repetition's `target` cell.
+        let by_repeat: Vec<f64> = sets
+            .iter()
+            .filter_map(|(outs, w)| {
+                w.map(|w| outs.iter().map(|o| o.tokens.len()).sum::<usize>() as f64 / w.max(1e-9))
+            })
+            .collect();
+        let cells_scored = sets.len();
+        for (rep, (outs, _)) in sets.into_iter().enumerate() {
+            let mut rep_outputs = Vec::with_capacity(outs.len());
+            for (i, out) in outs.into_iter().enumerate() {
+                let s = &out.stats;
+                draft_in_output += out.draft_tokens_in_output;
+                if let Some((ms, n)) = out.first {
+                    first_ms += ms;
+                    after_first_tokens += out.tokens.len() - n;
+                    after_first_ms += s.total_ms - ms;
+                }
+                for (a, b) in [
+                    (&mut total.output_tokens, out.tokens.len()),
+                    (&mut total.draft_tokens_proposed, s.draft_tokens_proposed),
+                    (&mut total.draft_tokens_accepted, s.draft_tokens_accepted),
+                    (&mut total.segments_proposed, s.segments_proposed),
+                    (&mut total.segments_accepted, s.segments_accepted),
+                    (&mut total.target_passes, s.target_passes),
+                    (&mut total.target_positions, s.target_positions),
+                ] {
+                    *a += b;
+                }
+                total.draft_ms += s.draft_ms;
+                total.verify_ms += s.verify_ms;
+                total.extend_ms += s.extend_ms;
+                total.prefill_ms += s.prefill_ms;
+                total.total_ms += s.total_ms;
+                let reply = tok.decode(&out.tokens, true)?;
+                quality += match args.suite.as_str() {
+                    "humaneval" => f64::from(u8::from(humaneval_pass(
+                        &recs[i].raw,
+                        &reply,
+                        args.test_timeout,
+                    )?)),
+                    "asdiv" => f64::from(u8::from(asdiv_correct(&recs[i].raw, &reply))),
+                    _ => match target_outputs.get(rep).and_then(|t| t.get(i)) {
+                        Some(t) => rouge_l(t, &out.tokens),
+                        None => 1.0,
+                    },
+                };
+                if let Some(t) = target_outputs.get(rep).and_then(|t| t.get(i)) {
+                    let common = t
+                        .iter()
+                        .zip(&out.tokens)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    prefix_share += common as f64 / t.len().max(out.tokens.len()).max(1) as f64;
+                }
+                rep_outputs.push(out.tokens);
+                eprint!(".");
             }
-            for (a, b) in [
-                (&mut total.output_tokens, out.tokens.len()),
-                (&mut total.draft_tokens_proposed, s.draft_tokens_proposed),
-                (&mut total.draft_tokens_accepted, s.draft_tokens_accepted),
-                (&mut total.segments_proposed, s.segments_proposed),
-                (&mut total.segments_accepted, s.segments_accepted),
-                (&mut total.target_passes, s.target_passes),
-                (&mut total.target_positions, s.target_positions),
-            ] {
-                *a += b;
+            if cfg.mode == Mode::Target {
+                target_outputs.push(rep_outputs);
             }
-            total.draft_ms += s.draft_ms;
-            total.verify_ms += s.verify_ms;
-            total.extend_ms += s.extend_ms;
-            total.prefill_ms += s.prefill_ms;
-            total.total_ms += s.total_ms;
-            let reply = tok.decode(&out.tokens, true)?;
-            quality += match args.suite.as_str() {
-                "humaneval" => f64::from(u8::from(humaneval_pass(
-                    &recs[i].raw,
-                    &reply,
-                    args.test_timeout,
-                )?)),
-                "asdiv" => f64::from(u8::from(asdiv_correct(&recs[i].raw, &reply))),
-                _ => match target_outputs.get(i) {
-                    Some(t) => rouge_l(t, &out.tokens),
-                    None => 1.0,
-                },
-            };
-            if let Some(t) = target_outputs.get(i) {
-                let common = t
-                    .iter()
-                    .zip(&out.tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                prefix_share += common as f64 / t.len().max(out.tokens.len()).max(1) as f64;
-            }
-            outputs.push(out.tokens);
-            eprint!(".");
         }
         eprintln!(" {}", label(cfg));
+        // Quality and agreement are means over every scored cell (prompts times repetitions).
+        let n = (prompts.len() * cells_scored) as f64;
         if cfg.mode == Mode::Target {
-            target_outputs = outputs.clone();
-            prefix_share = prompts.len() as f64;
+            prefix_share = n;
         }
-        let n = prompts.len() as f64;
         // Decode throughput: output tokens over generation time, prefill excluded (it is the same in every mode);
         // through a router, over the wall time of the run.
         let gen_s = wall_s.unwrap_or((total.total_ms - total.prefill_ms) / 1e3);
@@ -816,6 +874,8 @@ fn main() -> Result<()> {
             "verify_s": total.verify_ms / 1e3,
             "extend_s": total.extend_ms / 1e3,
             "prefill_s": total.prefill_ms / 1e3,
+            "repeats": cells_scored,
+            "tokens_per_s_by_repeat": by_repeat,
         }));
         if wall_s.is_some() {
             // Through a router the wall time holds each request's prefill (the target's, and the draft's where it
@@ -862,6 +922,35 @@ fn main() -> Result<()> {
             f("extend_s"),
         ));
     }
+    if args.repeat > 1 {
+        md.push_str(&format!(
+            "\nEach repetition's ratio to its own `target` cell ({} repetitions, in the order A B, B A, ...), their mean and its 95% interval (t-distribution).\n\n| run | x target by repetition | mean | 95% interval |\n|---|---|---:|---:|\n",
+            args.repeat
+        ));
+        let base: Vec<f64> = tps_by_repeat(&rows[0]);
+        for r in rows.iter_mut().skip(1) {
+            let ratios: Vec<f64> = tps_by_repeat(r)
+                .iter()
+                .zip(&base)
+                .map(|(a, b)| a / b)
+                .collect();
+            let (mean, half) = mean_and_ci95(&ratios);
+            md.push_str(&format!(
+                "| {} | {} | {mean:.3} | {:.3} to {:.3} |\n",
+                r["run"].as_str().unwrap_or_default(),
+                ratios
+                    .iter()
+                    .map(|x| format!("{x:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mean - half,
+                mean + half,
+            ));
+            r["speedup_by_repeat"] = json!(ratios);
+            r["speedup_mean"] = json!(mean);
+            r["speedup_ci95"] = json!([mean - half, mean + half]);
+        }
+    }
     if args.router.is_some() {
         let base = rows[0]["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
         md.push_str(&format!(
@@ -889,6 +978,34 @@ fn main() -> Result<()> {
     plot(&svg, &args.suite, quality_name, &rows, base_q)?;
     println!("{md}");
     Ok(())
+}
+
+/// A row's tok/s of each repetition.
+fn tps_by_repeat(row: &Value) -> Vec<f64> {
+    row["tokens_per_s_by_repeat"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+/// The mean of `xs` and the half-width of its 95% interval by Student's t (NaN with fewer than two values).
+fn mean_and_ci95(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len();
+    let mean = xs.iter().sum::<f64>() / n.max(1) as f64;
+    if n < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    // The 97.5% quantiles of t for 1..=30 degrees of freedom; past 30, the normal's with a small correction
+    // (within 0.01 of t's).
+    const T975: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    let df = n - 1;
+    let t = T975.get(df - 1).copied().unwrap_or(1.96 + 2.4 / df as f64);
+    (mean, t * (var / n as f64).sqrt())
 }
 
 /// Two plots, one line per (mode, verdict) over its tau values and single-setting modes as single points: quality
@@ -1001,5 +1118,35 @@ mod tests {
         assert!((f - 2.0 / 3.0).abs() < 1e-12, "{f}");
         assert_eq!(rouge_l(&[], &[]), 1.0);
         assert_eq!(rouge_l(&[1], &[]), 0.0);
+    }
+
+    #[test]
+    fn repetitions_give_a_mean_and_its_95_percent_interval() {
+        // Mean 1.0, sample standard deviation 0.1 over 4 values: half-width t(3) * 0.1 / 2.
+        let (mean, half) = mean_and_ci95(&[0.9, 1.1, 0.9, 1.1]);
+        let sd = (4.0 * 0.01 / 3.0f64).sqrt();
+        assert!((mean - 1.0).abs() < 1e-12, "{mean}");
+        assert!((half - 3.182 * sd / 2.0).abs() < 1e-9, "{half}");
+        // Identical values: no spread.
+        assert_eq!(mean_and_ci95(&[1.2, 1.2, 1.2]), (1.2, 0.0));
+        // One value: no interval.
+        let (m, h) = mean_and_ci95(&[0.97]);
+        assert_eq!(m, 0.97);
+        assert!(h.is_nan());
+        // Past the table the interval keeps shrinking with n.
+        let wide: Vec<f64> = (0..31)
+            .map(|i| if i % 2 == 0 { 0.9 } else { 1.1 })
+            .collect();
+        let wider: Vec<f64> = (0..41)
+            .map(|i| if i % 2 == 0 { 0.9 } else { 1.1 })
+            .collect();
+        assert!(mean_and_ci95(&wider).1 < mean_and_ci95(&wide).1);
+    }
+
+    #[test]
+    fn a_row_reads_its_repetitions() {
+        let row = json!({ "tokens_per_s_by_repeat": [30.0, 32.5] });
+        assert_eq!(tps_by_repeat(&row), vec![30.0, 32.5]);
+        assert!(tps_by_repeat(&json!({})).is_empty());
     }
 }
