@@ -404,6 +404,64 @@ fn speculation_that_does_not_pay_pauses_and_the_output_stays_the_targets() {
 }
 
 #[test]
+fn speculation_turned_off_at_a_load_writes_as_target_mode_does() {
+    // The draft worker serves the target's own weights: every draft would be kept, so only the setting keeps a
+    // request that adapts from speculating.
+    let off = cluster_routed(
+        TARGET_SEED,
+        1,
+        1,
+        8,
+        RouterConfig {
+            speculation_off_at: Some(1),
+            ..Default::default()
+        },
+    );
+    let free = cluster_with(TARGET_SEED, 1, 1, 8);
+    let rt = runtime();
+    rt.block_on(async {
+        let mut off_client = Client::connect(&off.router.endpoint()).await.unwrap();
+        let mut free_client = Client::connect(&free.router.endpoint()).await.unwrap();
+        let want = off_client.generate(req("target", 60)).await.unwrap();
+        let adapting = |mode: &str| GenerateRequest {
+            drafter: "model+ngram".into(),
+            adaptive: Some(true),
+            ..req(mode, 60)
+        };
+        for mode in ["token-spec", "parse+token-spec"] {
+            let got = off_client.generate(adapting(mode)).await.unwrap();
+            assert_eq!(got.token_ids, want.token_ids, "{mode}: the target's tokens");
+            let s = got.stats.unwrap();
+            assert_eq!(s.draft_tokens_proposed, 0, "{mode}: nothing drafted: {s:?}");
+            assert_eq!(s.copy_rounds, 0, "{mode}: no copies: {s:?}");
+            assert!(s.pauses > 0 && s.paused_tokens > 0, "{mode}: {s:?}");
+            // Without the setting the same request speculates, and a request that turns adaptation off speculates
+            // whatever the setting.
+            let s = free_client
+                .generate(adapting(mode))
+                .await
+                .unwrap()
+                .stats
+                .unwrap();
+            assert!(
+                s.draft_tokens_proposed > 0,
+                "{mode} without the setting: {s:?}"
+            );
+            let s = off_client
+                .generate(GenerateRequest {
+                    adaptive: Some(false),
+                    ..adapting(mode)
+                })
+                .await
+                .unwrap()
+                .stats
+                .unwrap();
+            assert!(s.draft_tokens_proposed > 0, "{mode} not adapting: {s:?}");
+        }
+    });
+}
+
+#[test]
 fn the_next_draft_is_written_while_the_target_verifies() {
     // The draft worker serves the target's own weights: every draft is accepted whole, so each one after the first
     // was begun during the previous verification, and the output is the target's greedy output.

@@ -699,6 +699,7 @@ fn main() -> Result<()> {
                 costs: Arc::new(Costs::default()),
                 kind: label(cfg),
                 load: Arc::new(|| 1),
+                off_at: None,
             })
             .collect();
         for (i, p) in prompts.iter().enumerate() {

@@ -902,13 +902,17 @@ impl Costs {
     }
 }
 
-/// Where a request's pace reports: the shared figures, the request's kind of speculation, and how to read the
-/// current load (requests at once per target worker).
+/// Where a request's pace reports: the shared figures, the request's kind of speculation, how to read the
+/// current load (requests at once per target worker), and the load from which the operator turned speculation off.
 #[derive(Clone)]
 pub struct Pacing {
     pub costs: Arc<Costs>,
     pub kind: String,
     pub load: Arc<dyn Fn() -> usize + Send + Sync>,
+    /// Where the load is at least this, the target writes alone, as in `target` mode: no draft, no copies, no
+    /// guesses, whatever the figures say (the router's `--speculation-off-at`; vLLM's
+    /// `speculative_disable_by_batch_size` is the same setting). `None`: the figures alone decide.
+    pub off_at: Option<usize>,
 }
 
 impl Pacing {
@@ -918,7 +922,13 @@ impl Pacing {
             costs: Arc::new(Costs::default()),
             kind: kind.to_string(),
             load: Arc::new(|| 1),
+            off_at: None,
         }
+    }
+
+    /// Whether the operator turned speculation off at the current load ([`Pacing::off_at`]).
+    pub fn off(&self) -> bool {
+        self.off_at.is_some_and(|n| (self.load)() >= n)
     }
 }
 
@@ -927,6 +937,7 @@ impl std::fmt::Debug for Pacing {
         f.debug_struct("Pacing")
             .field("kind", &self.kind)
             .field("load", &(self.load)())
+            .field("off_at", &self.off_at)
             .finish()
     }
 }
@@ -1123,6 +1134,9 @@ impl Pace {
     ///
     /// [`Drafter::warm`]: crate::driver::Drafter::warm
     pub fn leans_to_speculate(&self) -> bool {
+        if self.pacing.off() {
+            return false;
+        }
         let costs = &self.pacing.costs;
         let level = load_level((self.pacing.load)());
         let Some(spec) = costs.best_spec_ms(&self.pacing.kind, level) else {
@@ -1161,6 +1175,13 @@ impl Pace {
         let (costs, kind) = (&self.pacing.costs, self.pacing.kind.as_str());
         self.level = load_level((self.pacing.load)());
         self.probing = false;
+        if self.pacing.off() {
+            // The operator's setting, whatever the figures say: the longest pause, after which the load is read again.
+            return self.pause(
+                Self::MAX_PAUSE,
+                "speculation is off at this load (the router's --speculation-off-at)",
+            );
+        }
         if self.rounds == 0 {
             self.prior = costs.best_spec_ms(kind, self.level);
         } else if self.prior.is_none() {
@@ -1278,7 +1299,9 @@ impl Pace {
     /// Not at higher loads, where pauses are what keeps speculation from losing to a batched target.
     pub fn advise_token_round(&mut self, max: usize) -> Advice {
         let costs = &self.pacing.costs;
-        if load_level((self.pacing.load)()) == 0 && costs.free_rounds_pay(&self.pacing.kind, 0, max)
+        if load_level((self.pacing.load)()) == 0
+            && !self.pacing.off()
+            && costs.free_rounds_pay(&self.pacing.kind, 0, max)
         {
             self.end_round();
             self.give_back_probes();
@@ -1447,6 +1470,9 @@ impl Pace {
     /// to 0.88x `target`, while on HumanEval they took it from 1.02x to 1.24x (docs/figures.md, "Speculation judged
     /// against the target's own step").
     pub fn copies_pay(&mut self) -> bool {
+        if self.pacing.off() {
+            return false;
+        }
         let (costs, kind) = (&self.pacing.costs, self.copy_kind());
         let alone = costs
             .alone_ms(self.level)
@@ -1577,7 +1603,7 @@ impl Pace {
 
     /// Whether a one-token guess pays at the load of the last advice ([`Costs::guess_pays`]).
     pub fn guess_pays(&self) -> bool {
-        self.pacing.costs.guess_pays(&self.pacing.kind, self.level)
+        !self.pacing.off() && self.pacing.costs.guess_pays(&self.pacing.kind, self.level)
     }
 
     /// A one-token guess was verified for `verify`; the target kept it (`right`) or not ([`Costs::record_guess`]).
@@ -1621,6 +1647,7 @@ mod tests {
             costs: costs.clone(),
             kind: kind.into(),
             load: Arc::new(move || load),
+            off_at: None,
         };
         (costs, pacing)
     }
@@ -1665,6 +1692,61 @@ mod tests {
             Spent::wall(0.0),
         );
         p.position(302, 498, 5000);
+        assert_eq!(p.advise(), Advice::Speculate);
+    }
+
+    #[test]
+    fn speculation_turned_off_at_a_load_is_off_there_whatever_the_figures_say() {
+        let kind = "parse+token-spec/model+ngram";
+        let load = Arc::new(AtomicUsize::new(8));
+        let costs = Arc::new(Costs::default());
+        let l = load.clone();
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(move || l.load(Ordering::Relaxed)),
+            off_at: Some(5),
+        };
+        // At 8 requests (level 3) speculation writes at 20 ms a token against the target's 60, copies at 10, and
+        // lookups cost nothing and are kept whole: every figure says speculate.
+        costs.record_alone(None, 3, 600.0, 10);
+        costs.record_spec(kind, 3, 200.0, 10, None);
+        costs.record_spec(&copy_kind(kind), 3, 100.0, 10, None);
+        token_rounds(&costs, kind, 3, 0.01, |d| d);
+        let free = Pacing {
+            off_at: None,
+            ..pacing.clone()
+        };
+        let mut on = Pace::new(free);
+        assert!(on.leans_to_speculate());
+        assert_eq!(on.advise(), Advice::Speculate);
+        assert!(on.copies_pay());
+
+        let mut p = Pace::new(pacing.clone());
+        assert!(!p.leans_to_speculate());
+        assert_eq!(p.advise(), Advice::Alone(Pace::MAX_PAUSE));
+        assert_eq!(p.pauses, 1);
+        assert!(!p.copies_pay());
+        assert!(!p.guess_pays());
+        // A token-level round's advice too, at one request where free rounds would go on without judging.
+        load.store(1, Ordering::Relaxed);
+        let one = Pacing {
+            off_at: Some(1),
+            ..pacing.clone()
+        };
+        costs.record_alone(None, 0, 600.0, 10);
+        token_rounds(&costs, kind, 0, 0.01, |d| d);
+        assert!(costs.free_rounds_pay(kind, 0, 6));
+        assert_eq!(
+            Pace::new(one).advise_token_round(6),
+            Advice::Alone(Pace::MAX_PAUSE)
+        );
+        // Below the setting the figures decide again: at 4 requests a fresh request speculates where they say so.
+        load.store(4, Ordering::Relaxed);
+        costs.record_alone(None, 2, 600.0, 10);
+        costs.record_spec(kind, 2, 200.0, 10, None);
+        let mut p = Pace::new(pacing);
+        assert!(p.leans_to_speculate());
         assert_eq!(p.advise(), Advice::Speculate);
     }
 
@@ -2112,6 +2194,7 @@ mod tests {
             costs: costs.clone(),
             kind: kind.into(),
             load: Arc::new(|| 9),
+            off_at: None,
         });
         assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
     }
@@ -2145,6 +2228,7 @@ mod tests {
             costs: Arc::new(Costs::default()),
             kind: "parse+token-spec/model".into(),
             load: Arc::new(move || l.load(Ordering::Relaxed)),
+            off_at: None,
         };
         // One request learns that at 8 requests speculation (150 ms/token) loses to the target (90 ms/token): its 3
         // rounds, pauses of 4 and 12 tokens, a probe, 43 tokens alone, a probe, 64 of the next 86 tokens alone.
@@ -2183,6 +2267,7 @@ mod tests {
             costs: Arc::new(Costs::default()),
             kind: "parse+token-spec/model".into(),
             load: Arc::new(|| 8),
+            off_at: None,
         }
     }
 
@@ -2334,6 +2419,7 @@ mod tests {
             costs: Arc::new(Costs::default()),
             kind: "parse+token-spec/model".into(),
             load: Arc::new(move || l.load(Ordering::Relaxed)),
+            off_at: None,
         };
         // At 8 requests a target step waits for a pass full of the others' verification blocks (800 ms of wall
         // time per token) but is charged one row's share of it (40 ms); a speculative round writes 2 tokens in
@@ -2453,6 +2539,7 @@ mod tests {
             costs: Arc::new(costs),
             kind: "k".into(),
             load: Arc::new(|| 1),
+            off_at: None,
         };
         let mut p = Pace::new(pacing);
         for _ in 0..Pace::PROBE {

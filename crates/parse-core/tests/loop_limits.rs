@@ -451,6 +451,7 @@ fn a_probe_round_does_not_draft_ahead() {
             costs,
             kind: kind.into(),
             load: Arc::new(|| 1),
+            off_at: None,
         }
     };
     let go = |pacing: Pacing| {
@@ -524,6 +525,7 @@ fn the_draft_gets_the_prompt_before_the_targets_prefill_where_the_request_drafts
             costs,
             kind: kind.into(),
             load: Arc::new(|| 1),
+            off_at: None,
         }
     };
     let (warms, events) = go(Mode::Parse, Some(paced(10.0)));
@@ -545,6 +547,7 @@ fn losing_by_far(kind: &str) -> parse_core::pace::Pacing {
         costs,
         kind: kind.into(),
         load: Arc::new(|| 1),
+        off_at: None,
     }
 }
 
@@ -694,6 +697,7 @@ fn copy_rounds_fill_the_models_pauses_unless_they_lose() {
             costs,
             kind: kind.into(),
             load: Arc::new(move || load),
+            off_at: None,
         };
         let (mut d, mut v) = (Copying(FakeDrafter::default()), FakeVerifier::default());
         let out = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();
@@ -784,6 +788,7 @@ fn prompt_lookup_guesses_one_token_where_nothing_longer_matches() {
         costs,
         kind: kind.into(),
         load: Arc::new(|| 1),
+        off_at: None,
     };
     let (mut d, mut v) = (lookup(), FakeVerifier::default());
     let paced = parse_core::generate_paced(&mut d, &mut v, &r, &mut |_, _| true, pacing).unwrap();

@@ -257,6 +257,7 @@ fn a_paced_parse_request_lets_the_target_write_while_speculation_loses() {
         costs: costs.clone(),
         kind: kind.into(),
         load: Arc::new(|| 1),
+        off_at: None,
     };
     let out = {
         let mut v = EngineVerifier::new(&mut target);

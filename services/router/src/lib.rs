@@ -88,6 +88,11 @@ pub struct RouterConfig {
     /// Let the target write alone where speculation does not pay at the current load, for requests that do not say
     /// (`DraftWindow::adaptive`; judged on the figures in `Router::costs`).
     pub adaptive: bool,
+    /// Requests running at once per target worker from which adaptive requests do not speculate at all: the target
+    /// writes alone, as in `target` mode (no draft, no copies), whatever the measured figures say. `None`: the
+    /// figures decide (`Pace`). For an operator who knows where speculation stops paying on the fleet's hardware
+    /// (vLLM's `speculative_disable_by_batch_size`); requests that turn adaptation off still speculate.
+    pub speculation_off_at: Option<usize>,
     /// Mutual TLS on the router's own APIs and its worker calls, and the cluster token it sends to workers.
     pub security: parse_proto::security::Security,
     /// The longest a worker call may take when the client set no deadline (a wedged worker must not hold a
@@ -122,6 +127,7 @@ impl Default for RouterConfig {
             served_model_name: None,
             default_drafter: DrafterKind::ModelNgram,
             adaptive: true,
+            speculation_off_at: None,
             security: Default::default(),
             worker_call_timeout: Duration::from_secs(300),
             max_prompt_bytes: 1 << 20,
@@ -559,6 +565,7 @@ impl Router {
                 let workers = targets.workers().iter().filter(|w| w.healthy()).count();
                 metrics.in_flight().div_ceil(workers.max(1))
             }),
+            off_at: self.cfg.speculation_off_at,
         }
     }
 

@@ -93,6 +93,12 @@ struct Args {
     /// those stretches are the target's own tokens, so outputs follow the load). Requests may say otherwise.
     #[arg(long)]
     no_adaptive: bool,
+    /// Requests running at once per target worker from which the target writes alone, as in `target` mode, in
+    /// requests that adapt (no draft, no copies), whatever the measured figures say [default: none, the figures
+    /// decide]. For fleets where speculation is known to stop paying at some batch size; requests that turn
+    /// adaptation off still speculate.
+    #[arg(long, env = "PARSE_SPECULATION_OFF_AT", value_parser = clap::value_parser!(u64).range(1..))]
+    speculation_off_at: Option<u64>,
     /// The most bytes of prompt text (prompt, system and messages together) a request may carry.
     #[arg(long, default_value_t = 1 << 20)]
     max_prompt_bytes: usize,
@@ -154,6 +160,7 @@ async fn main() -> anyhow::Result<()> {
         served_model_name: args.served_model_name.clone(),
         default_drafter: args.default_drafter,
         adaptive: !args.no_adaptive,
+        speculation_off_at: args.speculation_off_at.map(|n| n as usize),
         security,
         worker_call_timeout: std::time::Duration::from_secs(args.worker_call_timeout_s),
         max_prompt_bytes: args.max_prompt_bytes,
