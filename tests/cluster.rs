@@ -573,6 +573,20 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
         drop(stream);
     });
     sessions_end(&c, "sessions left after the client went away");
+    // It has left the load the others' pace reads.
+    let gauge = || {
+        c.router.worker.metrics.render().lines().find_map(|l| {
+            l.strip_prefix("parse_requests_in_flight ")?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || gauge() == Some(0.0)),
+        "{:?}",
+        gauge()
+    );
     // Counted as a request its client left, not as the cluster's error.
     let count = |outcome: &str| {
         let series = format!("parse_requests_total{{mode=\"parse\",outcome=\"{outcome}\"}} ");

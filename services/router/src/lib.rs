@@ -618,12 +618,21 @@ impl Router {
             deadline,
             call_timeout: self.cfg.worker_call_timeout,
         };
-        // A client gone mid-call cancels the call at once (the worker sees its RPC cancelled), not at the next output.
+        // The request in the load that the pace reads (and the gauge), until its loop is over or its client goes.
+        let running = Arc::new(std::sync::Mutex::new(Some(self.metrics.running())));
+        // A client gone mid-call cancels the call at once (the worker sees its RPC cancelled), not at the next output,
+        // and the request leaves the load at once: a client that stops reading when its answer is over sends its next
+        // request straight away, and until the old loop saw it was cancelled, the new one's pace read a load above
+        // the clients' count (figures of 9-16 requests after every run at 8 clients).
         let closed = tx.clone();
         let watch_cancel = cancel.clone();
+        let leaves = running.clone();
         tokio::spawn(async move {
             tokio::select! {
-                _ = closed.closed() => watch_cancel.cancel(),
+                _ = closed.closed() => {
+                    leaves.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    watch_cancel.cancel();
+                }
                 _ = watch_cancel.cancelled() => {}
             }
         });
@@ -634,7 +643,6 @@ impl Router {
         let draft_prefill = self.cfg.draft_prefill;
         let pacing = self.pacing(&req, drafter_kind);
         let metrics = self.metrics.clone();
-        let running = metrics.running();
         let started = Instant::now();
         let span = tracing::info_span!(
             "generate",
@@ -648,7 +656,6 @@ impl Router {
         let stall = self.cfg.stalled_reader_timeout;
         let task = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let running = running;
             let _enter = span.enter();
             let mut first_text: Option<f64> = None;
             let tok = m.tokenizer.clone();
@@ -732,8 +739,9 @@ impl Router {
             // once, while the old one's sessions are still being released: at 8 such clients the gauge read 9 in 19
             // of 560 samples of a run, and requests that read it then were judged by the figures of 9-16 requests;
             // with this, 7 and 9 of about 620. What is left is the time the loop takes to see its client went away
-            // (docs/figures.md, "Long runs of rows on a Zen 4 EPYC").
-            drop(running);
+            // (docs/figures.md, "Long runs of rows on a Zen 4 EPYC"); that time is now left out too (the watcher
+            // above).
+            running.lock().unwrap_or_else(|e| e.into_inner()).take();
             metrics.pace_costs(&pacing.costs.snapshot());
             let mut used: Vec<(&str, String)> = Vec::new();
             used.extend(drafter.used.iter().map(|id| ("draft", id.clone())));
