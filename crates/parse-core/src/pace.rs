@@ -1443,13 +1443,22 @@ impl Pace {
         self.give_back_probes();
     }
 
-    /// The target wrote `tokens` alone for `spent` (in a pause).
+    /// The target wrote `tokens` alone for `spent` (in a pause). Its figures go to the load when the call ended, as
+    /// [`Pace::target_wrote`]'s do, not to the load of the advice that began the pause: a pause runs for up to
+    /// [`Pace::MAX_PAUSE`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
+    /// charged more (at 8 clients the target's row cost 21 ms a token at 5-8 requests, 29 at 3-4, 61 at 2). Charged to
+    /// the advice's load, the pauses at the end of a run at 8 clients with speculation off read 48.5 ms a token at 5-8
+    /// requests, against 21.4 for the target alone there, and the figure of the target alone, which the pauses report
+    /// to as well, rose with them: speculation was set against a target dearer than it was. The tokens count towards
+    /// the next probe at the advice's load, where the probe will be made.
     pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
-        let ms = spent.at(self.level);
+        let now = load_level((self.pacing.load)());
+        let ms = spent.at(now);
         let beside = self.beside_speculation(spent);
         let costs = &self.pacing.costs;
-        costs.add_alone(Some(&self.pacing.kind), self.level, ms, tokens, beside);
-        costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
+        costs.add_alone(None, now, ms, tokens, beside);
+        costs.add_rested(&self.pacing.kind, self.level, tokens);
+        costs.record_paused(&self.pacing.kind, now, ms, tokens);
         self.paused = self.paused.saturating_sub(tokens.max(1));
         self.paused_tokens += tokens;
         // Towards the next probe of copy rounds too, where they lose.
@@ -1693,6 +1702,41 @@ mod tests {
         );
         p.position(302, 498, 5000);
         assert_eq!(p.advise(), Advice::Speculate);
+    }
+
+    #[test]
+    fn a_pause_reports_at_the_load_where_its_call_ended() {
+        let kind = "parse+token-spec/model";
+        let load = Arc::new(AtomicUsize::new(8));
+        let costs = Arc::new(Costs::default());
+        let l = load.clone();
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(move || l.load(Ordering::Relaxed)),
+            off_at: None,
+        };
+        // At 8 requests (level 3) speculation loses: a pause.
+        costs.record_alone(None, 3, 200.0, 10);
+        costs.record_spec(kind, 3, 600.0, 10, None);
+        let mut p = Pace::new(pacing);
+        assert!(matches!(p.advise(), Advice::Alone(_)));
+        assert_eq!(p.level(), 3);
+        // Requests ended meanwhile: the call ended at 2 (level 1), where its passes held fewer rows and charged it
+        // 60 ms a token. The figures of 2 requests take it; those of 5-8 keep their 20 ms.
+        load.store(2, Ordering::Relaxed);
+        let spent = Spent {
+            wall_ms: 1000.0,
+            charged_ms: Some(16.0 * 60.0),
+        };
+        p.wrote_alone(spent, 16);
+        assert_eq!(costs.alone_ms(1), Some(60.0));
+        assert_eq!(costs.spec_ms(&pause_kind(kind), 1), Some(60.0));
+        assert_eq!(costs.alone_ms(3), Some(20.0));
+        assert_eq!(costs.spec_ms(&pause_kind(kind), 3), None);
+        // Its tokens count towards the next probe where it paused.
+        assert_eq!(costs.since(kind, 3), 16);
+        assert_eq!(costs.since(kind, 1), 0);
     }
 
     #[test]
