@@ -1661,6 +1661,24 @@ mod tests {
         (costs, pacing)
     }
 
+    /// As [`pool`], at a load the test moves, with speculation off from `off_at` requests.
+    fn moving_pool(
+        kind: &str,
+        load: usize,
+        off_at: Option<usize>,
+    ) -> (Arc<Costs>, Pacing, Arc<AtomicUsize>) {
+        let load = Arc::new(AtomicUsize::new(load));
+        let costs = Arc::new(Costs::default());
+        let l = load.clone();
+        let pacing = Pacing {
+            costs: costs.clone(),
+            kind: kind.into(),
+            load: Arc::new(move || l.load(Ordering::Relaxed)),
+            off_at,
+        };
+        (costs, pacing, load)
+    }
+
     #[test]
     fn speculation_that_pays_per_token_starts_only_where_it_pays_for_the_drafters_catching_up() {
         let (costs, pacing) = pool("parse/model", 1);
@@ -1707,15 +1725,7 @@ mod tests {
     #[test]
     fn a_pause_reports_at_the_load_where_its_call_ended() {
         let kind = "parse+token-spec/model";
-        let load = Arc::new(AtomicUsize::new(8));
-        let costs = Arc::new(Costs::default());
-        let l = load.clone();
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(move || l.load(Ordering::Relaxed)),
-            off_at: None,
-        };
+        let (costs, pacing, load) = moving_pool(kind, 8, None);
         // At 8 requests (level 3) speculation loses: a pause.
         costs.record_alone(None, 3, 200.0, 10);
         costs.record_spec(kind, 3, 600.0, 10, None);
@@ -1742,15 +1752,7 @@ mod tests {
     #[test]
     fn speculation_turned_off_at_a_load_is_off_there_whatever_the_figures_say() {
         let kind = "parse+token-spec/model+ngram";
-        let load = Arc::new(AtomicUsize::new(8));
-        let costs = Arc::new(Costs::default());
-        let l = load.clone();
-        let pacing = Pacing {
-            costs: costs.clone(),
-            kind: kind.into(),
-            load: Arc::new(move || l.load(Ordering::Relaxed)),
-            off_at: Some(5),
-        };
+        let (costs, pacing, load) = moving_pool(kind, 8, Some(5));
         // At 8 requests (level 3) speculation writes at 20 ms a token against the target's 60, copies at 10, and
         // lookups cost nothing and are kept whole: every figure says speculate.
         costs.record_alone(None, 3, 600.0, 10);
