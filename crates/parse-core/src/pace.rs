@@ -1449,8 +1449,9 @@ impl Pace {
     /// charged more (at 8 clients the target's row cost 21 ms a token at 5-8 requests, 29 at 3-4, 61 at 2). Charged to
     /// the advice's load, the pauses at the end of a run at 8 clients with speculation off read 48.5 ms a token at 5-8
     /// requests, against 21.4 for the target alone there, and the figure of the target alone, which the pauses report
-    /// to as well, rose with them: speculation was set against a target dearer than it was. The tokens count towards
-    /// the next probe at the advice's load, where the probe will be made.
+    /// to as well, rose with them: speculation was set against a target dearer than it was (docs/figures.md, "The
+    /// 8-client cell repeated in alternation"). The tokens count towards the next probe at the advice's load, where
+    /// the probe will be made.
     pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
         let now = load_level((self.pacing.load)());
         let ms = spent.at(now);
