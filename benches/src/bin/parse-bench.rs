@@ -22,8 +22,9 @@
 //! aggregate: kept output tokens of all prompts over the run's wall time, prefill included (the same work in every
 //! mode). `--repeat R` runs every configuration's cell R times through the router, each repetition in the reverse
 //! order of the last, and reports each repetition's ratio to its own `target` cell with their mean and its 95%
-//! interval; the other columns pool all cells. The loop's counters come back only with a reply that runs to its end, so through a router the passes and
-//! acceptance columns count those replies alone (HumanEval's, stopped at the code block's close, mostly do not).
+//! interval; the other columns pool all cells. The loop's counters come back only with a reply that runs to its end,
+//! so through a router the passes and acceptance columns count those replies alone (HumanEval's, stopped at the code
+//! block's close, mostly do not).
 //!
 //! Every prompt's result is also kept in `<out-dir>/<suite>-runs/<run>/<i>.json`; `--resume` reuses them, so a long
 //! run survives an interruption (timings of reused prompts come from the run that made them: same machine and
