@@ -138,6 +138,11 @@ check(get(after["target"], "parse_worker_kv_capacity_bytes") > 0, "target: a KV 
 for w in ("draft", "target"):
     check(present(w, "parse_worker_queue_depth") and get(after[w], "parse_worker_queue_depth") == 0,
           f"{w}: a queue depth, nothing waiting")
+# Every process's CPU time (what `parse-bench --cpu-metrics` sums): the target worker's grew with the request's passes.
+for w in ("router", "draft", "target"):
+    check(present(w, "process_cpu_seconds_total") and delta(w, "process_cpu_seconds_total") >= 0,
+          f"{w}: its CPU time, never falling")
+check(delta("target", "process_cpu_seconds_total") > 0, "target: CPU time spent on the request")
 
 # Drafting ahead may write tokens the loop never asks for: at least the proposed ones were drafted.
 check(delta("draft", "parse_worker_rows_total", op="draft") >= figures["draft_tokens_proposed"],

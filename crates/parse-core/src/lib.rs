@@ -10,6 +10,7 @@ pub mod ngram;
 pub mod pace;
 pub mod plan;
 pub mod policy;
+pub mod process;
 pub mod segmenter;
 pub mod speculative;
 

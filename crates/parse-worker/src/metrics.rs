@@ -15,6 +15,9 @@
 //!   time is how busy the engine is. `parse_worker_planning_seconds_total`: the scheduler's time between passes
 //!   spent planning steps (the tasks' sampling and bookkeeping, and short waits for callers' next calls), when the
 //!   engine's threads sit idle.
+//! - `process_cpu_seconds_total`: the worker process's user and system CPU time, read at each scrape
+//!   ([`parse_core::process::cpu_seconds`]). Unlike the wall time, it does not grow while a virtual machine's host
+//!   runs something else (steal time), so per output token it measures what serving costs with less noise.
 
 use crate::StepShape;
 use prometheus::{
@@ -37,6 +40,7 @@ pub struct WorkerMetrics {
     batch_rows: prometheus::Histogram,
     pass_seconds: prometheus::Histogram,
     planning_seconds: prometheus::Counter,
+    process_cpu: parse_core::process::ProcessCpu,
 }
 
 /// Counts a call in `parse_worker_queue_depth` until it starts running (or is dropped unrun).
@@ -156,10 +160,12 @@ impl WorkerMetrics {
             )
             .expect("valid metric"),
         );
+        let process_cpu = parse_core::process::ProcessCpu::register(&r);
         WorkerMetrics {
             registry: r,
             pass_seconds,
             planning_seconds,
+            process_cpu,
             batch_blocks,
             batch_rows,
             steps,
@@ -211,6 +217,7 @@ impl WorkerMetrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
+        self.process_cpu.update();
         let mut buf = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
             tracing::error!("metrics encoding: {e}");
@@ -302,6 +309,13 @@ mod tests {
         ] {
             assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");
         }
+        let cpu = |t: &str| -> f64 {
+            t.lines()
+                .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no process_cpu_seconds_total in\n{t}"))
+        };
+        assert!(cpu(&t) > 0.0);
         drop(b);
         assert!(
             m.render()

@@ -22,6 +22,8 @@
 //! buckets the way Prometheus' `histogram_quantile` does (linear within a bucket; the buckets grow by a factor of
 //! the square root of 2).
 //!
+//! The router process's CPU time: `process_cpu_seconds_total` ([`parse_core::process::ProcessCpu`]).
+//!
 //! Queue depth: the router queues nothing (beyond `max_in_flight` it refuses at once, counted as `busy`
 //! rejections); the queues are the workers', `parse_worker_queue_depth` on their own `/metrics`.
 
@@ -120,6 +122,7 @@ pub struct Metrics {
     worker_accepted: IntCounterVec,
     worker_passes: IntCounterVec,
     worker_latency: HistogramVec,
+    process_cpu: parse_core::process::ProcessCpu,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -339,8 +342,10 @@ impl Metrics {
             seconds_buckets(),
             rw,
         );
+        let process_cpu = parse_core::process::ProcessCpu::register(&r);
         Metrics {
             registry: r,
+            process_cpu,
             requests,
             latency,
             ttft,
@@ -562,6 +567,7 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
+        self.process_cpu.update();
         let mut buf = Vec::new();
         // Encoding into memory fails only on a metric that breaks the format, which `new` cannot build.
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
@@ -717,6 +723,7 @@ mod tests {
             1.0
         );
         assert_eq!(value(&t, "parse_output_tokens_total{mode=\"parse\"}"), 31.0);
+        assert!(value(&t, "process_cpu_seconds_total ") > 0.0);
         assert_eq!(
             value(&t, "parse_draft_tokens_accepted_total{mode=\"parse\"}"),
             28.0

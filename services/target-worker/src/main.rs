@@ -230,8 +230,9 @@ async fn main() -> anyhow::Result<()> {
         Member::Leader(l) => Box::new(l),
         Member::Follower(follower) => {
             tracing::info!(%addr, rank = args.rank, "tensor-parallel follower (health only on this address)");
-            // A follower's work shows in its leader's metrics; it answers scrapes (no series of its own) so that
-            // a Pod template shared by every rank does not leave down targets.
+            // A follower's work shows in its leader's metrics; it answers scrapes (of its own only its process's
+            // CPU time, `process_cpu_seconds_total`) so that a Pod template shared by every rank does not leave down
+            // targets.
             let metrics = parse_worker::spawn_metrics(
                 Arc::new(parse_worker::WorkerMetrics::new()),
                 args.metrics_listen,
