@@ -32,6 +32,41 @@ pub fn humaneval_prompts(n: usize) -> anyhow::Result<Vec<String>> {
         .collect()
 }
 
+/// One `GET /metrics` over plain HTTP/1.0 to `addr` (`host:port`); the body, or an error that names the address.
+pub fn scrape_metrics(addr: &str) -> anyhow::Result<String> {
+    use anyhow::Context;
+    use std::io::{Read, Write};
+    let timeout = std::time::Duration::from_secs(10);
+    let sock: std::net::SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .with_context(|| format!("metrics address {addr}"))?
+        .next()
+        .with_context(|| format!("metrics address {addr} resolves to nothing"))?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, timeout)
+        .with_context(|| format!("GET http://{addr}/metrics"))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)
+        .with_context(|| format!("GET http://{addr}/metrics"))?;
+    let (head, body) = buf
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("http://{addr}/metrics: no HTTP reply"))?;
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        anyhow::bail!(
+            "http://{addr}/metrics answered {}",
+            head.lines().next().unwrap_or_default()
+        );
+    }
+    Ok(body.to_string())
+}
+
+/// The value of the unlabelled series `name` in a Prometheus text exposition.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
@@ -40,5 +75,45 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
         xs[n / 2]
     } else {
         (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_series_is_read_by_its_exact_name() {
+        let text = "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
+                    # TYPE process_cpu_seconds_total counter\n\
+                    process_cpu_seconds_total_other 9\n\
+                    process_cpu_seconds_total 12.34\n";
+        assert_eq!(metric_value(text, "process_cpu_seconds_total"), Some(12.34));
+        assert_eq!(metric_value(text, "process_cpu_seconds"), None);
+        assert_eq!(metric_value("", "process_cpu_seconds_total"), None);
+    }
+
+    #[test]
+    fn a_scrape_reads_the_body_and_refuses_other_answers() {
+        let serve = |reply: &'static str| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap().to_string();
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let (mut s, _) = l.accept().unwrap();
+                let mut req = [0u8; 256];
+                let _ = s.read(&mut req).unwrap();
+                s.write_all(reply.as_bytes()).unwrap();
+            });
+            addr
+        };
+        let ok = serve(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nprocess_cpu_seconds_total 3.5\n",
+        );
+        let body = scrape_metrics(&ok).unwrap();
+        assert_eq!(metric_value(&body, "process_cpu_seconds_total"), Some(3.5));
+        let missing = serve("HTTP/1.1 404 Not Found\r\n\r\n");
+        let e = scrape_metrics(&missing).unwrap_err().to_string();
+        assert!(e.contains("404"), "{e}");
     }
 }

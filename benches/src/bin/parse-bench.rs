@@ -22,7 +22,9 @@
 //! aggregate: kept output tokens of all prompts over the run's wall time, prefill included (the same work in every
 //! mode). `--repeat R` runs every configuration's cell R times through the router, each repetition in the reverse
 //! order of the last, and reports each repetition's ratio to its own `target` cell with their mean and its 95%
-//! interval; the other columns pool all cells. The loop's counters come back only with a reply that runs to its end,
+//! interval; the other columns pool all cells. `--cpu-metrics ADDR,...` (the cluster's `/metrics` addresses) adds each
+//! cell's CPU time per output token (`process_cpu_seconds_total` summed over the cluster's processes), which does not
+//! count a virtual machine's steal time. The loop's counters come back only with a reply that runs to its end,
 //! so through a router the passes and acceptance columns count those replies alone (HumanEval's, stopped at the code
 //! block's close, mostly do not).
 //!
@@ -113,6 +115,15 @@ struct Args {
     /// ratio spread from 0.88x to 1.09x over seven clusters, too wide for one cell to tell a few points from noise.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// With --router: the cluster's `/metrics` addresses (`host:port`: the router's and every worker's), read before
+    /// and after each cell. The sum of their `process_cpu_seconds_total` over a cell is its CPU time, reported per
+    /// output token and, with --repeat, as each repetition's `target` figure over the configuration's (above 1: fewer
+    /// CPU seconds per token than `target`). CPU time does not count the time a virtual machine's host takes the
+    /// cores away (steal): in four repetitions at 8 clients on a 2-core machine the `target` cells read 31.9-41.6
+    /// tok/s and 39.4-43.1 CPU ms a token, and the default's ratios by repetition spread 0.95-1.29 by tok/s and
+    /// 0.96-1.05 by CPU (docs/figures.md, "CPU time per token").
+    #[arg(long, value_delimiter = ',')]
+    cpu_metrics: Vec<String>,
 }
 
 struct Record {
@@ -642,6 +653,9 @@ fn main() -> Result<()> {
     if args.repeat == 0 {
         bail!("--repeat must be at least 1");
     }
+    if !args.cpu_metrics.is_empty() && args.router.is_none() {
+        bail!("--cpu-metrics needs --router: it reads the cluster's processes");
+    }
     if args.repeat > 1 && args.router.is_none() {
         bail!(
             "--repeat needs --router: in process every prompt already runs in every configuration in turn"
@@ -728,7 +742,21 @@ fn main() -> Result<()> {
     }
     // Through a router, every cell runs before any is scored (scoring runs HumanEval's tests, which would load the
     // machine between cells): `cells[c]` holds configuration c's cells, one per repetition, each with its wall time.
-    let mut cells: Vec<Vec<(Vec<Saved>, f64)>> = runs.iter().map(|_| Vec::new()).collect();
+    // With --cpu-metrics each also holds its CPU seconds.
+    let mut cells: Vec<Vec<Cell>> = runs.iter().map(|_| Vec::new()).collect();
+    let cluster_cpu = || -> Result<Option<f64>> {
+        if args.cpu_metrics.is_empty() {
+            return Ok(None);
+        }
+        let mut sum = 0.0;
+        for addr in &args.cpu_metrics {
+            let text = parse_bench::scrape_metrics(addr)?;
+            sum += parse_bench::metric_value(&text, "process_cpu_seconds_total").with_context(
+                || format!("http://{addr}/metrics has no process_cpu_seconds_total"),
+            )?;
+        }
+        Ok(Some(sum))
+    };
     if let Some(addr) = &args.router {
         for rep in 0..args.repeat {
             let order: Vec<usize> = if rep % 2 == 0 {
@@ -737,15 +765,20 @@ fn main() -> Result<()> {
                 (0..runs.len()).rev().collect()
             };
             for c in order {
+                let cpu_before = cluster_cpu()?;
                 let (outs, wall_s) = through_router(addr, &args, &runs[c], &recs, &tok, budget)?;
+                let cpu_s = cluster_cpu()?.zip(cpu_before).map(|(b, a)| b - a);
                 let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
+                let cpu_note = cpu_s
+                    .map(|c| format!(", {:.1} CPU ms a token", 1e3 * c / tokens.max(1) as f64))
+                    .unwrap_or_default();
                 eprintln!(
-                    " {} (repetition {}): {:.2} tok/s",
+                    " {} (repetition {}): {:.2} tok/s{cpu_note}",
                     label(&runs[c]),
                     rep + 1,
                     tokens as f64 / wall_s.max(1e-9)
                 );
-                cells[c].push((outs, wall_s));
+                cells[c].push((outs, wall_s, cpu_s));
             }
         }
     }
@@ -757,10 +790,10 @@ fn main() -> Result<()> {
         let mut prefix_share = 0.0;
         let mut draft_in_output = 0;
         let (mut first_ms, mut after_first_ms, mut after_first_tokens) = (0.0, 0.0, 0usize);
-        let sets: Vec<(Vec<Saved>, Option<f64>)> = if args.router.is_some() {
+        let sets: Vec<(Vec<Saved>, Option<f64>, Option<f64>)> = if args.router.is_some() {
             std::mem::take(&mut cells[c])
                 .into_iter()
-                .map(|(outs, wall_s)| (outs, Some(wall_s)))
+                .map(|(outs, wall_s, cpu_s)| (outs, Some(wall_s), cpu_s))
                 .collect()
         } else {
             let mut outs = Vec::with_capacity(prompts.len());
@@ -773,18 +806,34 @@ fn main() -> Result<()> {
                         .with_context(|| format!("{}", saved.display()))?,
                 );
             }
-            vec![(outs, None)]
+            vec![(outs, None, None)]
         };
-        let wall_s = sets.iter().map(|(_, w)| *w).sum::<Option<f64>>();
+        let wall_s = sets.iter().map(|(_, w, _)| *w).sum::<Option<f64>>();
+        // CPU milliseconds per output token of each repetition's cell, and over all of them.
+        let cell_tokens = |outs: &[Saved]| outs.iter().map(|o| o.tokens.len()).sum::<usize>();
+        let cpu_by_repeat: Vec<f64> = sets
+            .iter()
+            .filter_map(|(outs, _, cpu)| cpu.map(|c| 1e3 * c / cell_tokens(outs).max(1) as f64))
+            .collect();
+        let cpu_pooled = sets
+            .iter()
+            .map(|(_, _, c)| *c)
+            .sum::<Option<f64>>()
+            .map(|c| {
+                1e3 * c
+                    / sets
+                        .iter()
+                        .map(|(o, _, _)| cell_tokens(o))
+                        .sum::<usize>()
+                        .max(1) as f64
+            });
         // tok/s of each repetition's cell, for its ratio to the same repetition's `target` cell.
         let by_repeat: Vec<f64> = sets
             .iter()
-            .filter_map(|(outs, w)| {
-                w.map(|w| outs.iter().map(|o| o.tokens.len()).sum::<usize>() as f64 / w.max(1e-9))
-            })
+            .filter_map(|(outs, w, _)| w.map(|w| cell_tokens(outs) as f64 / w.max(1e-9)))
             .collect();
         let cells_scored = sets.len();
-        for (rep, (outs, _)) in sets.into_iter().enumerate() {
+        for (rep, (outs, _, _)) in sets.into_iter().enumerate() {
             let mut rep_outputs = Vec::with_capacity(outs.len());
             for (i, out) in outs.into_iter().enumerate() {
                 let s = &out.stats;
@@ -879,6 +928,11 @@ fn main() -> Result<()> {
             "repeats": cells_scored,
             "tokens_per_s_by_repeat": by_repeat,
         }));
+        if let Some(c) = cpu_pooled {
+            let row = rows.last_mut().expect("just pushed");
+            row["cpu_ms_per_token"] = json!(c);
+            row["cpu_ms_per_token_by_repeat"] = json!(cpu_by_repeat);
+        }
         if wall_s.is_some() {
             // Through a router the wall time holds each request's prefill (the target's, and the draft's where it
             // drafts); the rate after each request's first streamed tokens leaves it out, as the in-process
@@ -940,11 +994,7 @@ fn main() -> Result<()> {
             md.push_str(&format!(
                 "| {} | {} | {mean:.3} | {:.3} to {:.3} |\n",
                 r["run"].as_str().unwrap_or_default(),
-                ratios
-                    .iter()
-                    .map(|x| format!("{x:.2}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                listed(&ratios, 2),
                 mean - half,
                 mean + half,
             ));
@@ -952,6 +1002,9 @@ fn main() -> Result<()> {
             r["speedup_mean"] = json!(mean);
             r["speedup_ci95"] = json!([mean - half, mean + half]);
         }
+    }
+    if rows[0]["cpu_ms_per_token"].is_number() {
+        md.push_str(&cpu_table(&mut rows, &args.cpu_metrics));
     }
     if args.router.is_some() {
         let base = rows[0]["decode_tokens_per_s"].as_f64().unwrap_or(f64::NAN);
@@ -982,12 +1035,63 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// One cell through a router: its prompts' results, its wall seconds and, with --cpu-metrics, the cluster's CPU
+/// seconds.
+type Cell = (Vec<Saved>, f64, Option<f64>);
+
+/// The CPU table of a run with --cpu-metrics (`rows[0]` is `target`'s): each row's CPU milliseconds per output token,
+/// `target`'s figure over it, and with more than one repetition each repetition's such ratio with their mean and its
+/// 95% interval (also written into the rows).
+fn cpu_table(rows: &mut [Value], addrs: &[String]) -> String {
+    let figures = |r: &Value| row_numbers(r, "cpu_ms_per_token_by_repeat");
+    let base = rows[0]["cpu_ms_per_token"].as_f64().unwrap_or(f64::NAN);
+    let base_by_repeat = figures(&rows[0]);
+    let mut md = format!(
+        "\nCPU time per output token: `process_cpu_seconds_total` of {} summed over each cell; x target is `target`'s CPU per token over the run's (above 1: it costs less CPU a token). By repetition: each against the same repetition's `target` cell, their mean and its 95% interval.\n\n| run | CPU ms/token | x target | x target by repetition | mean | 95% interval |\n|---|---:|---:|---|---:|---:|\n",
+        addrs.join(", ")
+    );
+    for r in rows.iter_mut() {
+        let c = r["cpu_ms_per_token"].as_f64().unwrap_or(f64::NAN);
+        let ratios: Vec<f64> = base_by_repeat
+            .iter()
+            .zip(figures(r))
+            .map(|(b, x)| b / x)
+            .collect();
+        let (mean, half) = mean_and_ci95(&ratios);
+        md.push_str(&format!(
+            "| {} | {c:.2} | {:.3} | {} | {mean:.3} | {:.3} to {:.3} |\n",
+            r["run"].as_str().unwrap_or_default(),
+            base / c,
+            listed(&ratios, 3),
+            mean - half,
+            mean + half,
+        ));
+        r["cpu_x_target"] = json!(base / c);
+        r["cpu_x_target_by_repeat"] = json!(ratios);
+        r["cpu_x_target_ci95"] = json!([mean - half, mean + half]);
+    }
+    md
+}
+
 /// A row's tok/s of each repetition.
 fn tps_by_repeat(row: &Value) -> Vec<f64> {
-    row["tokens_per_s_by_repeat"]
+    row_numbers(row, "tokens_per_s_by_repeat")
+}
+
+/// The numbers in a row's list `key` (none where it has no such list).
+fn row_numbers(row: &Value, key: &str) -> Vec<f64> {
+    row[key]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_f64).collect())
         .unwrap_or_default()
+}
+
+/// `xs` with `digits` decimals, separated by commas.
+fn listed(xs: &[f64], digits: usize) -> String {
+    xs.iter()
+        .map(|x| format!("{x:.digits$}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The mean of `xs` and the half-width of its 95% interval by Student's t (NaN with fewer than two values).
@@ -1143,6 +1247,28 @@ mod tests {
             .map(|i| if i % 2 == 0 { 0.9 } else { 1.1 })
             .collect();
         assert!(mean_and_ci95(&wider).1 < mean_and_ci95(&wide).1);
+    }
+
+    #[test]
+    fn cpu_per_token_is_set_against_the_same_repetitions_target_cell() {
+        let mut rows = vec![
+            json!({ "run": "target", "cpu_ms_per_token": 40.0, "cpu_ms_per_token_by_repeat": [40.0, 40.0] }),
+            json!({ "run": "parse", "cpu_ms_per_token": 45.0, "cpu_ms_per_token_by_repeat": [50.0, 40.0] }),
+        ];
+        let md = cpu_table(&mut rows, &["127.0.0.1:8000".to_string()]);
+        assert!(md.contains("127.0.0.1:8000"), "{md}");
+        assert!(
+            md.contains("| parse | 45.00 | 0.889 | 0.800, 1.000 | 0.900 |"),
+            "{md}"
+        );
+        let by: Vec<f64> = rows[1]["cpu_x_target_by_repeat"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(by, vec![0.8, 1.0]);
+        assert_eq!(rows[0]["cpu_x_target"], json!(1.0));
     }
 
     #[test]
