@@ -744,18 +744,24 @@ fn main() -> Result<()> {
     // machine between cells): `cells[c]` holds configuration c's cells, one per repetition, each with its wall time.
     // With --cpu-metrics each also holds its CPU seconds.
     let mut cells: Vec<Vec<Cell>> = runs.iter().map(|_| Vec::new()).collect();
-    let cluster_cpu = || -> Result<Option<f64>> {
-        if args.cpu_metrics.is_empty() {
-            return Ok(None);
+    // A bad address fails here, before any cell runs; a scrape that fails later drops the run's CPU figures (with a
+    // warning), not the cells it has run.
+    let mut cpu_on = !args.cpu_metrics.is_empty();
+    if cpu_on {
+        cluster_cpu(&args.cpu_metrics)?;
+    }
+    let read_cpu = |on: &mut bool| -> Option<f64> {
+        if !*on {
+            return None;
         }
-        let mut sum = 0.0;
-        for addr in &args.cpu_metrics {
-            let text = parse_bench::scrape_metrics(addr)?;
-            sum += parse_bench::metric_value(&text, "process_cpu_seconds_total").with_context(
-                || format!("http://{addr}/metrics has no process_cpu_seconds_total"),
-            )?;
+        match cluster_cpu(&args.cpu_metrics) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("\nwarning: {e:#}: no CPU figures for this run");
+                *on = false;
+                None
+            }
         }
-        Ok(Some(sum))
     };
     if let Some(addr) = &args.router {
         for rep in 0..args.repeat {
@@ -765,9 +771,9 @@ fn main() -> Result<()> {
                 (0..runs.len()).rev().collect()
             };
             for c in order {
-                let cpu_before = cluster_cpu()?;
+                let cpu_before = read_cpu(&mut cpu_on);
                 let (outs, wall_s) = through_router(addr, &args, &runs[c], &recs, &tok, budget)?;
-                let cpu_s = cluster_cpu()?.zip(cpu_before).map(|(b, a)| b - a);
+                let cpu_s = read_cpu(&mut cpu_on).zip(cpu_before).map(|(b, a)| b - a);
                 let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
                 let cpu_note = cpu_s
                     .map(|c| format!(", {:.1} CPU ms a token", 1e3 * c / tokens.max(1) as f64))
@@ -779,6 +785,11 @@ fn main() -> Result<()> {
                     tokens as f64 / wall_s.max(1e-9)
                 );
                 cells[c].push((outs, wall_s, cpu_s));
+            }
+        }
+        if !cpu_on {
+            for cell in cells.iter_mut().flatten() {
+                cell.2 = None;
             }
         }
     }
@@ -1035,6 +1046,17 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The CPU seconds of the processes whose `/metrics` are at `addrs`, summed (`process_cpu_seconds_total`).
+fn cluster_cpu(addrs: &[String]) -> Result<f64> {
+    let mut sum = 0.0;
+    for addr in addrs {
+        let text = parse_bench::scrape_metrics(addr)?;
+        sum += parse_bench::metric_value(&text, "process_cpu_seconds_total")
+            .with_context(|| format!("http://{addr}/metrics has no process_cpu_seconds_total"))?;
+    }
+    Ok(sum)
+}
+
 /// One cell through a router: its prompts' results, its wall seconds and, with --cpu-metrics, the cluster's CPU
 /// seconds.
 type Cell = (Vec<Saved>, f64, Option<f64>);
@@ -1058,13 +1080,17 @@ fn cpu_table(rows: &mut [Value], addrs: &[String]) -> String {
             .map(|(b, x)| b / x)
             .collect();
         let (mean, half) = mean_and_ci95(&ratios);
+        // One repetition has no interval.
+        let interval = if half.is_finite() {
+            format!("{:.3} to {:.3}", mean - half, mean + half)
+        } else {
+            "-".into()
+        };
         md.push_str(&format!(
-            "| {} | {c:.2} | {:.3} | {} | {mean:.3} | {:.3} to {:.3} |\n",
+            "| {} | {c:.2} | {:.3} | {} | {mean:.3} | {interval} |\n",
             r["run"].as_str().unwrap_or_default(),
             base / c,
             listed(&ratios, 3),
-            mean - half,
-            mean + half,
         ));
         r["cpu_x_target"] = json!(base / c);
         r["cpu_x_target_by_repeat"] = json!(ratios);
