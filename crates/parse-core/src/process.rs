@@ -63,18 +63,25 @@ impl ProcessCpu {
 mod tests {
     use super::*;
 
+    /// Spins until the process has spent `secs` more CPU seconds than `from` (at most 10 s of wall time: on a loaded
+    /// machine the thread gets a share of a core, not a core).
+    fn spin_past(from: f64, secs: f64) {
+        let t = std::time::Instant::now();
+        let mut x = 1u64;
+        while cpu_seconds().expect("getrusage") < from + secs
+            && t.elapsed() < std::time::Duration::from_secs(10)
+        {
+            for i in 0..10_000u64 {
+                x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+            }
+        }
+    }
+
     #[test]
     fn cpu_seconds_grow_with_work_done() {
         let before = cpu_seconds().expect("getrusage");
-        // Work the optimizer cannot drop, until the clock has moved by more than its resolution.
-        let mut x = 0u64;
-        let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_millis(50) {
-            for i in 0..100_000u64 {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(i);
-            }
-        }
-        std::hint::black_box(x);
+        assert!(before > 0.0);
+        spin_past(before, 0.02);
         let after = cpu_seconds().expect("getrusage");
         assert!(after - before >= 0.02, "{before} -> {after}");
     }
@@ -86,11 +93,7 @@ mod tests {
         let cpu = ProcessCpu::register(&r);
         let first = cpu.counter.get();
         assert!(first > 0.0);
-        let t = std::time::Instant::now();
-        let mut x = 1u64;
-        while t.elapsed() < std::time::Duration::from_millis(50) {
-            x = std::hint::black_box(x.wrapping_mul(3).wrapping_add(1));
-        }
+        spin_past(first, 0.02);
         cpu.update();
         assert!(
             cpu.counter.get() >= first + 0.02,
