@@ -2269,14 +2269,7 @@ mod tests {
 
     #[test]
     fn requests_at_the_same_load_share_what_others_measured_and_one_probe() {
-        let load = Arc::new(AtomicUsize::new(8));
-        let l = load.clone();
-        let pacing = Pacing {
-            costs: Arc::new(Costs::default()),
-            kind: "parse+token-spec/model".into(),
-            load: Arc::new(move || l.load(Ordering::Relaxed)),
-            off_at: None,
-        };
+        let (_, pacing, load) = moving_pool("parse+token-spec/model", 8, None);
         // One request learns that at 8 requests speculation (150 ms/token) loses to the target (90 ms/token): its 3
         // rounds, pauses of 4 and 12 tokens, a probe, 43 tokens alone, a probe, 64 of the next 86 tokens alone.
         let mut first = Pace::new(pacing.clone());
@@ -2460,14 +2453,7 @@ mod tests {
 
     #[test]
     fn under_load_charged_worker_time_decides_and_alone_wall_time_at_one_request() {
-        let load = Arc::new(AtomicUsize::new(8));
-        let l = load.clone();
-        let pacing = Pacing {
-            costs: Arc::new(Costs::default()),
-            kind: "parse+token-spec/model".into(),
-            load: Arc::new(move || l.load(Ordering::Relaxed)),
-            off_at: None,
-        };
+        let (_, pacing, load) = moving_pool("parse+token-spec/model", 8, None);
         // At 8 requests a target step waits for a pass full of the others' verification blocks (800 ms of wall
         // time per token) but is charged one row's share of it (40 ms); a speculative round writes 2 tokens in
         // 600 ms of wall time, charged 200 ms. By wall time speculation would win; by charge it loses.
