@@ -98,6 +98,12 @@ struct Args {
     /// (`kernels::set_q4k_two_rows_in_order`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q4k_in_order: bool,
+    /// Instead of the report: time each model's passes with the activations quantized to Q8_K as before (on the
+    /// calling thread; by candle's loop one value at a time without AVX-512) and as now (blocks of rows shared among
+    /// the threads; the AVX2 variant's quantizer 8 values at a time), alternating pass by pass in one process
+    /// (`kernels::set_fast_q8k`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_fast_q8k: bool,
     /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
     /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
     #[arg(long)]
@@ -302,6 +308,18 @@ fn ab_q4k_in_order(name: &str, args: &Args) -> Result<()> {
         "Q4_K two-row blocks as scheduled and in order",
         ["as scheduled", "in order"],
         parse_engine::kernels::set_q4k_two_rows_in_order,
+    )
+}
+
+/// `--ab-fast-q8k`: one model's passes with the activations quantized to Q8_K as before and as now
+/// (`kernels::set_fast_q8k`).
+fn ab_fast_q8k(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "Q8_K activations quantized as before and shared among the threads, by AVX2 where that is the variant",
+        ["before", "now"],
+        parse_engine::kernels::set_fast_q8k,
     )
 }
 
@@ -691,6 +709,12 @@ fn main() -> Result<()> {
     if args.ab_q4k_in_order {
         for m in &args.models {
             ab_q4k_in_order(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_fast_q8k {
+        for m in &args.models {
+            ab_fast_q8k(m, &args)?;
         }
         return Ok(());
     }

@@ -760,6 +760,103 @@ pub unsafe fn q5_0_lanes8(
 /// of row `n` at byte `64i + 4n`, so that rows 0..8 of a word are its first 32 bytes and rows 8..16 the next.
 const Q4K_TILE16: usize = 16 * std::mem::size_of::<RawQ4K>();
 
+/// The largest of the 8 lanes of `m`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn max8(m: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+}
+
+/// `round(sc * v)` clamped to -128..=127, 8 values as i32, rounding half away from zero as `f32::round` does, a NaN
+/// product giving 0 as `NaN as i8` does ([`quantize_q8k_avx2`]).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q8_8(sc: __m256, v: __m256) -> __m256i {
+    let sign = _mm256_set1_ps(-0.0);
+    let p = _mm256_mul_ps(sc, v);
+    // Truncate, then step away from zero where the dropped part is >= 0.5.
+    let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(p);
+    let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(p, t));
+    let away = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, _mm256_set1_ps(0.5));
+    let step = _mm256_and_ps(
+        away,
+        _mm256_or_ps(_mm256_and_ps(p, sign), _mm256_set1_ps(1.0)),
+    );
+    let r = _mm256_add_ps(t, step);
+    let r = _mm256_min_ps(
+        _mm256_max_ps(r, _mm256_set1_ps(-128.0)),
+        _mm256_set1_ps(127.0),
+    );
+    // A NaN product (a NaN value, or an infinite one times a zero `iscale`) gives 0.
+    _mm256_cvttps_epi32(_mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(p, p)))
+}
+
+/// Quantizes rows of 256-value blocks to Q8_K exactly as candle's `BlockQ8K::from_float` does (the value of largest
+/// magnitude, the first one on ties, maps to -127; a NaN never counts as the largest; `round` half away from zero;
+/// clamp to -128..=127; 16-value sums; `d = 1 / iscale`), 8 values per instruction, where candle's loop takes one
+/// at a time ([`super::quantize_q8k`] says what that was worth).
+///
+/// # Safety
+/// The CPU must have AVX2; `xs` must hold `256 * ys.len()` values.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize_q8k_avx2(xs: &[f32], ys: &mut [BlockQ8K]) {
+    // SAFETY: RawQ8K has BlockQ8K's layout (asserted in super); the slice covers the same blocks.
+    let ys = unsafe { std::slice::from_raw_parts_mut(ys.as_mut_ptr().cast::<RawQ8K>(), ys.len()) };
+    let sign = _mm256_set1_ps(-0.0);
+    for (x, y) in xs.chunks_exact(QK_K).zip(ys.iter_mut()) {
+        let xp = x.as_ptr();
+        // `max(|v|, m)` keeps `m` where `|v|` is a NaN, as candle's `amax < |v|` never takes one.
+        let mut m = _mm256_setzero_ps();
+        for i in 0..QK_K / 8 {
+            // SAFETY: x has 256 values; the load spans 8i..8i + 8.
+            let v = unsafe { _mm256_loadu_ps(xp.add(8 * i)) };
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+        }
+        let amax = max8(m);
+        if amax == 0.0 {
+            y.d = 0.0;
+            y.qs.fill(0);
+            y.bsums.fill(0);
+            continue;
+        }
+        // The first value whose magnitude is amax (8 at a time; a NaN compares unequal).
+        let want = _mm256_set1_ps(amax);
+        let first = (0..QK_K / 8)
+            .find_map(|i| {
+                // SAFETY: x has 256 values; the load spans 8i..8i + 8.
+                let v = unsafe { _mm256_loadu_ps(xp.add(8 * i)) };
+                let eq = _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v), want);
+                let bits = _mm256_movemask_ps(eq) as u32;
+                (bits != 0).then(|| 8 * i + bits.trailing_zeros() as usize)
+            })
+            .unwrap_or(0);
+        let iscale = -127f32 / x[first];
+        let sc = _mm256_set1_ps(iscale);
+        for g in 0..QK_K / 16 {
+            // SAFETY: x has 256 values; the loads span 16g..16g + 16.
+            let (a, b) = unsafe {
+                (
+                    q8_8(sc, _mm256_loadu_ps(xp.add(16 * g))),
+                    q8_8(sc, _mm256_loadu_ps(xp.add(16 * g + 8))),
+                )
+            };
+            // i32 to i16 (lanes a0..4, b0..4, a4..8, b4..8, put back in order), then to i8: exact, as every value
+            // lies in -128..=127.
+            let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(a, b));
+            let q = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+            // SAFETY: qs has 256 bytes; the store spans 16g..16g + 16.
+            unsafe { _mm_storeu_si128(y.qs.as_mut_ptr().add(16 * g).cast(), q) };
+            let s = _mm256_add_epi32(a, b);
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_hadd_epi32(s, s);
+            y.bsums[g] = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s)) as i16;
+        }
+        y.d = 1.0 / iscale;
+    }
+}
+
 /// The 32-bit words `i` of 8 rows of a Q4_K lanes tile (`base`: the tile, plus 32 for rows 8..16), one row per lane.
 ///
 /// # Safety

@@ -633,8 +633,31 @@ pub fn active() -> Kernels {
 
 /// Quantizes `x` (rows of whole 256-value blocks) to Q8_K, the activation format of the K-quant kernels, with
 /// exactly the rounding of candle's `BlockQ8K::from_float` on every variant (AVX-512 where the active variant has
-/// it; tested equal).
+/// it, AVX2 where it has that; tested equal), blocks of rows shared among the threads. Before, every variant
+/// without AVX-512 quantized with candle's loop, one value at a time, on the thread that called the matmul while the
+/// others waited: on a 2-core AVX2-only Zen 3 EPYC that was 2.1% of the samples of a run of 8-row target passes
+/// (`perf record` on `engine-bench --models target --blocks 8`), the K-quant matmuls' input of every layer. With the
+/// AVX2 quantizer and the sharing, the target's passes alternating in one process (`engine-bench --ab-fast-q8k
+/// --models target --context 512`) took 0.96-0.98 of the time at 2 and 4 rows and 0.91-0.97 at 8 and 16, one-token
+/// steps 0.98-1.01 (docs/figures.md, "Activations quantized by AVX2 and shared among the threads").
 pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
+    use rayon::prelude::*;
+    // Blocks are quantized one by one, so any split gives the same bits: a block of rows (8 rows of an 8,960-wide
+    // input are 280 blocks) is shared among the threads, where a single row would cost more to hand out.
+    const SHARED_FROM: usize = 64;
+    const SHARE: usize = 16;
+    let x = &x[..QK_K * out.len()];
+    if out.len() >= SHARED_FROM && rayon::current_num_threads() > 1 && fast_q8k() {
+        out.par_chunks_mut(SHARE)
+            .zip(x.par_chunks(QK_K * SHARE))
+            .for_each(|(o, x)| quantize_q8k_blocks(x, o));
+    } else {
+        quantize_q8k_blocks(x, out);
+    }
+}
+
+/// [`quantize_q8k`] on this thread.
+fn quantize_q8k_blocks(x: &[f32], out: &mut [BlockQ8K]) {
     use candle_core::quantized::k_quants::GgmlType;
     #[cfg(target_arch = "x86_64")]
     if active() >= Kernels::Vnni {
@@ -645,7 +668,31 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
         };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if active() >= Kernels::Avx2 && fast_q8k() {
+        #[allow(unsafe_code)]
+        // SAFETY: the active variant implies AVX2; `x` holds 256 values for every block of `out` (the caller's).
+        unsafe {
+            avx2::quantize_q8k_avx2(x, out)
+        };
+        return;
+    }
     BlockQ8K::from_float(x, out)
+}
+
+static Q8K_AS_BEFORE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets [`quantize_q8k`] take the AVX2 variant's quantizer and share blocks of rows among the threads (`true`, the
+/// default) or quantize on the calling thread with candle's loop one value at a time (`false`, as before; the AVX-512
+/// variants keep their own quantizer either way), for benchmarks that time the two in one process (`engine-bench
+/// --ab-fast-q8k`); the same bits either way.
+pub fn set_fast_q8k(on: bool) {
+    Q8K_AS_BEFORE.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_fast_q8k`] left the faster quantization on.
+fn fast_q8k() -> bool {
+    !Q8K_AS_BEFORE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Whether a block of `m` rows goes to the AMX tiles (the active variant is AMX and the block is large enough).
@@ -1566,6 +1613,11 @@ mod tests {
             *v = (i as f32 + 0.5) * 2.0 / 127.0;
         }
         x[2 * QK_K..3 * QK_K].fill(0.0);
+        // Halves exactly (the largest magnitude -127 makes the scale 1): each rounds away from zero.
+        x[4 * QK_K] = -127.0;
+        for (i, v) in x[4 * QK_K + 1..4 * QK_K + 60].iter_mut().enumerate() {
+            *v = i as f32 - 29.5;
+        }
         let mut want = vec![BlockQ8K::zeros(); 6];
         BlockQ8K::from_float(&x, &mut want);
         let bytes = |b: &[BlockQ8K]| {
@@ -1584,6 +1636,66 @@ mod tests {
                 bytes(&got) == bytes(&want),
                 "{k}: Q8_K quantization differs from candle's"
             );
+        }
+    }
+
+    #[test]
+    fn q8k_quantization_shared_among_threads_equals_candles() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+        let blocks = 8 * 35 + 3; // 8 rows of an 8,960-wide input, and a share left short
+        let x = random(&mut rng, blocks * QK_K, 2.0);
+        let mut want = vec![BlockQ8K::zeros(); blocks];
+        BlockQ8K::from_float(&x, &mut want);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for k in variants() {
+            let before = active();
+            set_active(k).unwrap();
+            let mut got = vec![BlockQ8K::zeros(); blocks];
+            pool.install(|| quantize_q8k(&x, &mut got));
+            set_active(before).unwrap();
+            for (b, (g, w)) in raw_q8k(&got).iter().zip(raw_q8k(&want)).enumerate() {
+                assert!(
+                    g.d.to_bits() == w.d.to_bits() && g.qs == w.qs && g.bsums == w.bsums,
+                    "{k}: block {b} differs from candle's"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_q8k_quantization_takes_nans_and_infinities_as_candle_does() {
+        if !Kernels::Avx2.supported() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        let mut x = random(&mut rng, 5 * QK_K, 3.0);
+        // NaNs beside finite values; an infinity (every other value times a zero scale); both signs of infinity,
+        // the first winning; values so small they are subnormal; the largest finite magnitude.
+        x[5] = f32::NAN;
+        x[250] = f32::NAN; // in the last 8 values, which a NaN-keeping maximum would end on
+        x[QK_K + 9] = f32::INFINITY;
+        x[2 * QK_K + 3] = f32::NEG_INFINITY;
+        x[2 * QK_K + 200] = f32::INFINITY;
+        for v in &mut x[3 * QK_K..4 * QK_K] {
+            *v *= 1e-40;
+        }
+        x[4 * QK_K + 100] = -f32::MAX;
+        let mut want = vec![BlockQ8K::zeros(); 5];
+        BlockQ8K::from_float(&x, &mut want);
+        let mut got = vec![BlockQ8K::zeros(); 5];
+        // SAFETY: AVX2 is supported (checked above); x holds 256 values for each of the 5 blocks.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx2::quantize_q8k_avx2(&x, &mut got)
+        };
+        for (b, (g, w)) in raw_q8k(&got).iter().zip(raw_q8k(&want)).enumerate() {
+            assert_eq!(g.d.to_bits(), w.d.to_bits(), "block {b}: d");
+            assert_eq!(g.qs, w.qs, "block {b}: qs");
+            assert_eq!(g.bsums, w.bsums, "block {b}: bsums");
         }
     }
 
