@@ -104,6 +104,12 @@ struct Args {
     /// (`kernels::set_fast_q8k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_fast_q8k: bool,
+    /// Instead of the report: time each model's passes with the matmuls' chunk results of several rows zeroed in a
+    /// fresh buffer and laid out on the calling thread, and zeroed and laid out by the threads in a buffer kept
+    /// between calls, alternating pass by pass in one process (`quant::set_parallel_copy_out`; the same bits either
+    /// way), as `--ab-attention` does
+    #[arg(long)]
+    ab_parallel_copy_out: bool,
     /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
     /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
     #[arg(long)]
@@ -320,6 +326,18 @@ fn ab_fast_q8k(name: &str, args: &Args) -> Result<()> {
         "Q8_K activations quantized as before and shared among the threads, by AVX2 where that is the variant",
         ["before", "now"],
         parse_engine::kernels::set_fast_q8k,
+    )
+}
+
+/// `--ab-parallel-copy-out`: one model's passes with the matmuls' results laid out on the calling thread and by the
+/// threads (`quant::set_parallel_copy_out`).
+fn ab_parallel_copy_out(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "matmul results laid out on the calling thread and by the threads",
+        ["calling thread", "threads"],
+        parse_engine::quant::set_parallel_copy_out,
     )
 }
 
@@ -715,6 +733,12 @@ fn main() -> Result<()> {
     if args.ab_fast_q8k {
         for m in &args.models {
             ab_fast_q8k(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_parallel_copy_out {
+        for m in &args.models {
+            ab_parallel_copy_out(m, &args)?;
         }
         return Ok(());
     }

@@ -942,9 +942,34 @@ fn column_chunk(n: usize, row_bytes: usize) -> usize {
     (by_balance.min(by_cache).max(4) / 4 * 4).min(256)
 }
 
+/// The largest chunk-results buffer [`drive`] keeps between calls, in values (8 MB: a block of 13 rows of the
+/// 151,936-wide output matrix of the default target; larger ones are allocated each time), and how many it keeps
+/// (calls at once in a process; one more allocates its own).
+const KEPT_RESULTS: usize = 2 << 20;
+const KEPT_BUFFERS: usize = 2;
+
+/// [`drive`]'s chunk-results buffers, kept for later calls.
+static RESULTS: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
+
+/// Switch of [`set_parallel_copy_out`].
+static SERIAL_COPY_OUT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets [`drive`] zero and lay out its chunks' results in the threads that compute them, in a buffer kept from call
+/// to call (`true`, the default), or zero a fresh buffer and lay the results out on the calling thread (`false`, as
+/// before), for benchmarks that time the two in one process (`engine-bench --ab-parallel-copy-out`); the same bits.
+pub fn set_parallel_copy_out(on: bool) {
+    SERIAL_COPY_OUT.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Runs `work(first_column, dst)` over column chunks in parallel and lays the results out row-major in `out`.
-/// `dst` holds the chunk's `cw` columns row-major (`dst[r * cw + (c - first_column)]`, `cw = dst.len() / m`), so
-/// each row of a chunk lands in `out` as one contiguous copy.
+/// `dst` holds the chunk's `cw` columns row-major (`dst[r * cw + (c - first_column)]`, `cw = dst.len() / m`), zeroed,
+/// so each row of a chunk lands in `out` as one contiguous copy. With several rows, the chunks' results go to a
+/// buffer kept from call to call ([`KEPT_RESULTS`]), each chunk zeroing its own part in parallel, and the rows of
+/// `out` are laid out in parallel too. Zeroing a fresh buffer and copying on the calling thread, while the
+/// other threads waited, was 1.4% of the samples of a run of 8-row target passes on a 2-core AVX2-only Zen 3 EPYC;
+/// target passes alternating in one process there (`engine-bench --ab-parallel-copy-out --models target --context
+/// 512`, two runs) took 0.966-0.983 of the time at 8 rows, 0.968-0.983 at 16 and 0.988-0.997 at 2 and 4 (one row
+/// does not take this path) (docs/figures.md, "Activations quantized by AVX2 and shared among the threads").
 fn drive(
     n: usize,
     m: usize,
@@ -957,7 +982,9 @@ fn drive(
             .par_chunks_mut(chunk)
             .enumerate()
             .for_each(|(i, dst)| work(i * chunk, dst));
-    } else {
+        return;
+    }
+    if SERIAL_COPY_OUT.load(std::sync::atomic::Ordering::Relaxed) {
         let mut t = vec![0f32; n * m];
         t.par_chunks_mut(chunk * m)
             .enumerate()
@@ -968,6 +995,39 @@ fn drive(
                 out[r * n + c0..r * n + c0 + cw].copy_from_slice(row);
             }
         }
+        return;
+    }
+    let mut t = RESULTS
+        .lock()
+        .ok()
+        .and_then(|mut r| r.pop())
+        .unwrap_or_default();
+    if t.len() < n * m {
+        // Grown once (values past the old length zeroed once); every chunk zeroes its part before its work.
+        t.resize(n * m, 0.0);
+    }
+    t[..n * m]
+        .par_chunks_mut(chunk * m)
+        .enumerate()
+        .for_each(|(i, dst)| {
+            dst.fill(0.0);
+            work(i * chunk, dst)
+        });
+    let results = &t[..n * m];
+    out[..n * m]
+        .par_chunks_mut(n)
+        .enumerate()
+        .for_each(|(r, row)| {
+            for (i, buf) in results.chunks(chunk * m).enumerate() {
+                let (c0, cw) = (i * chunk, buf.len() / m);
+                row[c0..c0 + cw].copy_from_slice(&buf[r * cw..(r + 1) * cw]);
+            }
+        });
+    if t.len() <= KEPT_RESULTS
+        && let Ok(mut r) = RESULTS.lock()
+        && r.len() < KEPT_BUFFERS
+    {
+        r.push(t);
     }
 }
 
@@ -1872,6 +1932,42 @@ mod shard_tests {
                 assert_eq!(outs[0], outs[2], "{dtype:?}, {m} rows: long runs again");
             }
         }
+    }
+
+    /// [`drive`] lays every row of every chunk where it belongs, and what a chunk's work leaves unwritten is zero,
+    /// in a buffer kept from an earlier call (dirty) as in a fresh one, and beyond the size it keeps; as it did
+    /// when it zeroed a fresh buffer and laid the rows out on the calling thread.
+    #[test]
+    fn drive_lays_out_every_row_and_zeroes_what_the_work_leaves() {
+        for (n, m, chunk) in [(1000, 3, 64), (37, 8, 5), (KEPT_RESULTS / 4 + 7, 5, 4096)] {
+            for parallel in [true, true, false] {
+                set_parallel_copy_out(parallel);
+                let mut out = vec![f32::NAN; n * m];
+                let work = |c0: usize, dst: &mut [f32]| {
+                    let cw = dst.len() / m;
+                    for r in 0..m {
+                        for j in (0..cw).filter(|j| !(c0 + j).is_multiple_of(3)) {
+                            dst[r * cw + j] = (r * n + c0 + j) as f32;
+                        }
+                    }
+                };
+                drive(n, m, chunk, work, &mut out);
+                for (i, v) in out.iter().enumerate() {
+                    let want = if (i % n).is_multiple_of(3) {
+                        0.0
+                    } else {
+                        i as f32
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "{n} x {m} by {chunk} (parallel {parallel}): value {i}"
+                    );
+                }
+            }
+        }
+        set_parallel_copy_out(true);
+        assert!(RESULTS.lock().unwrap().len() <= KEPT_BUFFERS);
     }
 
     /// The split's switch: unset, the CPU decides (AMD before family 25: L2-sized items, others: long runs); set, it
