@@ -733,8 +733,13 @@ pub fn set_long_chunks(on: bool) {
 ///   1.014-1.075, 0.998-1.174 and 0.990-1.094 of the L2-sized items' time over three runs, one-token steps
 ///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC").
 ///
-/// Zen 3 (family 25, AVX2 only) and Zen 5 (family 26) were not measured with long runs; they take them with Zen 4,
-/// the nearest measured design (`engine-bench --ab-long-chunks` measures them). The draft's Q5_0 row groups keep the
+/// - On a 2-core AVX2-only Zen 3 EPYC (CPU family 25, model 1), the same command (two runs) gave the target's
+///   passes 0.953-1.010 at one row, 0.988-1.003 at 2-4 rows, 1.017-1.118 at 8 and 1.030 at 16, the draft's
+///   0.992-1.072: even within that machine's spread, so it keeps them with Zen 4 (docs/figures.md, "Activations
+///   quantized by AVX2 and shared among the threads").
+///
+/// Zen 5 (family 26) was not measured with long runs; it takes them with Zen 4, the nearest measured design
+/// (`engine-bench --ab-long-chunks` measures it). The draft's Q5_0 row groups keep the
 /// L2-sized items everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with long runs (its matrices are a fifth
 /// of the target's, and two items a thread balance worse).
 #[cfg(target_arch = "x86_64")]
