@@ -1002,15 +1002,21 @@ fn drive(
         }
         return;
     }
-    let mut t = RESULTS
-        .lock()
-        .ok()
-        .and_then(|mut r| r.pop())
-        .unwrap_or_default();
-    if t.len() < n * m {
-        // Grown once (values past the old length zeroed once); every chunk zeroes its part before its work.
-        t.resize(n * m, 0.0);
-    }
+    let mut t = if n * m > KEPT_RESULTS {
+        // Too large to keep: zeroed as before, and dropped after.
+        vec![0f32; n * m]
+    } else {
+        let mut t = RESULTS
+            .lock()
+            .ok()
+            .and_then(|mut r| r.pop())
+            .unwrap_or_default();
+        if t.len() < n * m {
+            // Grown (the values past the old length zeroed once); every chunk zeroes its part before its work.
+            t.resize(n * m, 0.0);
+        }
+        t
+    };
     t[..n * m]
         .par_chunks_mut(chunk * m)
         .enumerate()
