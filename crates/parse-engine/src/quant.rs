@@ -974,7 +974,8 @@ pub fn set_parallel_copy_out(on: bool) {
 /// other threads waited, was 1.4% of the samples of a run of 8-row target passes on a 2-core AVX2-only Zen 3 EPYC;
 /// target passes alternating in one process there (`engine-bench --ab-parallel-copy-out --models target --context
 /// 512`, three runs) took 0.966-0.983 of the time at 8 rows, 0.959-0.983 at 16, 0.975 at 24 and 0.988-0.997 at 2
-/// and 4 (one row does not take this path) (docs/figures.md, "Activations quantized by AVX2 and shared among the threads").
+/// and 4; one row does not take this path (docs/figures.md, "Activations quantized by AVX2 and shared among the
+/// threads").
 fn drive(
     n: usize,
     m: usize,
