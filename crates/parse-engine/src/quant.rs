@@ -907,7 +907,10 @@ impl<'a> Input<'a> {
         }
     }
 
-    /// Q8_K rows (the partner of every K-quant format).
+    /// Q8_K rows (the partner of every K-quant format). The quantization may share its blocks among the threads
+    /// ([`kernels::quantize_q8k`]), and a thread waiting for its share can pick up other parallel work meanwhile; none
+    /// of that work reads this cell (an `Input` serves one forward's matmuls one after another, on one thread), so
+    /// the cell's initialization is never entered twice.
     fn q8k(&self) -> &[BlockQ8K] {
         self.q8k.get_or_init(|| {
             let mut xq = vec![BlockQ8K::zeros(); self.x.len() / 256];
