@@ -1006,9 +1006,9 @@ fn drive(
         }
         return;
     }
-    let mut t = if n * m > KEPT_RESULTS {
-        // Too large to keep: zeroed as before, and dropped after.
-        vec![0f32; n * m]
+    let (mut t, reused) = if n * m > KEPT_RESULTS {
+        // Too large to keep: zeroed as before (so its chunks need not zero it again), and dropped after.
+        (vec![0f32; n * m], false)
     } else {
         let mut t = RESULTS
             .lock()
@@ -1019,13 +1019,15 @@ fn drive(
             // Grown (the values past the old length zeroed once); every chunk zeroes its part before its work.
             t.resize(n * m, 0.0);
         }
-        t
+        (t, true)
     };
     t[..n * m]
         .par_chunks_mut(chunk * m)
         .enumerate()
         .for_each(|(i, dst)| {
-            dst.fill(0.0);
+            if reused {
+                dst.fill(0.0);
+            }
             work(i * chunk, dst)
         });
     let results = &t[..n * m];
