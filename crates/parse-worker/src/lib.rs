@@ -375,6 +375,8 @@ pub struct ShellConfig {
     pub name: &'static str,
     /// Rows one packed forward pass holds at most (see [`scheduler`]).
     pub step_rows: usize,
+    /// How a pass's time is split among the requests in it ([`scheduler::Charge`]).
+    pub charge: scheduler::Charge,
 }
 
 /// A worker's shell around backend `B`. Cheap to clone.
@@ -424,6 +426,7 @@ impl<B: Backend> Shell<B> {
             step_rows: cfg.step_rows.max(1),
             max_tasks: cfg.queue.max(1),
             on_step: Some(on_step),
+            charge: cfg.charge,
             ..Packing::default()
         };
         Shell {

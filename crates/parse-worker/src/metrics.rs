@@ -15,6 +15,9 @@
 //!   time is how busy the engine is. `parse_worker_planning_seconds_total`: the scheduler's time between passes
 //!   spent planning steps (the tasks' sampling and bookkeeping, and short waits for callers' next calls), when the
 //!   engine's threads sit idle.
+//! - `parse_worker_pass_fixed_ms`, `parse_worker_pass_row_ms`: a packed pass's time as a line in its rows, fitted
+//!   to recent passes (the price by which `--charge marginal` splits a pass among its requests); absent until the
+//!   passes' rows spread enough to read it.
 //! - `process_cpu_seconds_total`: the worker process's user and system CPU time, read at each scrape
 //!   ([`parse_core::process::cpu_seconds`]). Unlike the wall time, it does not grow while a virtual machine's host
 //!   runs something else (steal time), so per output token it measures what serving costs with less noise.
@@ -40,6 +43,10 @@ pub struct WorkerMetrics {
     batch_rows: prometheus::Histogram,
     pass_seconds: prometheus::Histogram,
     planning_seconds: prometheus::Counter,
+    pass_fixed_ms: prometheus::Gauge,
+    pass_row_ms: prometheus::Gauge,
+    /// The line's gauges are registered (at the first pass that reads it).
+    line_shown: std::sync::Once,
     process_cpu: parse_core::process::ProcessCpu,
 }
 
@@ -160,8 +167,23 @@ impl WorkerMetrics {
             )
             .expect("valid metric"),
         );
+        let float_gauge =
+            |name: &str, help: &str| prometheus::Gauge::new(name, help).expect("valid metric");
+        // Registered at the first pass that reads the line ([`WorkerMetrics::packed`]), so that no figure shows
+        // before there is one.
+        let pass_fixed_ms = float_gauge(
+            "parse_worker_pass_fixed_ms",
+            "A packed pass's fixed time (its time at no rows), by a line fitted to recent passes, in ms.",
+        );
+        let pass_row_ms = float_gauge(
+            "parse_worker_pass_row_ms",
+            "What a row adds to a packed pass's time, by a line fitted to recent passes, in ms.",
+        );
         let process_cpu = parse_core::process::ProcessCpu::register(&r);
         WorkerMetrics {
+            pass_fixed_ms,
+            pass_row_ms,
+            line_shown: std::sync::Once::new(),
             registry: r,
             pass_seconds,
             planning_seconds,
@@ -209,6 +231,17 @@ impl WorkerMetrics {
         self.batch_rows.observe(s.rows as f64);
         self.pass_seconds.observe(s.pass.as_secs_f64());
         self.planning_seconds.inc_by(s.planning.as_secs_f64());
+        if let Some((fixed, per_row)) = s.line {
+            self.pass_fixed_ms.set(fixed);
+            self.pass_row_ms.set(per_row);
+            self.line_shown.call_once(|| {
+                for g in [&self.pass_fixed_ms, &self.pass_row_ms] {
+                    if let Err(e) = self.registry.register(Box::new(g.clone())) {
+                        tracing::error!("metrics registration: {e}");
+                    }
+                }
+            });
+        }
     }
 
     pub fn refused(&self) {
@@ -288,6 +321,18 @@ mod tests {
             rows: 40,
             pass: std::time::Duration::from_millis(30),
             planning: std::time::Duration::from_millis(2),
+            line: None,
+        });
+        assert!(
+            !m.render().contains("parse_worker_pass_row_ms"),
+            "no line, no figure"
+        );
+        m.packed(&StepShape {
+            blocks: 1,
+            rows: 0,
+            pass: std::time::Duration::ZERO,
+            planning: std::time::Duration::ZERO,
+            line: Some((25.5, 4.25)),
         });
         let (a, b) = (m.queued(), m.queued());
         drop(a);
@@ -301,10 +346,12 @@ mod tests {
             "parse_worker_kv_capacity_bytes 1048576",
             "parse_worker_refused_total 1",
             "parse_worker_queue_depth 1",
-            "parse_worker_batch_blocks_sum 3",
+            "parse_worker_batch_blocks_sum 4",
             "parse_worker_batch_rows_sum 40",
             "parse_worker_pass_seconds_sum 0.03",
-            "parse_worker_pass_seconds_count 1",
+            "parse_worker_pass_seconds_count 2",
+            "parse_worker_pass_fixed_ms 25.5",
+            "parse_worker_pass_row_ms 4.25",
             "parse_worker_planning_seconds_total 0.002",
         ] {
             assert!(t.lines().any(|l| l == line), "no `{line}` in\n{t}");

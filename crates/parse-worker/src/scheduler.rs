@@ -45,7 +45,7 @@ pub trait Task<S>: Send {
     fn abandoned(&self) -> bool;
     /// Its caller has gone after it started: leave the state tidy (no reply is sent).
     fn cancel(&mut self, state: &mut S);
-    /// Its share of a pass it was in, in ms: the pass's time split among its blocks by rows.
+    /// Its share of a pass it was in, in ms: the pass's time split among its blocks as [`Packing::charge`] says.
     fn charge(&mut self, _ms: f64) {}
 }
 
@@ -64,7 +64,7 @@ pub enum SchedulerError {
 }
 
 /// What a step packed, for metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
     /// Blocks (one per task) in the pass.
     pub blocks: usize,
@@ -75,6 +75,8 @@ pub struct StepShape {
     /// The step's time before its pass: the tasks' planning (their sampling and bookkeeping between passes) and
     /// any linger for callers' next calls.
     pub planning: std::time::Duration,
+    /// The passes' time as a line in their rows, (fixed ms, ms per row), as read after this pass ([`PassLine`]).
+    pub line: Option<(f64, f64)>,
 }
 
 /// How the scheduler packs steps.
@@ -89,6 +91,90 @@ pub struct Packing {
     /// How long a step may wait, once tasks have finished (and answered) in its planning, for their callers' next
     /// calls before its pass starts; at most [`LINGER_SHARE`] of the last pass's time. Zero: never wait.
     pub linger: std::time::Duration,
+    /// How a pass's time is split among the tasks in it ([`Task::charge`]).
+    pub charge: Charge,
+}
+
+/// How a pass's time is split among the blocks in it: what each request is charged, which the router's pacing
+/// weighs (speculate, or let the target write alone) at loads above one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Charge {
+    /// Each block its rows' share. A speculative round's `1 + k` rows that write `1 + a` tokens then never cost
+    /// less a token than one-row steps in the same passes, whatever the pass's rows cost beyond its fixed part.
+    Rows,
+    /// What each block adds: the pass's fixed part (a pass's time at no rows, by a line fitted to recent passes'
+    /// times in their rows, [`PassLine`]) in equal shares among its blocks, the rest by rows. A block's extra rows
+    /// are charged what they add to the pass, so a round pays at a load where the tokens it keeps cost less than
+    /// the rows it adds, as the pool's throughput has it. By rows until the line can be read.
+    #[default]
+    Marginal,
+}
+
+impl std::str::FromStr for Charge {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "rows" => Ok(Charge::Rows),
+            "marginal" => Ok(Charge::Marginal),
+            _ => Err(format!("unknown charge {s:?}: expected rows or marginal")),
+        }
+    }
+}
+
+/// A pass's time as a line in its rows, (fixed ms, ms per row), fitted by least squares over recent passes (sums
+/// that fade by [`PassLine::KEEP`] per pass, about the last hundred).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PassLine {
+    weight: f64,
+    rows: f64,
+    rows2: f64,
+    ms: f64,
+    rows_ms: f64,
+}
+
+impl PassLine {
+    const KEEP: f64 = 0.99;
+
+    pub fn add(&mut self, rows: usize, ms: f64) {
+        let (k, r) = (Self::KEEP, rows as f64);
+        self.weight = self.weight * k + 1.0;
+        self.rows = self.rows * k + r;
+        self.rows2 = self.rows2 * k + r * r;
+        self.ms = self.ms * k + ms;
+        self.rows_ms = self.rows_ms * k + r * ms;
+    }
+
+    /// (fixed ms, ms per row); `None` while the passes' rows spread less than a row either way, or where the fit
+    /// has no positive price for a row or a negative fixed part.
+    pub fn line(&self) -> Option<(f64, f64)> {
+        let w = self.weight;
+        let spread = w * self.rows2 - self.rows * self.rows;
+        if w <= 0.0 || spread < w * w {
+            return None;
+        }
+        let per_row = (w * self.rows_ms - self.rows * self.ms) / spread;
+        let fixed = (self.ms - per_row * self.rows) / w;
+        (per_row > 0.0 && fixed >= 0.0).then_some((fixed, per_row))
+    }
+}
+
+/// Each block's share of a pass (they sum to 1) by `charge`, for blocks of `rows` rows, with `line` the passes'
+/// fitted line where it can be read ([`Charge::Marginal`]; by rows without it).
+pub fn shares(charge: Charge, line: Option<(f64, f64)>, rows: &[usize]) -> Vec<f64> {
+    let weights: Vec<f64> = match (charge, line) {
+        (Charge::Marginal, Some((fixed, per_row))) if !rows.is_empty() => {
+            let each = fixed / rows.len() as f64;
+            rows.iter().map(|&r| each + per_row * r as f64).collect()
+        }
+        _ => rows.iter().map(|&r| r as f64).collect(),
+    };
+    let sum: f64 = weights.iter().sum();
+    if sum > 0.0 {
+        weights.iter().map(|w| w / sum).collect()
+    } else {
+        vec![1.0 / rows.len().max(1) as f64; rows.len()]
+    }
 }
 
 /// The longest a step lingers, as a share of the last pass's time: what a caller whose next call never comes costs
@@ -102,6 +188,7 @@ impl Default for Packing {
             max_tasks: 256,
             on_step: None,
             linger: std::time::Duration::from_millis(5),
+            charge: Charge::default(),
         }
     }
 }
@@ -146,6 +233,7 @@ fn run<S: Forward>(
     let mut seq = 0u64;
     let step_rows = packing.step_rows.max(1);
     let mut last_pass = std::time::Duration::ZERO;
+    let mut line = PassLine::default();
     loop {
         // Wait only when nothing runs; otherwise take what has arrived and step. Once the token has fired, no
         // work runs (what was queued is dropped: its callers get Stopped).
@@ -262,16 +350,22 @@ fn run<S: Forward>(
             let planning = t - step_start;
             let results = state.forward_blocks(&blocks);
             last_pass = t.elapsed();
-            let per_row = last_pass.as_secs_f64() * 1e3 / planned.max(1) as f64;
-            for (b, &i) in blocks.iter().zip(&owners) {
-                running[i].task.charge(per_row * b.rows() as f64);
+            let pass_ms = last_pass.as_secs_f64() * 1e3;
+            let rows: Vec<usize> = blocks.iter().map(Block::rows).collect();
+            for (share, &i) in shares(packing.charge, line.line(), &rows)
+                .iter()
+                .zip(&owners)
+            {
+                running[i].task.charge(pass_ms * share);
             }
+            line.add(planned, pass_ms);
             if let Some(f) = &packing.on_step {
                 f(StepShape {
                     blocks: blocks.len(),
                     rows: planned,
                     pass: last_pass,
                     planning,
+                    line: line.line(),
                 });
             }
             let mut results = results.into_iter();
@@ -445,13 +539,16 @@ mod tests {
         passes: Vec<Vec<(String, usize)>>,
         cancelled: Vec<String>,
         pass_time: Duration,
+        /// Added to `pass_time` per row of the pass.
+        row_time: Duration,
         /// `name:step` of every block the counters asked for, in order.
         asks: Vec<String>,
     }
 
     impl Forward for Ledger {
         fn forward_blocks(&mut self, blocks: &[Block]) -> Vec<parse_engine::Result<Logits>> {
-            std::thread::sleep(self.pass_time);
+            let rows: usize = blocks.iter().map(Block::rows).sum();
+            std::thread::sleep(self.pass_time + self.row_time * rows as u32);
             self.passes.push(
                 blocks
                     .iter()
@@ -679,16 +776,11 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn each_task_is_charged_its_rows_share_of_the_passes_it_was_in() {
-        let s = ledger_scheduler(16, 64);
-        s.call(|l| l.pass_time = Duration::from_millis(40))
-            .await
-            .unwrap();
-        let charges = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let tasks = [("one", 2, 1), ("three", 2, 3)]
-            .into_iter()
-            .map(|(name, steps, rows)| {
+    /// Counter tasks (name, steps, rows) whose charges go to `charges`.
+    fn charged(tasks: &[(&str, u32, usize)], charges: &Charges) -> Vec<Counted> {
+        tasks
+            .iter()
+            .map(|&(name, steps, rows)| {
                 let (reply, rx) = oneshot::channel();
                 let t = Counter {
                     name: name.to_string(),
@@ -702,24 +794,134 @@ mod tests {
                 };
                 (Box::new(t) as Box<dyn Task<Ledger>>, rx)
             })
-            .collect();
+            .collect()
+    }
+
+    /// What the tasks named `name` were charged in all.
+    fn total(charges: &Charges, name: &str) -> f64 {
+        charges
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, ms)| ms)
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn each_task_is_charged_its_rows_share_of_the_passes_it_was_in() {
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            Packing {
+                step_rows: 64,
+                charge: Charge::Rows,
+                ..Packing::default()
+            },
+            CancellationToken::new(),
+        );
+        s.call(|l| l.pass_time = Duration::from_millis(40))
+            .await
+            .unwrap();
+        let charges = Charges::default();
+        let tasks = charged(&[("one", 2, 1), ("three", 2, 3)], &charges);
         for a in queued_together(&s, tasks).await {
             a.await.unwrap().unwrap();
         }
         let passes = s.call(|l| l.passes.clone()).await.unwrap();
         assert_eq!(passes.len(), 2, "{passes:?}");
-        let charges = charges.lock().unwrap().clone();
-        let total = |name: &str| -> f64 {
-            charges
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, ms)| ms)
-                .sum()
-        };
-        let (one, three) = (total("one"), total("three"));
+        let (one, three) = (total(&charges, "one"), total(&charges, "three"));
         // Two passes of at least 40 ms each, split 1:3 by rows.
         assert!(one + three >= 80.0, "{charges:?}");
         assert!((three / one - 3.0).abs() < 1e-9, "{charges:?}");
+    }
+
+    #[tokio::test]
+    async fn by_default_a_task_is_charged_the_passes_fixed_part_in_equal_shares_and_its_rows_at_their_price()
+     {
+        // Passes of 30 ms and 4 ms a row (at least: sleeps overrun).
+        let s = ledger_scheduler(16, 64);
+        s.call(|l| {
+            l.pass_time = Duration::from_millis(30);
+            l.row_time = Duration::from_millis(4);
+        })
+        .await
+        .unwrap();
+        // Passes of 1 and 8 rows alone, so that the line can be read; then a 1-row and a 3-row task together.
+        let charges = Charges::default();
+        for task in charged(&[("lone1", 3, 1), ("lone8", 3, 8)], &charges) {
+            for a in queued_together(&s, vec![task]).await {
+                a.await.unwrap().unwrap();
+            }
+        }
+        let tasks = charged(&[("one", 2, 1), ("three", 2, 3)], &charges);
+        for a in queued_together(&s, tasks).await {
+            a.await.unwrap().unwrap();
+        }
+        let passes = s.call(|l| l.passes.clone()).await.unwrap();
+        assert_eq!(passes.len(), 8, "{passes:?}");
+        let (one, three) = (total(&charges, "one"), total(&charges, "three"));
+        // Each of the two shared passes: 15 ms of the fixed part to each task, 4 ms a row: 19 against 27 (by rows
+        // it would be 1:3). A task alone is charged its whole pass.
+        let ratio = three / one;
+        assert!((1.2..1.7).contains(&ratio), "{ratio} {charges:?}");
+        assert!(one + three >= 2.0 * 46.0, "{charges:?}");
+        assert!(total(&charges, "lone8") >= 3.0 * 62.0, "{charges:?}");
+    }
+
+    #[test]
+    fn a_pass_line_is_read_once_the_rows_spread_and_shares_sum_to_the_pass() {
+        let mut line = PassLine::default();
+        for _ in 0..20 {
+            line.add(4, 50.0);
+        }
+        assert_eq!(line.line(), None, "no spread in the rows: no line");
+        for rows in [1, 8, 16, 4, 128] {
+            line.add(rows, 30.0 + 5.0 * rows as f64);
+        }
+        let (fixed, per_row) = line.line().unwrap();
+        assert!(
+            (fixed - 30.0).abs() < 1e-6 && (per_row - 5.0).abs() < 1e-6,
+            "{fixed} {per_row}"
+        );
+        // A fit with rows that cost nothing (or a negative fixed part) is no line.
+        let mut flat = PassLine::default();
+        for rows in [1, 8, 1, 8] {
+            flat.add(rows, 40.0);
+        }
+        assert_eq!(flat.line(), None);
+        let mut steep = PassLine::default();
+        for rows in [1, 8, 1, 8] {
+            steep.add(rows, 10.0 * rows as f64 - 5.0);
+        }
+        assert_eq!(steep.line(), None);
+
+        let rows = [1, 4, 1];
+        let marginal = shares(Charge::Marginal, Some((30.0, 5.0)), &rows);
+        let want = [15.0 / 60.0, 30.0 / 60.0, 15.0 / 60.0];
+        for (got, want) in marginal.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{marginal:?}");
+        }
+        assert_eq!(
+            shares(Charge::Rows, Some((30.0, 5.0)), &rows),
+            vec![1.0 / 6.0, 4.0 / 6.0, 1.0 / 6.0]
+        );
+        assert_eq!(
+            shares(Charge::Marginal, None, &rows),
+            vec![1.0 / 6.0, 4.0 / 6.0, 1.0 / 6.0]
+        );
+        assert_eq!(shares(Charge::Marginal, Some((30.0, 5.0)), &[7]), vec![1.0]);
+        assert!(shares(Charge::Marginal, None, &[]).is_empty());
+        assert_eq!(shares(Charge::Rows, None, &[0, 0]), vec![0.5, 0.5]);
+        assert_eq!("rows".parse::<Charge>(), Ok(Charge::Rows));
+        assert_eq!("marginal".parse::<Charge>(), Ok(Charge::Marginal));
+        assert!(
+            "fair"
+                .parse::<Charge>()
+                .unwrap_err()
+                .contains("rows or marginal")
+        );
     }
 
     #[tokio::test]

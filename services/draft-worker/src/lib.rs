@@ -45,6 +45,8 @@ pub struct DraftWorkerConfig {
     pub max_sessions: usize,
     /// Rows one packed forward pass holds at most (a prefill is cut to the room the drafts' steps leave).
     pub step_rows: usize,
+    /// How a pass's time is split among the requests in it (`--charge`).
+    pub charge: parse_worker::scheduler::Charge,
 }
 
 impl Default for DraftWorkerConfig {
@@ -56,6 +58,7 @@ impl Default for DraftWorkerConfig {
             security: Default::default(),
             max_sessions: 256,
             step_rows: 128,
+            charge: Default::default(),
         }
     }
 }
@@ -85,6 +88,7 @@ impl DraftWorker {
                 session_ttl: cfg.session_ttl,
                 name: "draft worker",
                 step_rows: cfg.step_rows,
+                charge: cfg.charge,
             },
             cancel,
         );

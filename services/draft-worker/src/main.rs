@@ -37,6 +37,11 @@ struct Args {
     /// batching), and a prompt's prefill is cut to the room they leave. 0 is refused.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65536))]
     step_rows: u64,
+    /// How a packed pass's time is split among the requests in it, which the router's pacing weighs at loads
+    /// above one request: `marginal` (the pass's fixed part in equal shares, each row at what a row adds, by a line
+    /// fitted to recent passes) or `rows` (each request its rows' share).
+    #[arg(long, env = "PARSE_CHARGE", default_value = "marginal")]
+    charge: parse_worker::scheduler::Charge,
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
     session_ttl_s: u64,
@@ -87,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
             session_ttl: Duration::from_secs(args.session_ttl_s),
             max_sessions: args.max_sessions.max(1),
             step_rows: args.step_rows as usize,
+            charge: args.charge,
             security,
             ..Default::default()
         },

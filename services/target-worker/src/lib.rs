@@ -42,6 +42,8 @@ pub struct TargetWorkerConfig {
     /// Rows one packed forward pass holds at most (continuous batching: the steps of every running request share
     /// a pass; a prefill is cut to the room left).
     pub step_rows: usize,
+    /// How a pass's time is split among the requests in it (`--charge`).
+    pub charge: parse_worker::scheduler::Charge,
     /// How often a tensor-parallel leader checks its followers.
     pub heartbeat: Duration,
     /// Mutual TLS and the cluster token its callers must present.
@@ -57,6 +59,7 @@ impl Default for TargetWorkerConfig {
             session_ttl: Duration::from_secs(300),
             max_extend: 4096,
             step_rows: DEFAULT_STEP_ROWS,
+            charge: Default::default(),
             heartbeat: Duration::from_secs(1),
             security: Default::default(),
             max_sessions: 256,
@@ -103,6 +106,7 @@ impl TargetWorker {
                 session_ttl: cfg.session_ttl,
                 name: "target worker",
                 step_rows: cfg.step_rows,
+                charge: cfg.charge,
             },
             cancel,
         );
