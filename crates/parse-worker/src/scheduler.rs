@@ -101,12 +101,15 @@ pub struct Packing {
 pub enum Charge {
     /// Each block its rows' share. A speculative round's `1 + k` rows that write `1 + a` tokens then never cost
     /// less a token than one-row steps in the same passes, whatever the pass's rows cost beyond its fixed part.
+    /// The default: on a 2-core Zen 5 CPU, the default `parse` mode read 1.257x `target` at 2 clients charged by
+    /// rows against 1.085x charged what it adds, in one pair of runs, and the two were even within the spread at
+    /// 4 and 8 clients (docs/figures.md, "Each request charged what it adds to a pass").
+    #[default]
     Rows,
     /// What each block adds: the pass's fixed part (a pass's time at no rows, by a line fitted to recent passes'
     /// times in their rows, [`PassLine`]) in equal shares among its blocks, the rest by rows. A block's extra rows
     /// are charged what they add to the pass, so a round pays at a load where the tokens it keeps cost less than
     /// the rows it adds, as the pool's throughput has it. By rows until the line can be read.
-    #[default]
     Marginal,
 }
 
@@ -838,10 +841,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn by_default_a_task_is_charged_the_passes_fixed_part_in_equal_shares_and_its_rows_at_their_price()
+    async fn charged_marginally_a_task_pays_the_passes_fixed_part_in_equal_shares_and_its_rows_at_their_price()
      {
         // Passes of 30 ms and 4 ms a row (at least: sleeps overrun).
-        let s = ledger_scheduler(16, 64);
+        let s = Scheduler::spawn(
+            "test",
+            Ledger::default(),
+            16,
+            Packing {
+                step_rows: 64,
+                charge: Charge::Marginal,
+                ..Packing::default()
+            },
+            CancellationToken::new(),
+        );
         s.call(|l| {
             l.pass_time = Duration::from_millis(30);
             l.row_time = Duration::from_millis(4);
@@ -863,9 +876,9 @@ mod tests {
         assert_eq!(passes.len(), 8, "{passes:?}");
         let (one, three) = (total(&charges, "one"), total(&charges, "three"));
         // Each of the two shared passes: 15 ms of the fixed part to each task, 4 ms a row: 19 against 27 (by rows
-        // it would be 1:3). A task alone is charged its whole pass.
+        // it would be 1:3: the bounds leave room for sleeps that overrun). A task alone is charged its whole pass.
         let ratio = three / one;
-        assert!((1.2..1.7).contains(&ratio), "{ratio} {charges:?}");
+        assert!((1.1..2.2).contains(&ratio), "{ratio} {charges:?}");
         assert!(one + three >= 2.0 * 46.0, "{charges:?}");
         assert!(total(&charges, "lone8") >= 3.0 * 62.0, "{charges:?}");
     }
@@ -914,6 +927,7 @@ mod tests {
         assert_eq!(shares(Charge::Marginal, Some((30.0, 5.0)), &[7]), vec![1.0]);
         assert!(shares(Charge::Marginal, None, &[]).is_empty());
         assert_eq!(shares(Charge::Rows, None, &[0, 0]), vec![0.5, 0.5]);
+        assert_eq!(Charge::default(), Charge::Rows);
         assert_eq!("rows".parse::<Charge>(), Ok(Charge::Rows));
         assert_eq!("marginal".parse::<Charge>(), Ok(Charge::Marginal));
         assert!(
