@@ -811,19 +811,24 @@ mod tests {
             .sum()
     }
 
-    #[tokio::test]
-    async fn each_task_is_charged_its_rows_share_of_the_passes_it_was_in() {
-        let s = Scheduler::spawn(
+    /// A scheduler over an empty ledger (a queue of 16 calls, passes of 64 rows) that splits passes by `charge`.
+    fn charging_scheduler(charge: Charge) -> Scheduler<Ledger> {
+        let packing = Packing {
+            charge,
+            ..packing(64)
+        };
+        Scheduler::spawn(
             "test",
             Ledger::default(),
             16,
-            Packing {
-                step_rows: 64,
-                charge: Charge::Rows,
-                ..Packing::default()
-            },
+            packing,
             CancellationToken::new(),
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn each_task_is_charged_its_rows_share_of_the_passes_it_was_in() {
+        let s = charging_scheduler(Charge::Rows);
         s.call(|l| l.pass_time = Duration::from_millis(40))
             .await
             .unwrap();
@@ -844,17 +849,7 @@ mod tests {
     async fn charged_marginally_a_task_pays_the_passes_fixed_part_in_equal_shares_and_its_rows_at_their_price()
      {
         // Passes of 30 ms and 4 ms a row (at least: sleeps overrun).
-        let s = Scheduler::spawn(
-            "test",
-            Ledger::default(),
-            16,
-            Packing {
-                step_rows: 64,
-                charge: Charge::Marginal,
-                ..Packing::default()
-            },
-            CancellationToken::new(),
-        );
+        let s = charging_scheduler(Charge::Marginal);
         s.call(|l| {
             l.pass_time = Duration::from_millis(30);
             l.row_time = Duration::from_millis(4);
