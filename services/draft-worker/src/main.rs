@@ -38,9 +38,9 @@ struct Args {
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65536))]
     step_rows: u64,
     /// How a packed pass's time is split among the requests in it, which the router's pacing weighs at loads
-    /// above one request: `rows` (each request its rows' share) or `marginal` (the pass's fixed part in equal
-    /// shares, each row at what a row adds, by a line fitted to recent passes).
-    #[arg(long, env = "PARSE_CHARGE", default_value = "rows")]
+    /// above one request: `marginal` (the default: the pass's fixed part in equal shares, each row at what a row
+    /// adds, by a line fitted to recent passes) or `rows` (each request its rows' share).
+    #[arg(long, env = "PARSE_CHARGE", default_value = "marginal")]
     charge: parse_worker::scheduler::Charge,
     /// Seconds before an idle session is released.
     #[arg(long, default_value_t = 300)]
