@@ -109,9 +109,10 @@ pub enum Charge {
     ///
     /// The default. On a 2-core AMX Xeon, whose passes read about 54 ms fixed and 3.4 ms a row, the default `parse`
     /// mode at 8 clients read 1.080x `target` over six repetitions charged this way against 0.985x by rows (every
-    /// repetition of the one above every one of the other), and even at 2 clients (1.376x and 1.398x); on a 2-core Zen 5
-    /// EPYC (about 25 ms fixed, 4-5 ms a row) 1.028x against 0.998x at 8 clients and 1.017x against 0.977x at 4
-    /// (docs/figures.md, "Each request charged what it adds to a pass" and the AMX section after it).
+    /// repetition of the one above every one of the other), and even at 2 clients (1.376x and 1.398x); on a 2-core
+    /// Zen 5 EPYC (about 25 ms fixed, 4-5 ms a row) 1.028x against 0.998x at 8 clients and 1.017x against 0.977x at
+    /// 4 (docs/figures.md, "Each request charged what it adds to a pass" and "Prompt lookup on all 500 XSum
+    /// prompts").
     #[default]
     Marginal,
 }
