@@ -112,7 +112,9 @@ pub enum Charge {
     /// repetition of the one above every one of the other), and even at 2 clients (1.376x and 1.398x); on a 2-core
     /// Zen 5 EPYC (about 25 ms fixed, 4-5 ms a row) 1.028x against 0.998x at 8 clients and 1.017x against 0.977x at
     /// 4 (docs/figures.md, "Each request charged what it adds to a pass" and "Prompt lookup on all 500 XSum
-    /// prompts").
+    /// prompts"). On a 2-core AVX2-only Zen 3 EPYC (34-54 ms fixed, 10-15 ms a row) both splits let the target
+    /// write 84-94% of the output alone at 8 clients and could not be told apart ("The two splits at 8 clients
+    /// without AVX-512").
     #[default]
     Marginal,
 }
