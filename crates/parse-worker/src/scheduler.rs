@@ -114,10 +114,10 @@ pub enum Charge {
     /// 4 (docs/figures.md, "Each request charged what it adds to a pass" and "Prompt lookup on all 500 XSum
     /// prompts"). On a 2-core AVX2-only Zen 3 EPYC (34-54 ms fixed, 10-15 ms a row) both splits let the target
     /// write 84-94% of the output alone at 8 clients and could not be told apart ("The two splits at 8 clients
-    /// without AVX-512"). On a 2-core Zen 4 EPYC (41-54 ms fixed, 5-7 ms a row) 0.986x against 1.003x at 8 clients
-    /// over fifteen repetitions each: charged this way prompt lookup's copy rounds went on, and at a row costing
-    /// half of what a token written alone does there they gained nothing ("The two splits at 8 clients on a Zen 4
-    /// EPYC").
+    /// without AVX-512"). On a 2-core Zen 4 EPYC (41-54 ms fixed, 4.8-6.7 ms a row) 0.986x against 1.003x at 8
+    /// clients over fifteen repetitions each: charged this way prompt lookup's copy rounds went on, and at a row
+    /// costing half of what a token written alone does there they gained nothing ("The two splits at 8 clients on a
+    /// Zen 4 EPYC").
     #[default]
     Marginal,
 }
