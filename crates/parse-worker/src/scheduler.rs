@@ -117,7 +117,9 @@ pub enum Charge {
     /// without AVX-512"). On a 2-core Zen 4 EPYC (41-54 ms fixed, 4.8-6.7 ms a row) 0.986x against 1.003x at 8
     /// clients over fifteen repetitions each: charged this way prompt lookup's copy rounds went on, and at a row
     /// costing half of what a token written alone does there they gained nothing ("The two splits at 8 clients on a
-    /// Zen 4 EPYC").
+    /// Zen 4 EPYC"). On a 2-core Intel Xeon with VNNI and no AMX (42-63 ms fixed, 8.1-11.6 ms a row) 1.002x against
+    /// 0.959x over nine repetitions each, not told apart either ("The two splits at 8 clients on an Intel CPU with
+    /// VNNI and no AMX").
     #[default]
     Marginal,
 }
