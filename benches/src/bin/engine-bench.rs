@@ -93,6 +93,12 @@ struct Args {
     /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q6k_pairs: bool,
+    /// Instead of the report: time each model's passes with the weighted sums of attention's path without AVX-512
+    /// taking each (row, head) over all its keys in one pass and going by runs of keys, every (row, head) over a
+    /// run's values before the next, alternating pass by pass in one process (`ops::set_values_by_runs`; the same
+    /// bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_values_by_runs: bool,
     /// Instead of the report: time each model's passes with the AVX2 Q4_K lanes kernel's two-row blocks scheduled
     /// as the compiler chose and with each sub-block's words read in order, alternating pass by pass in one process
     /// (`kernels::set_q4k_two_rows_in_order`; the same bits either way), as `--ab-attention` does
@@ -302,6 +308,18 @@ fn ab_q6k_pairs(name: &str, args: &Args) -> Result<()> {
         "Q6_K products one madd each and in pairs",
         ["one each", "pairs"],
         parse_engine::kernels::set_paired_q6k,
+    )
+}
+
+/// `--ab-values-by-runs`: one model's passes with attention's weighted sums (without AVX-512) in one pass per (row,
+/// head) and by runs of keys (`ops::set_values_by_runs`).
+fn ab_values_by_runs(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "attention's weighted sums without AVX-512 in one pass per (row, head) and by runs of keys",
+        ["one pass", "by runs"],
+        parse_engine::ops::set_values_by_runs,
     )
 }
 
@@ -721,6 +739,12 @@ fn main() -> Result<()> {
     if args.ab_q6k_pairs {
         for m in &args.models {
             ab_q6k_pairs(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_values_by_runs {
+        for m in &args.models {
+            ab_values_by_runs(m, &args)?;
         }
         return Ok(());
     }

@@ -345,6 +345,24 @@ static NARROW_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::Atom
 
 static ROWS_TOGETHER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
+static VALUES_BY_RUNS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets the weighted sums of [`attention`]'s path without AVX-512 go by runs of [`KEY_RUN`] keys, every (row, head)
+/// of a task over a run's values before the next (`true`, the default), or each (row, head) over all of its keys in
+/// one pass (`false`, as before), for benchmarks that time the two in one process (`engine-bench
+/// --ab-values-by-runs`); the outputs are the same bits.
+///
+/// In one pass, each of a KV head's query heads (six in the default target) and each row of a block read the head's
+/// values again: 768 KB after 1,500 tokens, more than a Zen 3 core's 512 KB of L2.
+pub fn set_values_by_runs(on: bool) {
+    VALUES_BY_RUNS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_values_by_runs`] left the runs on.
+fn values_by_runs() -> bool {
+    VALUES_BY_RUNS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Lets [`attention`]'s path without AVX-512 take a block's rows together and score keys 8 at a time (`true`, the
 /// default) or take each row alone and score key by key (`false`), for benchmarks that time the two in one process
 /// (`engine-bench --ab-attention-rows`); the outputs are the same bits.
@@ -475,10 +493,12 @@ const KEY_RUN: usize = 32;
 
 /// [`attention`] without the AVX-512 path, its work split by (KV head, run of `rb` rows): the rows of a task score
 /// each run of [`KEY_RUN`] keys in turn, so a key comes from memory once for all of them, and (`together`) score 8
-/// keys at a time with their sums reduced side by side ([`scores8`]). Per (row, head) the scores, softmax and
-/// weighted sum ([`weighted_sum`], one head per pass over the values) are the same operations in the same order as
-/// the row alone runs them (`rb` 1, keys one by one, as before rows went together): the same bits whatever `rb`.
-/// In-process alternation (`engine-bench --ab-attention-rows`) measures the difference.
+/// keys at a time with their sums reduced side by side ([`scores8`]). The weighted sums go by the same runs: every
+/// (row, head) of the task sums a run's values before the next run ([`set_values_by_runs`]), each output element's
+/// chain carried over from run to run in key order. Per (row, head) the scores, softmax and weighted sum
+/// ([`weighted_sum`]) are the same operations in the same order as the row alone runs them (`rb` 1, keys one by one,
+/// as before rows went together): the same bits whatever `rb`. In-process alternation (`engine-bench
+/// --ab-attention-rows`, `--ab-values-by-runs`) measures the differences.
 #[allow(clippy::too_many_arguments)]
 fn attention_narrow(
     q: &[f32],
@@ -560,15 +580,25 @@ fn attention_narrow(
                     sums[j * group + h] = crate::vexp::exp_sum(sh, crate::vexp::max_of(sh));
                 }
             }
-            for (j, ks) in keys.iter().enumerate() {
-                let n = ks.len();
-                for h in 0..group {
-                    let p = ks
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &t)| (scores[j][h * n + i], t * kv_stride + kvh * hd));
-                    let at = (j * group + h) * hd;
-                    weighted_sum(p, v_cache, &mut o[at..at + hd]);
+            // By runs of keys, every (row, head) of the task over a run before the next ([`set_values_by_runs`]), so
+            // that a run's values are read from memory once for all of them; or each (row, head) over all its keys.
+            let run = if values_by_runs() {
+                KEY_RUN
+            } else {
+                most.max(1)
+            };
+            for i0 in (0..most).step_by(run) {
+                for (j, ks) in keys.iter().enumerate() {
+                    let n = ks.len();
+                    let end = (i0 + run).min(n);
+                    for h in 0..group {
+                        let p = ks[i0.min(end)..end]
+                            .iter()
+                            .zip(&scores[j][h * n + i0.min(end)..h * n + end])
+                            .map(|(&t, &pi)| (pi, t * kv_stride + kvh * hd));
+                        let at = (j * group + h) * hd;
+                        weighted_sum(p, v_cache, &mut o[at..at + hd]);
+                    }
                 }
             }
             for (a, inv) in o.chunks_mut(hd).zip(sums.iter().map(|s| 1.0 / s)) {
@@ -1139,7 +1169,9 @@ mod tests {
             let (k, v, q, mask, s) = attention_case(case, rows, 3);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let mut alone = vec![0f32; q.len()];
-            // As before rows went together: each row alone, key by key.
+            // As before rows went together: each row alone, key by key, each (row, head) summing all of its values in
+            // one pass. (The switch is global; other tests running meanwhile get the same bits either way.)
+            set_values_by_runs(false);
             attention_narrow(&q, &k, &v, &mask, &s, &mut alone, 1, false);
             // Each row by itself, as a block of one row.
             let width = n_heads * head_dim;
@@ -1161,14 +1193,18 @@ mod tests {
                     "row {r}"
                 );
             }
-            for rb in [1, 2, 3, 7, 8] {
-                let mut together = vec![0f32; q.len()];
-                attention_narrow(&q, &k, &v, &mask, &s, &mut together, rb, true);
-                assert_eq!(
-                    bits(&alone),
-                    bits(&together),
-                    "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {rb} rows a task"
-                );
+            for runs in [false, true] {
+                set_values_by_runs(runs);
+                for rb in [1, 2, 3, 7, 8] {
+                    let mut together = vec![0f32; q.len()];
+                    attention_narrow(&q, &k, &v, &mask, &s, &mut together, rb, true);
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&together),
+                        "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {rb} rows a task, values by runs \
+                         {runs}"
+                    );
+                }
             }
             assert!(alone.iter().all(|x| x.is_finite() && *x != 0.0));
             // Against the plain loops: softmax-weighted values, within float rounding.
