@@ -590,11 +590,15 @@ fn attention_narrow(
             for i0 in (0..most).step_by(run) {
                 for (j, ks) in keys.iter().enumerate() {
                     let n = ks.len();
+                    if i0 >= n {
+                        // This row's keys ended in an earlier run.
+                        continue;
+                    }
                     let end = (i0 + run).min(n);
                     for h in 0..group {
-                        let p = ks[i0.min(end)..end]
+                        let p = ks[i0..end]
                             .iter()
-                            .zip(&scores[j][h * n + i0.min(end)..h * n + end])
+                            .zip(&scores[j][h * n + i0..h * n + end])
                             .map(|(&t, &pi)| (pi, t * kv_stride + kvh * hd));
                         let at = (j * group + h) * hd;
                         weighted_sum(p, v_cache, &mut o[at..at + hd]);
