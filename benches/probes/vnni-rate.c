@@ -2,6 +2,8 @@
 // word broadcast from memory (as the VNNI row-group kernels take it), with one broadcast serving two weight vectors,
 // and `vpmulld` for comparison. Eight independent chains each. A probe of the CPU, not of the engine (docs/figures.md,
 // "Two groups to a broadcast, tried").
+// gcc's code for these loops carries register-to-register copies beside the `vpdpbusd` (objdump shows them), so
+// the rates are lower bounds and move from run to run.
 //
 //   gcc -O2 -mavx512f -mavx512vnni -mavx512bw benches/probes/vnni-rate.c -o /tmp/vnni-rate && /tmp/vnni-rate
 #include <immintrin.h>
