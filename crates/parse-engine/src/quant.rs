@@ -732,6 +732,9 @@ pub fn set_long_chunks(on: bool) {
 /// - On a 2-core AVX2-only Zen 1 EPYC (CPU family 23), it gave the target's blocks of 2, 4 and 8 rows
 ///   1.014-1.075, 0.998-1.174 and 0.990-1.094 of the L2-sized items' time over three runs, one-token steps
 ///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC").
+/// - On a 2-core AVX2-only Zen 2 EPYC (CPU family 23, model 49), the same command (four runs) gave the target's
+///   passes 0.978-1.054 at 1-4 rows, 0.996-1.173 at 8 and 0.954-1.159 at 16, the draft's 0.966-1.033: no gain, and
+///   13-17% slower at 8 and 16 rows in two runs (docs/figures.md, "Issue 15 on a Zen 2 EPYC").
 ///
 /// - On a 2-core AVX2-only Zen 3 EPYC (CPU family 25, model 1), the same command (two runs) gave the target's
 ///   passes 0.953-1.010 at one row, 0.988-1.003 at 2-4 rows, 1.017-1.118 at 8 and 1.030 at 16, the draft's
