@@ -258,19 +258,38 @@ fn sessions_packed_in_one_pass_match_each_alone() {
     }
 }
 
-/// A decode pass of several sessions (one row each, different lengths) attends in one batch, padded to the longest
-/// session (the CUDA default, forced here on the CPU): each session's logits are those of its row alone on the
+/// The same random model twice: one attending in batches (the CUDA default), one session by session.
+fn both_paths(arch: Arch, dtype: GgmlDType, seed: u64) -> (CandleModel, CandleModel) {
+    let kernels = model(arch, dtype, seed);
+    let mut batched = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
+    batched.set_batched_decode(true);
+    (
+        batched,
+        CandleModel::from_model(&kernels, &Device::Cpu).unwrap(),
+    )
+}
+
+/// A cache of `m` holding `prompt` (nothing for an empty one).
+fn prefilled(m: &CandleModel, prompt: &[u32]) -> parse_engine::candle::TensorCache {
+    let mut c = m.new_cache();
+    if !prompt.is_empty() {
+        let pos: Vec<u32> = (0..prompt.len() as u32).collect();
+        let mask = BlockMask::causal(0, prompt.len());
+        m.forward(&mut c, prompt, &pos, &mask, &[prompt.len() - 1])
+            .unwrap();
+    }
+    c
+}
+
+/// A decode pass of several sessions (one row each, different lengths) attends in one batch over their slots of
+/// the KV pool (the CUDA default, forced here on the CPU): each session's logits are those of its row alone on the
 /// per-session path, and its cache takes in exactly its row. One row sees only part of what it holds, so the
-/// padding's mask and the rows' own masks both count (with `decode_mask` broken this test fails: the batch ran).
+/// padding's mask and the rows' own masks both count (with the batch's mask broken this test fails: the batch ran).
 #[test]
 fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
     use parse_engine::model::Packed;
-    let kernels = model(Arch::Qwen2, GgmlDType::F32, 12);
-    let mut batched = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
-    batched.set_batched_decode(true);
-    let single = CandleModel::from_model(&kernels, &Device::Cpu).unwrap();
-    // Lengths 5, 2, 9, 0, 8 and 9: padded to the longest, the pass stacks 60 rows of keys for 39 held, within
-    // the twice that the batched path takes.
+    let (batched, single) = both_paths(Arch::Qwen2, GgmlDType::F32, 12);
+    // Lengths 5, 2, 9, 0, 8 and 9; the empty session takes its slot when the pass reserves room, after the others.
     let prompts: [&[u32]; 6] = [
         &[3, 4, 5, 6, 7],
         &[9, 8],
@@ -279,26 +298,7 @@ fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
         &[2, 2, 2, 2, 2, 2, 2, 2],
         &[11, 12, 13, 14, 15, 16, 17, 18, 19],
     ];
-    let fill = |m: &CandleModel| -> Vec<_> {
-        prompts
-            .iter()
-            .map(|p| {
-                let mut c = m.new_cache();
-                if !p.is_empty() {
-                    let pos: Vec<u32> = (0..p.len() as u32).collect();
-                    m.forward(
-                        &mut c,
-                        p,
-                        &pos,
-                        &BlockMask::causal(0, p.len()),
-                        &[p.len() - 1],
-                    )
-                    .unwrap();
-                }
-                c
-            })
-            .collect()
-    };
+    let fill = |m: &CandleModel| -> Vec<_> { prompts.iter().map(|p| prefilled(m, p)).collect() };
     let masks: Vec<BlockMask> = prompts
         .iter()
         .enumerate()
@@ -355,6 +355,184 @@ fn decode_rows_of_several_sessions_attend_in_one_batch_as_each_alone() {
             d < 1e-4,
             "session {i}, per-session path against the batch: {d}"
         );
+    }
+}
+
+/// Verification blocks of several sessions (three rows each, branched masks) attend in one batch per capacity
+/// class of the KV pool: sessions in two classes, given to the pass out of slot order, around a freed slot and a
+/// session that holds a full slot and is not in the pass. Each session's logits are those of its block alone on the
+/// per-session path; the session left out keeps exactly what it held (its next step gives the same logits as on a
+/// model that never ran the batch); and the pool gives its memory back when the sessions go.
+#[test]
+fn blocks_of_sessions_in_the_kv_pool_attend_by_class_as_each_alone() {
+    use parse_engine::model::Packed;
+    let (batched, single) = both_paths(Arch::Qwen2, GgmlDType::F32, 13);
+    let toks = |n: usize, seed: usize| -> Vec<u32> {
+        (0..n).map(|i| ((i * 7 + seed * 13) % 290) as u32).collect()
+    };
+    // Slots of the 256-token class: a 0, full 1 (256 tokens, left out of the pass), 2 and 3 freed, b 4; e holds
+    // nothing and takes slot 2 when the pass reserves its room, so slot 3 stays free inside the slots attended.
+    // long takes a slot of the 512-token class.
+    let (a, full, b, e, long) = (
+        toks(5, 1),
+        toks(256, 2),
+        toks(40, 4),
+        toks(0, 5),
+        toks(300, 6),
+    );
+    let mut ca = prefilled(&batched, &a);
+    let mut cfull = prefilled(&batched, &full);
+    let gone = (
+        prefilled(&batched, &toks(9, 3)),
+        prefilled(&batched, &toks(2, 7)),
+    );
+    let mut cb = prefilled(&batched, &b);
+    drop(gone);
+    let mut ce = prefilled(&batched, &e);
+    let mut clong = prefilled(&batched, &long);
+    assert_eq!(batched.kv_pool().sessions(), 4);
+    // Rows: the first sees the cache, the second the cache and the first, the third part of the cache and itself.
+    let block_mask = |held: usize| {
+        BlockMask::from_rows(vec![
+            MaskRow {
+                cached: held,
+                spans: vec![0..1],
+            },
+            MaskRow {
+                cached: held,
+                spans: vec![0..2],
+            },
+            MaskRow {
+                cached: held / 2,
+                spans: vec![2..3],
+            },
+        ])
+    };
+    let order = [(&long, 0usize), (&b, 1), (&a, 2), (&e, 3)];
+    let blocks: Vec<Vec<u32>> = order.iter().map(|(_, i)| toks(3, 20 + i)).collect();
+    let masks: Vec<BlockMask> = order.iter().map(|(p, _)| block_mask(p.len())).collect();
+    let positions: Vec<Vec<u32>> = order
+        .iter()
+        .map(|(p, _)| vec![p.len() as u32, p.len() as u32 + 1, p.len() as u32 + 1])
+        .collect();
+    let alone: Vec<Logits> = order
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| {
+            let mut c = prefilled(&single, p);
+            single
+                .forward(&mut c, &blocks[i], &positions[i], &masks[i], &[0, 1, 2])
+                .unwrap()
+        })
+        .collect();
+    let packed = {
+        let caches = [&mut clong, &mut cb, &mut ca, &mut ce];
+        let mut items: Vec<Packed<'_, _>> = caches
+            .into_iter()
+            .enumerate()
+            .map(|(i, cache)| Packed {
+                cache,
+                tokens: &blocks[i],
+                positions: &positions[i],
+                mask: &masks[i],
+                readout: &[0, 1, 2],
+            })
+            .collect();
+        batched.forward_packed(&mut items).unwrap()
+    };
+    for (i, (p, a)) in packed.iter().zip(&alone).enumerate() {
+        let d = rel_diff(a, p);
+        assert!(d < 1e-4, "session {i}: {d}");
+    }
+    for (c, n) in [(&clong, 303), (&cb, 43), (&ca, 8), (&ce, 3), (&cfull, 256)] {
+        assert_eq!(c.len(), n);
+    }
+    // The full session left out of the pass goes on as if the batch had not run; so does one that was in it.
+    let next = |m: &CandleModel, c: &mut parse_engine::candle::TensorCache, t: u32| {
+        let n = c.len();
+        m.forward(c, &[t], &[n as u32], &BlockMask::causal(n, 1), &[0])
+            .unwrap()
+    };
+    let mut fresh = prefilled(&single, &full);
+    let d = rel_diff(
+        &next(&single, &mut fresh, 77),
+        &next(&batched, &mut cfull, 77),
+    );
+    assert!(d < 1e-4, "the session left out: {d}");
+    assert!(batched.kv_pool().device_bytes() > 0);
+    drop((ca, cfull, cb, ce, clong));
+    assert_eq!(batched.kv_pool().sessions(), 0);
+    assert_eq!(batched.kv_pool().device_bytes(), 0);
+}
+
+/// A pass that mixes row counts, as a worker's pass mixes decode steps, verification blocks and a prompt chunk:
+/// the sessions with one row and those with two form a batched group each (their slots interleaved), the prompt
+/// chunk attends alone, and each session's logits are those of its block alone.
+#[test]
+fn a_pass_of_mixed_row_counts_attends_in_groups_as_each_alone() {
+    use parse_engine::model::Packed;
+    let (batched, single) = both_paths(Arch::Llama, GgmlDType::F32, 14);
+    let prompts: [Vec<u32>; 5] = std::array::from_fn(|i| {
+        (0..3 + 4 * i as u32)
+            .map(|t| (t * 11 + i as u32) % 290)
+            .collect()
+    });
+    let blocks: [Vec<u32>; 5] = std::array::from_fn(|i| {
+        let rows = [1, 2, 1, 2, 5][i];
+        (0..rows).map(|t| (t * 17 + 40 + i) as u32).collect()
+    });
+    let mut caches: Vec<_> = (0..5).map(|i| prefilled(&batched, &prompts[i])).collect();
+    let alone: Vec<Logits> = (0..5)
+        .map(|i| {
+            let mut c = prefilled(&single, &prompts[i]);
+            let n = prompts[i].len();
+            let b = &blocks[i];
+            let pos: Vec<u32> = (n..n + b.len()).map(|p| p as u32).collect();
+            let all: Vec<usize> = (0..b.len()).collect();
+            single
+                .forward(&mut c, b, &pos, &BlockMask::causal(n, b.len()), &all)
+                .unwrap()
+        })
+        .collect();
+    // In the pass: the prompt chunk first, then the others in reverse order of their slots.
+    let order = [4usize, 3, 2, 1, 0];
+    let masks: Vec<BlockMask> = order
+        .iter()
+        .map(|&i| BlockMask::causal(prompts[i].len(), blocks[i].len()))
+        .collect();
+    let positions: Vec<Vec<u32>> = order
+        .iter()
+        .map(|&i| {
+            (prompts[i].len()..prompts[i].len() + blocks[i].len())
+                .map(|p| p as u32)
+                .collect()
+        })
+        .collect();
+    let readouts: Vec<Vec<usize>> = order
+        .iter()
+        .map(|&i| (0..blocks[i].len()).collect())
+        .collect();
+    let mut refs: Vec<Option<&mut parse_engine::candle::TensorCache>> =
+        caches.iter_mut().map(Some).collect();
+    let mut items: Vec<Packed<'_, _>> = order
+        .iter()
+        .enumerate()
+        .map(|(j, &i)| Packed {
+            cache: refs[i].take().unwrap(),
+            tokens: &blocks[i],
+            positions: &positions[j],
+            mask: &masks[j],
+            readout: &readouts[j],
+        })
+        .collect();
+    let packed = batched.forward_packed(&mut items).unwrap();
+    for (j, &i) in order.iter().enumerate() {
+        let d = rel_diff(&alone[i], &packed[j]);
+        assert!(d < 1e-4, "session {i}: {d}");
+    }
+    drop(items);
+    for (i, c) in caches.iter().enumerate() {
+        assert_eq!(c.len(), prompts[i].len() + blocks[i].len());
     }
 }
 
@@ -446,6 +624,12 @@ fn bad_input_is_a_typed_error_and_leaves_the_cache_alone() {
     let mut wrong = kernel_net.new_cache();
     let err = candle_net.forward(&mut wrong, &[1], &[0], &BlockMask::causal(0, 1), &[0]);
     assert!(err.unwrap_err().to_string().contains("another backend"));
+    // So is a cache of another candle model of the same shape: its keys and values live in that model's pool.
+    let other =
+        CandleModel::from_model(&model(Arch::Qwen2, GgmlDType::F32, 1), &Device::Cpu).unwrap();
+    let mut theirs = other.new_cache();
+    let err = candle.forward(&mut theirs, &[1], &[0], &BlockMask::causal(0, 1), &[0]);
+    assert!(err.unwrap_err().to_string().contains("another model"));
     // After all the refusals the cache goes on exactly as if they had not happened.
     let after = candle
         .forward(&mut cache, &[5], &[2], &BlockMask::causal(2, 1), &[0])

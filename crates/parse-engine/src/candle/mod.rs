@@ -7,14 +7,14 @@
 //! tests state (`tests/candle_model.rs`), and greedy outputs of the shipped pair are the same.
 //!
 //! Layout follows candle-transformers: [`config`] (where and how to compute), [`cache`] (the KV cache of
-//! preallocated tensors), [`layer`] (one transformer block), [`model`] (embedding, layers, readout).
+//! pooled tensors of all sessions), [`layer`] (one transformer block), [`model`] (embedding, layers, readout).
 
 pub mod cache;
 pub mod config;
 pub mod layer;
 pub mod model;
 
-pub use cache::TensorCache;
+pub use cache::{KvPool, TensorCache};
 #[cfg(feature = "clap")]
 pub use config::ComputeArgs;
 pub use config::{Backend, Compute, DeviceSpec};

@@ -10,8 +10,8 @@ use crate::error::{Error, Result};
 use crate::model::{Logits, Model, ModelConfig, Packed};
 use crate::ops::RopeStyle;
 
-use super::cache::TensorCache;
-use super::layer::{self, Layer, Rotary, Rows};
+use super::cache::{KvPool, TensorCache};
+use super::layer::{self, Batch, Layer, PassKv, Rotary, Rows};
 
 /// A model whose weights live on a candle device.
 pub struct CandleModel {
@@ -24,9 +24,12 @@ pub struct CandleModel {
     inv_freq: Vec<f32>,
     neox: bool,
     weight_bytes: usize,
-    /// Passes in which every session brings one row attend in one batch ([`layer::decode_attention`]); else
-    /// session by session. On by default on CUDA devices, where per-session attention is bound by kernel launches.
-    batched_decode: bool,
+    /// The keys and values of every session of this model ([`KvPool`]).
+    pool: Arc<KvPool>,
+    /// Passes in which every session brings the same number of rows attend by capacity class, one product per
+    /// step for all of a class's sessions ([`Batch`]); else session by session. On by default on CUDA devices,
+    /// where per-session attention is bound by kernel launches.
+    batched: bool,
 }
 
 impl std::fmt::Debug for CandleModel {
@@ -65,6 +68,7 @@ impl CandleModel {
             .map(|i| 1.0 / (cfg.rope_theta as f64).powf(2.0 * i as f64 / hd as f64) as f32)
             .collect();
         Ok(CandleModel {
+            pool: Arc::new(KvPool::new(&cfg, device)),
             neox: cfg.rope_style == RopeStyle::Neox,
             norm: layer::vector(&w.norm, device)?,
             weight_bytes: model.weight_bytes(),
@@ -74,14 +78,20 @@ impl CandleModel {
             layers,
             lm_head,
             inv_freq,
-            batched_decode: device.is_cuda(),
+            batched: device.is_cuda(),
         })
     }
 
-    /// Whether decode passes of several sessions attend in one batch (the default on CUDA) or session by session
-    /// (the default elsewhere). The results agree to rounding either way.
+    /// Whether passes of several sessions with the same number of rows each (decode steps, verification blocks
+    /// of one length) attend in one batch per capacity class (the default on CUDA) or session by session (the
+    /// default elsewhere). The results agree to rounding either way.
     pub fn set_batched_decode(&mut self, on: bool) {
-        self.batched_decode = on;
+        self.batched = on;
+    }
+
+    /// The pool holding every session's keys and values.
+    pub fn kv_pool(&self) -> &KvPool {
+        &self.pool
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -99,7 +109,7 @@ impl CandleModel {
 
     /// An empty cache for a session.
     pub fn new_cache(&self) -> TensorCache {
-        TensorCache::new(&self.cfg)
+        TensorCache::new(&self.cfg, self.pool.clone())
     }
 
     /// Every check `forward` makes before touching the cache.
@@ -113,7 +123,7 @@ impl CandleModel {
     ) -> Result<()> {
         self.cfg
             .check_block(cache.len(), tokens, positions, mask, readout)?;
-        if !cache.fits(&self.cfg) {
+        if !cache.belongs_to(&self.pool) {
             return Err(Error::invalid("KV cache was made for another model"));
         }
         Ok(())
@@ -153,7 +163,7 @@ impl CandleModel {
         let dev = &self.device;
         for it in items.iter_mut() {
             let total = it.cache.len() + it.tokens.len();
-            it.cache.reserve(total, dev)?;
+            it.cache.reserve(total)?;
         }
         let tokens: Vec<u32> = items
             .iter()
@@ -172,20 +182,6 @@ impl CandleModel {
             sin,
             neox: self.neox,
         };
-        // Decode rows attend in one batch where their sessions' lengths are close enough that padding them to the
-        // longest at most doubles the keys and values stacked (a layer's transient copy then stays within twice
-        // what the sessions hold in that layer); else session by session.
-        let held: usize = items.iter().map(|it| it.cache.len() + 1).sum();
-        let longest = items.iter().map(|it| it.cache.len() + 1).max().unwrap_or(0);
-        let decode = (self.batched_decode
-            && items.len() > 1
-            && items.iter().all(|it| it.tokens.len() == 1)
-            && items.len() * longest <= 2 * held)
-            .then(|| {
-                let rows: Vec<_> = items.iter().map(|it| (it.mask, it.cache.len())).collect();
-                layer::decode_mask(&rows, dev)
-            })
-            .transpose()?;
         let mut sessions = Vec::with_capacity(items.len());
         let mut start = 0;
         for it in items.iter() {
@@ -193,16 +189,38 @@ impl CandleModel {
             sessions.push(Rows {
                 start,
                 rows,
-                cache: it.cache,
-                mask: match decode {
-                    Some(_) => None,
-                    None => Some(layer::dense_mask(it.mask, it.cache.len(), dev)?),
-                },
+                held: it.cache.len(),
+                slot: it
+                    .cache
+                    .slot()
+                    .ok_or_else(|| Error::invalid("a session's block found no room reserved"))?,
+                mask: None,
             });
             start += rows;
         }
+        let kv = PassKv::take(&self.pool, sessions.iter().map(|s| s.slot))?;
+        let batch = (self.batched && items.len() > 1)
+            .then(|| {
+                let masks: Vec<_> = items.iter().map(|it| it.mask).collect();
+                Batch::plan(
+                    &sessions,
+                    &masks,
+                    self.cfg.head_dim,
+                    self.cfg.n_kv_heads,
+                    dev,
+                )
+            })
+            .transpose()?;
+        // Sessions that attend one by one carry their own dense masks.
+        let singles: Vec<usize> = match &batch {
+            Some(b) => b.singles().to_vec(),
+            None => (0..items.len()).collect(),
+        };
+        for i in singles {
+            sessions[i].mask = Some(layer::dense_mask(items[i].mask, sessions[i].held, dev)?);
+        }
         for (li, l) in self.layers.iter().enumerate() {
-            x = l.forward(&self.cfg, li, &x, &rotary, &sessions, decode.as_ref())?;
+            x = l.forward(&self.cfg, li, &x, &rotary, &sessions, &kv, batch.as_ref())?;
         }
         let mut readout = Vec::new();
         let mut offset = 0;
@@ -211,7 +229,6 @@ impl CandleModel {
             offset += it.tokens.len();
         }
         let all = self.readout(&x, readout)?;
-        drop(sessions);
         let vocab = self.cfg.vocab_size;
         let mut out = Vec::with_capacity(items.len());
         let mut data = all.as_slice();
