@@ -5,13 +5,13 @@
 //! over a 32-token prompt against the f32 definition of the same random model (its weights dequantized, no
 //! activation rounding): the definition run on the device within 1% of the largest logit with at least 90% of the
 //! rows' argmax the same (the wiring), the device on the GGUF formats no further from it than twice the CPU
-//! kernel model is, plus 1%; truncate and re-append gives the logits the first append gave; a decode pass of
-//! several sessions of different lengths attended in one batch gives the per-session path's logits on a one-layer
-//! cut of the shape (within 1e-4). Timings (each shape, a session holding `--context` tokens): one decode step, verification blocks
+//! kernel model is, plus 1%; truncate and re-append gives the logits the first append gave; a pass of several
+//! sessions of different lengths (1 and 4 rows each) attended in one batch per class of the KV pool gives the
+//! per-session path's logits on a one-layer cut of the shape (within 1e-4). Timings (each shape, a session holding `--context` tokens): one decode step, verification blocks
 //! of `--blocks` rows with logits at every row (what a PARSE verification reads), a `--prefill`-token prefill; each
 //! block's cost is reported as a multiple of a decode step and per token as a fraction of one. Batched passes
 //! (continuous batching's shape): `--sessions` sessions at `--context` tokens each bring `--batch-rows` rows to one
-//! pass; their rows per second against one session's, decode rows both with attention per session and batched.
+//! pass; their rows per second against one session's, with attention per session and batched.
 //!
 //! Built with `--features cuda` (deploy/gpu/build-cuda.sh) and run on the GPU host by deploy/gpu/run-on-gpu.sh.
 //! On a build without CUDA, `--device cpu` runs the same program on candle's CPU backend (CI runs it that way on
@@ -73,6 +73,10 @@ struct Args {
     /// Skip the comparison with the CPU kernel model (timings only).
     #[arg(long)]
     no_check: bool,
+    /// Run the shapes' passes with every quantized matmul dequantizing its weights and multiplying on cuBLAS
+    /// (candle's fallback) instead of the MMVQ / MMQ kernels, to compare the two at each row count.
+    #[arg(long)]
+    dequantize: bool,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -339,13 +343,19 @@ fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serd
             cache.truncate(base);
             Ok(())
         })?;
+        // As measured, so that a run stopped by a time limit still leaves its timings.
+        eprintln!(
+            "{}: a block of {r} rows {ms:.2} ms ({:.2} steps of {step:.2} ms)",
+            s.name,
+            ms / step
+        );
         rows.push(
             json!({"rows": r, "ms": ms, "x_step": ms / step, "per_token": ms / step / r as f64}),
         );
     }
     let decode_paths = check_decode_paths(args, dev, s, &cfg, &mut model, &ctx)?;
     ok = ok && decode_paths["ok"].as_bool() != Some(false);
-    let batched = bench_batched(args, &mut model, &ctx)?;
+    let batched = bench_batched(args, s.name, &mut model, &ctx)?;
     let prompt = tokens(args.prefill, vocab, 5);
     let prefill = time(args.reps.min(3), || {
         let mut c = model.new_cache();
@@ -446,9 +456,9 @@ fn set_dmmv(on: bool) {
     let _ = on;
 }
 
-/// Batched decode attention against session by session (see [`compare_decode_paths`]) where the batched passes
-/// include decode rows of several sessions: judged on a one-layer cut of the shape (the same first layer and
-/// embedding), where the two paths differ only in the order of the attention's sums (within 1e-4 of the largest
+/// Batched attention against session by session (see [`compare_decode_paths`]), in passes of 1 and 4 rows per
+/// session, where the batched passes include decode rows of several sessions: judged on a one-layer cut of the
+/// shape (the same first layer and embedding), where the two paths differ only in the order of the attention's sums (within 1e-4 of the largest
 /// logit, argmax the same); on the whole model reported only, since a difference in the last bit can flip an
 /// activation's rounding to Q8_1 in a later layer, and random layers amplify that (an H100 gave 0 at one layer,
 /// 1.5e-4 at two, 1e-2 at eight, 2e-2 at 28, argmax the same everywhere).
@@ -469,32 +479,45 @@ fn check_decode_paths(
     cut.n_layers = 1;
     let mut one =
         CandleModel::from_model(&Model::random_in(cut, s.layers, s.embed, s.head, 42)?, dev)?;
-    let (d1, a1) = compare_decode_paths(&mut one, ctx, n)?;
-    drop(one);
-    let (d, a) = compare_decode_paths(model, ctx, n)?;
-    let ok = d1 < 1e-4 && a1 == 1.0;
-    eprintln!(
-        "{}: a decode pass of {n} sessions of different lengths, batched attention against per session: one layer \
-         {d1:.2e} of the largest logit apart, argmax {:.0}% the same: {}; the whole model {d:.2e}, {:.0}%",
-        s.name,
-        a1 * 100.0,
-        if ok { "ok" } else { "FAILED" },
-        a * 100.0
-    );
-    Ok(json!({
-        "sessions": n,
-        "one_layer_rel_diff": d1,
-        "one_layer_argmax_agreement": a1,
-        "rel_diff": d,
-        "argmax_agreement": a,
-        "ok": ok,
-    }))
+    let mut out = Vec::new();
+    for rows in [1, 4] {
+        let (d1, a1) = compare_decode_paths(&mut one, ctx, n, rows)?;
+        let (d, a) = compare_decode_paths(model, ctx, n, rows)?;
+        let ok = d1 < 1e-4 && a1 == 1.0;
+        eprintln!(
+            "{}: a pass of {n} sessions of different lengths, {rows} rows each, batched attention against per \
+             session: one layer {d1:.2e} of the largest logit apart, argmax {:.0}% the same: {}; the whole model \
+             {d:.2e}, {:.0}%",
+            s.name,
+            a1 * 100.0,
+            if ok { "ok" } else { "FAILED" },
+            a * 100.0
+        );
+        out.push(json!({
+            "sessions": n,
+            "rows": rows,
+            "one_layer_rel_diff": d1,
+            "one_layer_argmax_agreement": a1,
+            "rel_diff": d,
+            "argmax_agreement": a,
+            "ok": ok,
+        }));
+    }
+    let ok = out.iter().all(|c| c["ok"].as_bool() == Some(true));
+    Ok(json!({"passes": out, "ok": ok}))
 }
 
-/// A decode pass of `n` sessions holding different lengths (the context less 0..n tokens, so the batched path
-/// pads), run session by session and in one batched attention: the largest difference of any session's logits
-/// between the two as a share of its largest logit, and the share of sessions with the same argmax.
-fn compare_decode_paths(model: &mut CandleModel, ctx: &[u32], n: usize) -> Result<(f32, f64)> {
+/// A pass of `n` sessions holding different lengths (the context less 0..n tokens, so the batched path pads, and
+/// at a context of a power of two the longest sessions' blocks take them into the next capacity class of the KV
+/// pool), `rows` causal rows each, run session by session and in one batched attention: the largest difference of
+/// any session's logits at any row between the two as a share of its largest logit, and the share of rows with
+/// the same argmax.
+fn compare_decode_paths(
+    model: &mut CandleModel,
+    ctx: &[u32],
+    n: usize,
+    rows: usize,
+) -> Result<(f32, f64)> {
     let mut logits = Vec::new();
     for on in [false, true] {
         model.set_batched_decode(on);
@@ -506,12 +529,18 @@ fn compare_decode_paths(model: &mut CandleModel, ctx: &[u32], n: usize) -> Resul
             }
             caches.push(c);
         }
-        let toks: Vec<[u32; 1]> = (0..n).map(|i| [(i * 31 + 7) as u32]).collect();
-        let pos: Vec<[u32; 1]> = caches.iter().map(|c| [c.len() as u32]).collect();
+        let toks: Vec<Vec<u32>> = (0..n)
+            .map(|i| (0..rows).map(|j| (i * 31 + j * 5 + 7) as u32).collect())
+            .collect();
+        let pos: Vec<Vec<u32>> = caches
+            .iter()
+            .map(|c| (c.len()..c.len() + rows).map(|p| p as u32).collect())
+            .collect();
         let masks: Vec<BlockMask> = caches
             .iter()
-            .map(|c| BlockMask::causal(c.len(), 1))
+            .map(|c| BlockMask::causal(c.len(), rows))
             .collect();
+        let readout: Vec<usize> = (0..rows).collect();
         let mut items: Vec<Packed<'_, TensorCache>> = caches
             .iter_mut()
             .enumerate()
@@ -520,7 +549,7 @@ fn compare_decode_paths(model: &mut CandleModel, ctx: &[u32], n: usize) -> Resul
                 tokens: &toks[i],
                 positions: &pos[i],
                 mask: &masks[i],
-                readout: &[0],
+                readout: &readout,
             })
             .collect();
         logits.push(model.forward_packed(&mut items)?);
@@ -537,6 +566,7 @@ fn compare_decode_paths(model: &mut CandleModel, ctx: &[u32], n: usize) -> Resul
 /// `r` in `--batch-rows`. Reported per pass and as rows per second, against one session's rows per second.
 fn bench_batched(
     args: &Args,
+    shape: &str,
     model: &mut CandleModel,
     ctx: &[u32],
 ) -> Result<Vec<serde_json::Value>> {
@@ -560,13 +590,9 @@ fn bench_batched(
         let pos: Vec<u32> = (base..base + r).map(|p| p as u32).collect();
         let mask = BlockMask::causal(base, r);
         let all: Vec<usize> = (0..r).collect();
-        // Decode rows (r = 1) both ways: session by session and in one batched attention (the CUDA default).
-        let paths: &[(&str, bool)] = if r == 1 {
-            &[("sessions", false), ("batch", true)]
-        } else {
-            &[("sessions", false)]
-        };
-        for &(path, on) in paths {
+        // Both ways: session by session, and in one batched attention per capacity class of the KV pool (the CUDA
+        // default).
+        for (path, on) in [("sessions", false), ("batch", true)] {
             model.set_batched_decode(on);
             let model = &*model;
             let mut one = None;
@@ -590,6 +616,9 @@ fn bench_batched(
                 })?;
                 let rows_per_s = (n * r) as f64 / ms * 1e3;
                 let base_rate = *one.get_or_insert(rows_per_s / n as f64);
+                eprintln!(
+                    "{shape}: {n} sessions x {r} rows, attention {path}: {ms:.2} ms a pass, {rows_per_s:.0} rows/s"
+                );
                 out.push(json!({
                     "sessions": n,
                     "rows": r,
@@ -643,9 +672,11 @@ fn main() -> Result<()> {
         }
     }
     let mut results = Vec::new();
+    set_dmmv(args.dequantize);
     for s in &shapes {
         results.push(bench_shape(&args, &dev, s)?);
     }
+    set_dmmv(false);
     println!(
         "device {spec}, session holding {} tokens, median of {} runs",
         args.context, args.reps
