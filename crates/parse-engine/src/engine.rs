@@ -165,6 +165,11 @@ impl Engine {
         &self.sessions
     }
 
+    /// See [`Net::kv_device_bytes`].
+    pub fn kv_device_bytes(&self) -> Option<usize> {
+        self.model.kv_device_bytes()
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -162,6 +162,16 @@ impl Net {
         }
     }
 
+    /// Device bytes the sessions' keys and values take as allocated, where that differs from the bytes they hold:
+    /// the candle backend's KV pool, free slots and room included. `None` for the kernel model, whose caches
+    /// allocate what they hold.
+    pub fn kv_device_bytes(&self) -> Option<usize> {
+        match self {
+            Net::Kernels(_) => None,
+            Net::Candle { model, .. } => Some(model.kv_pool().device_bytes()),
+        }
+    }
+
     /// An empty session cache.
     pub fn new_cache(&self) -> SessionCache {
         match self {

@@ -256,6 +256,13 @@ fn sessions_packed_in_one_pass_match_each_alone() {
     for (s, n) in [("a", 6), ("b", 5), ("c", 4)] {
         assert_eq!(engine.session_len(s).unwrap(), n);
     }
+    // The KV pool's device bytes (what a worker reports as `parse_worker_kv_device_bytes`) come back to nothing
+    // when every session is released.
+    assert!(engine.kv_device_bytes().is_some_and(|b| b > 0));
+    for s in ["a", "b", "c", "a1", "b1", "c1"] {
+        engine.release(s).unwrap();
+    }
+    assert_eq!(engine.kv_device_bytes(), Some(0));
 }
 
 /// The same random model twice: one attending in batches (the CUDA default), one session by session.
@@ -613,6 +620,8 @@ fn bad_input_is_a_typed_error_and_leaves_the_cache_alone() {
     ));
     // A kernel cache handed to the candle model (and the other way round) is refused, not misread.
     let kernel_net = parse_engine::Net::Kernels(kernels.clone());
+    // The kernel model's caches allocate what they hold: no separate device figure.
+    assert_eq!(kernel_net.kv_device_bytes(), None);
     let candle_net = parse_engine::Net::place(
         kernels,
         Compute {

@@ -42,6 +42,11 @@ pub trait Backend: Forward + Send + 'static {
     fn has_session(&self, session: &str) -> bool;
     /// KV cache bytes held by sessions, and the capacity.
     fn kv_bytes(&self) -> (usize, usize);
+    /// Device bytes the KV cache takes as allocated, where that differs from the bytes held (the candle backend's
+    /// KV pool); `None` where it does not.
+    fn kv_device_bytes(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
@@ -58,6 +63,9 @@ impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
         let s = self.engine().sessions();
         (s.used(), s.capacity())
     }
+    fn kv_device_bytes(&self) -> Option<usize> {
+        self.engine().kv_device_bytes()
+    }
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
@@ -73,6 +81,9 @@ impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
     fn kv_bytes(&self) -> (usize, usize) {
         let s = self.engine().sessions();
         (s.used(), s.capacity())
+    }
+    fn kv_device_bytes(&self) -> Option<usize> {
+        self.engine().kv_device_bytes()
     }
 }
 
@@ -301,6 +312,7 @@ where
         self.open.store(n, Ordering::Relaxed);
         let (used, capacity) = st.backend.kv_bytes();
         self.metrics.state(n, used, capacity);
+        self.metrics.kv_device_bytes(st.backend.kv_device_bytes());
         match (out, self.reply.take()) {
             (out, Some(reply)) => {
                 let _ = reply.send(out);
@@ -478,6 +490,7 @@ impl<B: Backend> Shell<B> {
             open.store(n, Ordering::Relaxed);
             let (used, capacity) = st.backend.kv_bytes();
             metrics.state(n, used, capacity);
+            metrics.kv_device_bytes(st.backend.kv_device_bytes());
             out
         }
     }

@@ -7,6 +7,8 @@
 //!   session's prompt (`open`), extension and draft tokens. A draft's `begin` reuses what its cache holds and is
 //!   counted in steps and time only.
 //! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
+//! - `parse_worker_kv_device_bytes`: after each command, on a backend whose KV cache allocates more than it holds
+//!   (the candle backend's KV pool: free slots, and the room of each slot's capacity class); absent elsewhere.
 //! - `parse_worker_refused_total`: calls answered RESOURCE_EXHAUSTED (queue full).
 //! - `parse_worker_queue_depth`: engine calls waiting for the scheduler (those running excluded).
 //! - `parse_worker_batch_blocks`, `parse_worker_batch_rows` (histograms): per packed forward pass, the sessions'
@@ -37,6 +39,9 @@ pub struct WorkerMetrics {
     open_sessions: IntGauge,
     kv_bytes: IntGauge,
     kv_capacity: IntGauge,
+    kv_device: IntGauge,
+    /// `kv_device` is registered (at the first command on a backend that reports it).
+    kv_device_shown: std::sync::Once,
     refused: IntCounter,
     queue_depth: IntGauge,
     batch_blocks: prometheus::Histogram,
@@ -184,6 +189,12 @@ impl WorkerMetrics {
             pass_fixed_ms,
             pass_row_ms,
             line_shown: std::sync::Once::new(),
+            kv_device: IntGauge::new(
+                "parse_worker_kv_device_bytes",
+                "Bytes the KV cache takes on its device as allocated (free slots and room included).",
+            )
+            .expect("valid metric"),
+            kv_device_shown: std::sync::Once::new(),
             registry: r,
             pass_seconds,
             planning_seconds,
@@ -223,6 +234,17 @@ impl WorkerMetrics {
         self.open_sessions.set(open_sessions as i64);
         self.kv_bytes.set(kv_bytes as i64);
         self.kv_capacity.set(kv_capacity as i64);
+    }
+
+    /// The KV cache's device bytes after a command, where the backend reports them.
+    pub fn kv_device_bytes(&self, bytes: Option<usize>) {
+        let Some(bytes) = bytes else { return };
+        self.kv_device.set(bytes as i64);
+        self.kv_device_shown.call_once(|| {
+            if let Err(e) = self.registry.register(Box::new(self.kv_device.clone())) {
+                tracing::error!("metrics registration: {e}");
+            }
+        });
     }
 
     /// One packed forward pass: its sessions' blocks, their rows, its time and its planning's.
@@ -315,6 +337,12 @@ mod tests {
         m.step("verify", 0.03);
         m.rows("verify", 17);
         m.state(2, 4096, 1 << 20);
+        m.kv_device_bytes(None);
+        assert!(
+            !m.render().contains("parse_worker_kv_device_bytes"),
+            "a backend that reports no device bytes shows none"
+        );
+        m.kv_device_bytes(Some(1 << 21));
         m.refused();
         m.packed(&StepShape {
             blocks: 3,
@@ -344,6 +372,7 @@ mod tests {
             "parse_worker_open_sessions 2",
             "parse_worker_kv_bytes 4096",
             "parse_worker_kv_capacity_bytes 1048576",
+            "parse_worker_kv_device_bytes 2097152",
             "parse_worker_refused_total 1",
             "parse_worker_queue_depth 1",
             "parse_worker_batch_blocks_sum 4",
