@@ -543,6 +543,45 @@ fn a_pass_of_mixed_row_counts_attends_in_groups_as_each_alone() {
     }
 }
 
+/// A capacity class of the KV pool grows by doubling its slots and halves them as its sessions go (once its upper
+/// half is free and at most a quarter is in use), and the sessions left keep what they hold across the copy.
+#[test]
+fn the_kv_pool_shrinks_as_its_sessions_go_and_keeps_what_the_rest_hold() {
+    let (m, reference) = both_paths(Arch::Qwen2, GgmlDType::F32, 15);
+    let prompt = |i: usize| -> Vec<u32> {
+        (0..4 + i as u32)
+            .map(|t| (t * 3 + i as u32) % 290)
+            .collect()
+    };
+    let mut caches: Vec<_> = (0..8).map(|i| prefilled(&m, &prompt(i))).collect();
+    let eight = m.kv_pool().device_bytes();
+    let next = |m: &CandleModel, c: &mut parse_engine::candle::TensorCache| {
+        let n = c.len();
+        m.forward(c, &[9], &[n as u32], &BlockMask::causal(n, 1), &[0])
+            .unwrap()
+    };
+    // Slots 2-7 go: the upper half is free and 2 of 8 are in use, so the class halves to 4 slots (and no further:
+    // 2 of 4 in use is more than a quarter).
+    caches.truncate(2);
+    assert_eq!(m.kv_pool().sessions(), 2);
+    assert_eq!(m.kv_pool().device_bytes() * 2, eight);
+    for (i, c) in caches.iter_mut().enumerate() {
+        let d = rel_diff(
+            &next(&reference, &mut prefilled(&reference, &prompt(i))),
+            &next(&m, c),
+        );
+        assert!(d < 1e-4, "session {i} after the class halved: {d}");
+    }
+    // A session in the upper half holds the class at its size: slot 3 taken, slots 0-1 released, no halving.
+    let mut more: Vec<_> = (0..2).map(|i| prefilled(&m, &prompt(i))).collect();
+    drop(caches);
+    assert_eq!(m.kv_pool().device_bytes() * 2, eight);
+    more.remove(0);
+    assert_eq!(m.kv_pool().device_bytes() * 2, eight);
+    drop(more);
+    assert_eq!(m.kv_pool().device_bytes(), 0);
+}
+
 #[test]
 fn truncate_then_reappend_equals_never_appending() {
     let kernels = model(Arch::Qwen2, GgmlDType::Q6K, 3);

@@ -16,7 +16,9 @@
 //! Device memory:
 //! - A session's slot holds at most twice the tokens it has held (one class up), as the per-session tensors this
 //!   pool replaced did.
-//! - A class grows by doubling its slots, so its tensors hold at most twice the slots in use at its peak.
+//! - A class grows by doubling its slots when they are all in use, and halves them when its upper half is free and
+//!   at most a quarter is in use, so its tensors hold at most twice the slots of its busiest moment, and shrink as
+//!   its sessions go (sessions keep their slots: a session in the upper half holds the class at that size).
 //! - A class whose last session is released gives its memory back.
 //!
 //! Byte accounting ([`TensorCache::bytes`]) counts the tokens held, as the kernel model's cache does, so admission
@@ -158,15 +160,43 @@ impl KvPool {
         })
     }
 
-    /// Frees a slot; a class left with no session gives its tensors back.
+    /// Frees a slot. A class left with no session gives its tensors back; one whose upper half of slots is free
+    /// and at most a quarter in use halves its tensors (again while that holds), so a class shrinks as its sessions
+    /// go, not only when the last one does. Halving copies the lower half; if that copy fails the class stays as
+    /// it was.
     fn free(&self, slot: Slot) {
         let mut classes = self.lock();
-        if let Some(class) = classes.get_mut(slot.class) {
-            if let Some(u) = class.used.get_mut(slot.index) {
-                *u = false;
+        let Some(class) = classes.get_mut(slot.class) else {
+            return;
+        };
+        if let Some(u) = class.used.get_mut(slot.index) {
+            *u = false;
+        }
+        if class.in_use() == 0 {
+            *class = Class::default();
+            return;
+        }
+        loop {
+            let slots = class.slots();
+            let half = slots / 2;
+            if half == 0 || class.in_use() * 4 > slots || class.used[half..].iter().any(|&u| u) {
+                return;
             }
-            if class.in_use() == 0 {
-                *class = Class::default();
+            let lower = |t: &Tensor| t.narrow(0, 0, half).and_then(|t| t.copy());
+            let shrunk: candle_core::Result<Vec<(Tensor, Tensor)>> = class
+                .layers
+                .iter()
+                .map(|(k, v)| Ok((lower(k)?, lower(v)?)))
+                .collect();
+            match shrunk {
+                Ok(layers) => {
+                    class.layers = layers;
+                    class.used.truncate(half);
+                }
+                Err(e) => {
+                    tracing::warn!("KV pool: a class kept its slots, halving failed: {e}");
+                    return;
+                }
             }
         }
     }
