@@ -201,17 +201,14 @@ impl KvPool {
         }
     }
 
-    /// Per layer, the (K, V) tensors of class `c` (handles onto the pool's storage: writes through them land in the
-    /// pool). Valid until the class grows, which only [`TensorCache::reserve`] does: a pass takes them after every
-    /// session's room is reserved.
-    pub(crate) fn class_layers(&self, c: usize) -> Result<Vec<(Tensor, Tensor)>> {
-        self.lock()
-            .get(c)
-            .filter(|class| class.layers.len() == self.n_layers)
-            .map(|class| class.layers.clone())
-            .ok_or_else(|| {
-                Error::invalid("KV pool class read before any session took a slot in it")
-            })
+    /// Holds the pool still for a pass: while the returned guard lives, no class grows, shrinks or is given back
+    /// (a session's room is reserved before, and a session dropped on another thread waits), so the tensors the
+    /// pass reads and writes stay the pool's. Passes of one model take turns.
+    pub(crate) fn hold(&self) -> PoolHold<'_> {
+        PoolHold {
+            classes: self.lock(),
+            n_layers: self.n_layers,
+        }
     }
 
     /// Copies the first `len` tokens of every layer from slot `from` to slot `to` (of another class).
@@ -238,6 +235,26 @@ impl KvPool {
             }
         }
         Ok(())
+    }
+}
+
+/// The pool held still for a pass ([`KvPool::hold`]).
+pub(crate) struct PoolHold<'a> {
+    classes: MutexGuard<'a, Vec<Class>>,
+    n_layers: usize,
+}
+
+impl PoolHold<'_> {
+    /// Per layer, the (K, V) tensors of class `c`: handles onto the pool's storage, so writes through them land in
+    /// the pool.
+    pub(crate) fn class_layers(&self, c: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        self.classes
+            .get(c)
+            .filter(|class| class.layers.len() == self.n_layers)
+            .map(|class| class.layers.clone())
+            .ok_or_else(|| {
+                Error::invalid("KV pool class read before any session took a slot in it")
+            })
     }
 }
 

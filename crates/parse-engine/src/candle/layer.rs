@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::model::{self, ModelConfig};
 use crate::quant::QMatrix;
 
-use super::cache::{KvPool, Slot};
+use super::cache::{PoolHold, Slot};
 
 /// A weight matrix uploaded in its own format: a GGUF quantized matrix stays quantized on the device (candle's
 /// quantized matmul: MMVQ kernels for a few rows, dequantize-and-GEMM for blocks on CUDA); f32 and f16 become dense
@@ -50,8 +50,9 @@ pub(crate) struct PassKv {
 }
 
 impl PassKv {
-    /// Takes the tensors of every class the pass's sessions hold slots in (after their room is reserved).
-    pub(crate) fn take(pool: &KvPool, slots: impl Iterator<Item = Slot>) -> Result<Self> {
+    /// Takes the tensors of every class the pass's sessions hold slots in (after their room is reserved, with the
+    /// pool held still for the pass).
+    pub(crate) fn take(pool: &PoolHold<'_>, slots: impl Iterator<Item = Slot>) -> Result<Self> {
         let mut classes: Vec<Option<Vec<(Tensor, Tensor)>>> = Vec::new();
         for s in slots {
             if classes.len() <= s.class {
@@ -117,9 +118,9 @@ impl Layer {
     }
 
     /// Runs the block on `x` (`n x hidden`, the rows of every session of the pass), writing each session's keys
-    /// and values of layer `li` into its slot after the tokens it holds. `batch`: every session brings the same
-    /// number of rows and they attend by capacity class, one product per step for each ([`Batch`]); else session
-    /// by session.
+    /// and values of layer `li` into its slot after the tokens it holds. `batch`: the pass's plan of groups that
+    /// attend in one product per step each and sessions that attend alone ([`Batch`]); `None`: every session
+    /// alone.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,

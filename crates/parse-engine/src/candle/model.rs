@@ -150,9 +150,10 @@ impl CandleModel {
             .ok_or_else(|| Error::invalid("a packed forward returned no logits"))
     }
 
-    /// The blocks of several sessions in one pass (see [`Model::forward_packed`]): every matmul sees all rows,
-    /// attention runs per session on its own cache under its own mask. Every block is checked first; on any error
-    /// no cache's length changes.
+    /// The blocks of several sessions in one pass (see [`Model::forward_packed`]): every matmul sees all rows;
+    /// each row attends only to its own session's keys and values under its own mask, in batches of sessions with
+    /// the same row count and capacity class where batching is on ([`Batch`]), else session by session. Every
+    /// block is checked first; on any error no cache's length changes.
     pub fn forward_packed(&self, items: &mut [Packed<'_, TensorCache>]) -> Result<Vec<Logits>> {
         for it in items.iter() {
             self.check_block(it.cache, it.tokens, it.positions, it.mask, it.readout)?;
@@ -198,7 +199,9 @@ impl CandleModel {
             });
             start += rows;
         }
-        let kv = PassKv::take(&self.pool, sessions.iter().map(|s| s.slot))?;
+        // No class of the pool grows, shrinks or goes away until the layers are done (see `KvPool::hold`).
+        let hold = self.pool.hold();
+        let kv = PassKv::take(&hold, sessions.iter().map(|s| s.slot))?;
         let batch = (self.batched && items.len() > 1)
             .then(|| {
                 let masks: Vec<_> = items.iter().map(|it| it.mask).collect();
@@ -222,6 +225,7 @@ impl CandleModel {
         for (li, l) in self.layers.iter().enumerate() {
             x = l.forward(&self.cfg, li, &x, &rotary, &sessions, &kv, batch.as_ref())?;
         }
+        drop((kv, hold));
         let mut readout = Vec::new();
         let mut offset = 0;
         for it in items.iter() {
