@@ -582,6 +582,53 @@ fn the_kv_pool_shrinks_as_its_sessions_go_and_keeps_what_the_rest_hold() {
     assert_eq!(m.kv_pool().device_bytes(), 0);
 }
 
+/// Passes on one thread while another opens and drops sessions of the same model, growing and halving the pool's
+/// class under them: every pass gives the logits a model left alone gives, since a pass holds the pool still.
+#[test]
+fn passes_while_another_thread_grows_and_shrinks_the_kv_pool_keep_their_keys() {
+    let (m, reference) = both_paths(Arch::Qwen2, GgmlDType::F32, 16);
+    let prompt: Vec<u32> = (0..20).map(|t| (t * 7 + 1) % 290).collect();
+    let steps: Vec<u32> = (0..60).map(|t| (t * 13 + 5) % 290).collect();
+    let run = |m: &CandleModel| -> Vec<Logits> {
+        let mut c = prefilled(m, &prompt);
+        steps
+            .iter()
+            .map(|&t| {
+                let n = c.len();
+                m.forward(&mut c, &[t], &[n as u32], &BlockMask::causal(n, 1), &[0])
+                    .unwrap()
+            })
+            .collect()
+    };
+    let want = run(&reference);
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Set when the passes end, also if one panics (the scope waits for the other thread before it unwinds).
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let stop = AtomicBool::new(false);
+    let got = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for round in 0..1_000_000u32 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let many: Vec<_> = (0..8).map(|i| prefilled(&m, &[i, round % 290])).collect();
+                drop(many);
+            }
+        });
+        let _stop = Stop(&stop);
+        run(&m)
+    });
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        let d = rel_diff(w, g);
+        assert!(d < 1e-4, "step {i}: {d}");
+    }
+}
+
 #[test]
 fn truncate_then_reappend_equals_never_appending() {
     let kernels = model(Arch::Qwen2, GgmlDType::Q6K, 3);
