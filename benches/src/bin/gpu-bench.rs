@@ -1,17 +1,18 @@
 //! The engine on a GPU (the candle backend on `--device cuda:N`): checks against the CPU kernel model and step
 //! timings, on random models at the real shapes of the shipped pair (Qwen2.5 0.5B and 1.5B) and of Qwen2.5-7B.
 //!
-//! Checks: each weight format's quantized matmul against its definition (`--format-rows`); each shape's logits
-//! over a 32-token prompt against the f32 definition of the same random model (its weights dequantized, no
-//! activation rounding): the definition run on the device within 1% of the largest logit with at least 90% of the
-//! rows' argmax the same (the wiring), the device on the GGUF formats no further from it than twice the CPU
-//! kernel model is, plus 1%; truncate and re-append gives the logits the first append gave; a pass of several
-//! sessions of different lengths (1 and 4 rows each) attended in one batch per class of the KV pool gives the
-//! per-session path's logits on a one-layer cut of the shape (within 1e-4). Timings (each shape, a session holding `--context` tokens): one decode step, verification blocks
-//! of `--blocks` rows with logits at every row (what a PARSE verification reads), a `--prefill`-token prefill; each
-//! block's cost is reported as a multiple of a decode step and per token as a fraction of one. Batched passes
-//! (continuous batching's shape): `--sessions` sessions at `--context` tokens each bring `--batch-rows` rows to one
-//! pass; their rows per second against one session's, with attention per session and batched.
+//! Checks: each weight format's quantized matmul against its definition (`--format-rows`); each shape's logits over a
+//! 32-token prompt against the f32 definition of the same random model (its weights dequantized, no activation
+//! rounding): the definition run on the device within 1% of the largest logit with at least 90% of the rows' argmax
+//! the same (the wiring), the device on the GGUF formats no further from it than twice the CPU kernel model is, plus
+//! 1%; truncate and re-append gives the logits the first append gave; a pass of several sessions of different lengths
+//! (1 and 4 rows each) attended in one batch per class of the KV pool gives the per-session path's logits on a
+//! one-layer cut of the shape (within 1e-4). Timings (each shape, a session holding `--context` tokens): one decode
+//! step, verification blocks of `--blocks` rows with logits at every row (what a PARSE verification reads), a
+//! `--prefill`-token prefill; each block's cost is reported as a multiple of a decode step and per token as a
+//! fraction of one. Batched passes (continuous batching's shape): `--sessions` sessions at `--context` tokens each
+//! bring `--batch-rows` rows to one pass; their rows per second against one session's, with attention per session and
+//! batched.
 //!
 //! Built with `--features cuda` (deploy/gpu/build-cuda.sh) and run on the GPU host by deploy/gpu/run-on-gpu.sh.
 //! On a build without CUDA, `--device cpu` runs the same program on candle's CPU backend (CI runs it that way on
@@ -457,11 +458,11 @@ fn set_dmmv(on: bool) {
 }
 
 /// Batched attention against session by session (see [`compare_decode_paths`]), in passes of 1 and 4 rows per
-/// session, where the batched passes include decode rows of several sessions: judged on a one-layer cut of the
-/// shape (the same first layer and embedding), where the two paths differ only in the order of the attention's sums (within 1e-4 of the largest
-/// logit, argmax the same); on the whole model reported only, since a difference in the last bit can flip an
-/// activation's rounding to Q8_1 in a later layer, and random layers amplify that (an H100 gave 0 at one layer,
-/// 1.5e-4 at two, 1e-2 at eight, 2e-2 at 28, argmax the same everywhere).
+/// session, where the batched passes include decode rows of several sessions: judged on a one-layer cut of the shape
+/// (the same first layer and embedding), where the two paths differ only in the order of the attention's sums (within
+/// 1e-4 of the largest logit, argmax the same); on the whole model reported only, since a difference in the last bit
+/// can flip an activation's rounding to Q8_1 in a later layer, and random layers amplify that (an H100 gave 0 at one
+/// layer, 1.5e-4 at two, 1e-2 at eight, 2e-2 at 28, argmax the same everywhere).
 fn check_decode_paths(
     args: &Args,
     dev: &candle_core::Device,
