@@ -236,14 +236,19 @@ pub(crate) fn dense_mask(
     let rows = mask.rows().len();
     let total = base + rows;
     let mut m = vec![f32::NEG_INFINITY; rows * total];
-    for (r, row) in mask.rows().iter().enumerate() {
-        let line = &mut m[r * total..(r + 1) * total];
-        line[..row.cached].fill(0.0);
-        for span in &row.spans {
-            line[base + span.start..base + span.end].fill(0.0);
-        }
+    for (row, line) in mask.rows().iter().zip(m.chunks_mut(total)) {
+        open_row(line, row, base);
     }
     Ok(Tensor::from_vec(m, (rows, total), device)?)
+}
+
+/// Sets to 0 the keys a mask row sees in its line of an additive mask (-inf elsewhere): the first `cached` of the
+/// `base` tokens held, and its spans of the block after them.
+fn open_row(line: &mut [f32], row: &parse_core::mask::MaskRow, base: usize) {
+    line[..row.cached].fill(0.0);
+    for span in &row.spans {
+        line[base + span.start..base + span.end].fill(0.0);
+    }
 }
 
 /// Writes one session's block of keys or values (`rows x kv_heads x head_dim`) of one layer into its slot of the
@@ -386,10 +391,7 @@ impl Batch {
                             return Err(Error::invalid("a session's mask does not match its rows"));
                         }
                         for (row, line) in rows.iter().zip(lines.chunks_mut(longest)) {
-                            line[..row.cached].fill(0.0);
-                            for span in &row.spans {
-                                line[base + span.start..base + span.end].fill(0.0);
-                            }
+                            open_row(line, row, base);
                         }
                     }
                     None => lines.chunks_mut(longest).for_each(|line| line[0] = 0.0),
