@@ -77,6 +77,11 @@ struct Args {
     /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_q4k_chains: bool,
+    /// Instead of the report: time each model's passes with the VNNI Q4_K lanes kernel holding a chunk's 16 words
+    /// in registers for every row and loading each as the rows use it (blocks of up to 16 rows), alternating pass by
+    /// pass in one process (`kernels::set_streamed_q4k`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_q4k_streamed: bool,
     /// Instead of the report: time each model's passes with the row-group kernels prefetching the next group's
     /// weights into L2 (`prefetcht1`) and into every level (`prefetcht0`), alternating pass by pass in one process
     /// (`kernels::set_prefetch_l1`; the same bits either way), as `--ab-attention` does
@@ -272,6 +277,18 @@ fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
         "Q4_K rows one at a time and interleaved",
         ["one at a time", "interleaved"],
         parse_engine::kernels::set_interleaved_q4k,
+    )
+}
+
+/// `--ab-q4k-streamed`: one model's passes with the VNNI Q4_K lanes kernel's words held in registers and streamed
+/// (`kernels::set_streamed_q4k`).
+fn ab_q4k_streamed(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "Q4_K words held in registers and streamed",
+        ["held", "streamed"],
+        parse_engine::kernels::set_streamed_q4k,
     )
 }
 
@@ -715,6 +732,12 @@ fn main() -> Result<()> {
     if args.ab_huge_pages {
         for m in &args.models {
             ab_huge_pages(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_q4k_streamed {
+        for m in &args.models {
+            ab_q4k_streamed(m, &args)?;
         }
         return Ok(());
     }

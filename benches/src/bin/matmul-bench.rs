@@ -32,6 +32,10 @@ struct Args {
     /// Timed calls; the fastest is reported.
     #[arg(long, default_value_t = 50)]
     reps: usize,
+    /// Instead of the fastest call: alternate calls with the VNNI Q4_K lanes kernel's words held in registers and
+    /// streamed (`kernels::set_streamed_q4k`; the same bits either way) and report the medians and their ratio.
+    #[arg(long)]
+    ab_q4k_streamed: bool,
 }
 
 /// The most a matrix, or the activations or outputs of a call, may take (a mistyped shape is refused, not allocated).
@@ -90,6 +94,28 @@ fn main() -> Result<()> {
             let mut out = vec![0f32; m * n];
             for _ in 0..args.warmup {
                 w.matmul(&x, m, &mut out)?;
+            }
+            if args.ab_q4k_streamed {
+                let mut t = [Vec::new(), Vec::new()];
+                for rep in 0..2 * args.reps {
+                    let side = (rep + rep / 2) % 2;
+                    parse_engine::kernels::set_streamed_q4k(side == 1);
+                    let t0 = Instant::now();
+                    w.matmul(&x, m, &mut out)?;
+                    t[side].push(t0.elapsed().as_secs_f64());
+                }
+                let med = |v: &mut Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let (held, streamed) = (med(&mut t[0]), med(&mut t[1]));
+                println!(
+                    "{name} {n}x{k}, {m} rows: held {:.3} ms, streamed {:.3} ms, streamed / held {:.3}",
+                    held * 1e3,
+                    streamed * 1e3,
+                    streamed / held
+                );
+                continue;
             }
             let mut best = f64::MAX;
             for _ in 0..args.reps {

@@ -235,6 +235,9 @@ pub(super) fn q4k_super_block(
     *acc_m = _mm512_fmadd_ps(_mm512_mul_ps(dx, wdm), _mm512_cvtepi32_ps(mn), *acc_m);
 }
 
+/// Byte offset of the values in a Q8_K activation block (after its f32 `d`).
+const Q8K_QS: usize = std::mem::offset_of!(RawQ8K, qs);
+
 /// Bytes of a tile of 16 rows' super-block `b` in the lanes layout.
 pub(super) const Q4K_TILE: usize = 16 * std::mem::size_of::<RawQ4K>();
 
@@ -261,12 +264,14 @@ unsafe fn q4k_16<const LANES: bool>(
     let m = xs.len();
     let xs: Vec<&[RawQ8K]> = xs.iter().map(|x| raw_q8k(x)).collect();
     let bsp = bsum_pairs(&xs, kb);
+    let xp: Vec<*const i8> = xs.iter().map(|x| x.as_ptr().cast::<i8>()).collect();
     let row_bytes = kb * std::mem::size_of::<RawQ4K>();
     let groups = cols / 16;
     let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
     let interleave = super::interleaved_q4k();
+    let stream = LANES && interleave && super::streamed_q4k(m);
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut acc_m = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
@@ -296,6 +301,69 @@ unsafe fn q4k_16<const LANES: bool>(
                     let (next, bytes) = next_group(wp, row_bytes, g);
                     prefetch_share(next, bytes, 4 * b + j, 4 * kb);
                 }
+                let sc = (scale[2 * j], scale[2 * j + 1]);
+                let off = b * std::mem::size_of::<RawQ8K>() + Q8K_QS + 64 * j;
+                if stream {
+                    let wq = base.wrapping_add(16 * (Q4K_QS + 32 * j));
+                    let mut r0 = 0;
+                    while r0 < m {
+                        let n = (m - r0).min(8);
+                        // SAFETY: row r0 + r holds kb blocks, so block b's chunk j (64 bytes at `off`) is inside
+                        // it.
+                        let at = |r: usize| unsafe { xp[r0 + r].add(off) };
+                        let s = &mut s[r0..r0 + n];
+                        // SAFETY: the chunk's 8 words of the tile are its 512 bytes from `wq` (tile (g, b) is
+                        // inside `w`); each activation pointer is 64 bytes of a row's qs.
+                        unsafe {
+                            match n {
+                                1 => q4k_chunk_streamed::<1, true>(wq, nib, [at(0)], sc, j == 0, s),
+                                2 => q4k_chunk_streamed::<2, true>(
+                                    wq,
+                                    nib,
+                                    [at(0), at(1)],
+                                    sc,
+                                    j == 0,
+                                    s,
+                                ),
+                                3 => q4k_chunk_streamed::<3, true>(
+                                    wq,
+                                    nib,
+                                    [at(0), at(1), at(2)],
+                                    sc,
+                                    j == 0,
+                                    s,
+                                ),
+                                4 => q4k_chunk_streamed::<4, false>(
+                                    wq,
+                                    nib,
+                                    [at(0), at(1), at(2), at(3)],
+                                    sc,
+                                    j == 0,
+                                    s,
+                                ),
+                                5 => {
+                                    let rows = [at(0), at(1), at(2), at(3), at(4)];
+                                    q4k_chunk_streamed::<5, false>(wq, nib, rows, sc, j == 0, s)
+                                }
+                                6 => {
+                                    let rows = [at(0), at(1), at(2), at(3), at(4), at(5)];
+                                    q4k_chunk_streamed::<6, false>(wq, nib, rows, sc, j == 0, s)
+                                }
+                                7 => {
+                                    let rows = [at(0), at(1), at(2), at(3), at(4), at(5), at(6)];
+                                    q4k_chunk_streamed::<7, false>(wq, nib, rows, sc, j == 0, s)
+                                }
+                                _ => {
+                                    let rows =
+                                        [at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)];
+                                    q4k_chunk_streamed::<8, false>(wq, nib, rows, sc, j == 0, s)
+                                }
+                            }
+                        }
+                        r0 += n;
+                    }
+                    continue;
+                }
                 // Word t of chunk j: its low nibbles are values 64j + 4t..+4 (sub-block 2j), its high nibbles
                 // values 64j + 32 + 4t..+4 (sub-block 2j + 1).
                 let mut lo = [_mm512_setzero_si512(); 8];
@@ -310,9 +378,24 @@ unsafe fn q4k_16<const LANES: bool>(
                 }
                 // Up to four activation rows at once, their chains interleaved ([`q4k_chunk`]); or, where a
                 // benchmark asks ([`super::set_interleaved_q4k`]), one row at a time in one chain per sub-block.
-                let sc = (scale[2 * j], scale[2 * j + 1]);
                 let per = if interleave { 4 } else { 1 };
-                for r0 in (0..m).step_by(per) {
+                let full = if interleave { m / 4 * 4 } else { 0 };
+                for r0 in (0..full).step_by(4) {
+                    // SAFETY: row r0 + r holds kb blocks, so block b's chunk j (64 bytes at `off`) is inside it.
+                    let at = |r: usize| unsafe { xp[r0 + r].add(off) };
+                    // SAFETY: each pointer is 64 bytes of an activation row's qs.
+                    unsafe {
+                        q4k_chunk::<4, false>(
+                            &lo,
+                            &hi,
+                            [at(0), at(1), at(2), at(3)],
+                            sc,
+                            j == 0,
+                            &mut s[r0..r0 + 4],
+                        )
+                    }
+                }
+                for r0 in (full..m).step_by(per) {
                     let at = |r: usize| xs[r0 + r][b].qs[64 * j..].as_ptr();
                     let s = &mut s[r0..m.min(r0 + per)];
                     // SAFETY: each pointer is 64 bytes of an activation row's qs (64j + 64 <= 256).
@@ -381,17 +464,64 @@ unsafe fn q4k_chunk<const R: usize, const SPLIT: bool>(
     first: bool,
     s: &mut [__m512i],
 ) {
+    // SAFETY: the caller's guarantees are this function's.
+    unsafe { q4k_chunk_by::<R, SPLIT>(|t| (lo[t], hi[t]), q8, sc, first, s) }
+}
+
+/// [`q4k_chunk`] with the 16 rows' words of chunk `j` loaded and unpacked as they are used (`words`: the lanes
+/// layout's 8 words of the chunk, 64 bytes apart) instead of held in 16 registers, for blocks of a few rows, where
+/// the words serve only those rows: the registers go to more chains (four per row at one to three rows, 16 in all at
+/// eight rows). At most [`super::STREAMED_Q4K_MAX_ROWS`] rows take this (`super::set_streamed_q4k`).
+///
+/// # Safety
+/// `words` points at 512 readable bytes; each `q8[r]` at 64; `s` has `R` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn q4k_chunk_streamed<const R: usize, const SPLIT: bool>(
+    words: *const u8,
+    nib: __m512i,
+    q8: [*const i8; R],
+    sc: (__m512i, __m512i),
+    first: bool,
+    s: &mut [__m512i],
+) {
+    let word = |t: usize| {
+        // SAFETY: word t is 64 bytes at 64t < 512.
+        let z = unsafe { _mm512_loadu_si512(words.add(64 * t).cast()) };
+        (
+            _mm512_and_si512(z, nib),
+            _mm512_and_si512(_mm512_srli_epi32::<4>(z), nib),
+        )
+    };
+    // SAFETY: the caller's guarantees are this function's.
+    unsafe { q4k_chunk_by::<R, SPLIT>(word, q8, sc, first, s) }
+}
+
+/// The body of [`q4k_chunk`] and [`q4k_chunk_streamed`]: `word(t)` gives word `t`'s low and high nibbles.
+///
+/// # Safety
+/// As [`q4k_chunk`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn q4k_chunk_by<const R: usize, const SPLIT: bool>(
+    word: impl Fn(usize) -> (__m512i, __m512i),
+    q8: [*const i8; R],
+    sc: (__m512i, __m512i),
+    first: bool,
+    s: &mut [__m512i],
+) {
     // Accumulators per row: low nibbles' even and odd words, high nibbles' even and odd words (the odd ones only
     // where split: at three or four rows the rows themselves give enough chains, and the registers run out).
     let split = SPLIT;
     let mut a = [[_mm512_setzero_si512(); 4]; R];
     for t in 0..8 {
         let c = if split { t & 1 } else { 0 };
+        let (lo_t, hi_t) = word(t);
         for r in 0..R {
             // SAFETY: 4t + 32 + 4 <= 64 bytes of the chunk.
             unsafe {
-                a[r][c] = _mm512_dpbusd_epi32(a[r][c], lo[t], bcast(q8[r].add(4 * t)));
-                a[r][2 + c] = _mm512_dpbusd_epi32(a[r][2 + c], hi[t], bcast(q8[r].add(32 + 4 * t)));
+                a[r][c] = _mm512_dpbusd_epi32(a[r][c], lo_t, bcast(q8[r].add(4 * t)));
+                a[r][2 + c] = _mm512_dpbusd_epi32(a[r][2 + c], hi_t, bcast(q8[r].add(32 + 4 * t)));
             }
         }
     }

@@ -86,6 +86,26 @@ pub fn set_interleaved_q4k(on: bool) {
     SERIAL_Q4K.store(!on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Blocks of at most this many rows take the VNNI Q4_K lanes kernel's words as they use them ([`streamed_q4k`]).
+#[cfg(target_arch = "x86_64")]
+const STREAMED_Q4K_MAX_ROWS: usize = 16;
+
+static HELD_Q4K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets the VNNI Q4_K lanes kernel load and unpack each word of 16 weight rows as the block's rows use it (`true`,
+/// the default), for blocks of up to [`STREAMED_Q4K_MAX_ROWS`] rows, or hold a chunk's 16 words in registers for
+/// every row (`false`, as before), for benchmarks that time the two in one process (`engine-bench
+/// --ab-q4k-streamed`, `matmul-bench --ab-q4k-streamed`); the same bits either way.
+pub fn set_streamed_q4k(on: bool) {
+    HELD_Q4K.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a block of `m` rows takes the streamed words ([`set_streamed_q4k`]).
+#[cfg(target_arch = "x86_64")]
+fn streamed_q4k(m: usize) -> bool {
+    m <= STREAMED_Q4K_MAX_ROWS && !HELD_Q4K.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether [`set_interleaved_q4k`] left the interleaved chains on.
 #[cfg(target_arch = "x86_64")]
 fn interleaved_q4k() -> bool {
@@ -1187,8 +1207,9 @@ mod tests {
         q4k_extremes(&mut w, kb);
         let mut w6 = blocks::<BlockQ6K>(&wf);
         q6k_extremes(&mut w6, kb);
-        // Every count of rows a chunk of the Q4_K kernel takes (1-4), alone and after whole chunks.
-        for m in [1, 2, 3, 4, 5, 6, 7, 8, 17, 33] {
+        // Every count of rows a chunk of the Q4_K kernel takes (1-4 held, 1-4 and 8 streamed), alone and after
+        // whole chunks, on both sides of the streamed words' limit.
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
             xf[..k].fill(2.5);
@@ -1226,6 +1247,19 @@ mod tests {
             };
             set_interleaved_q4k(true);
             check_block("q4k lanes, row by row", &out, stride, m, cols, |r, c| {
+                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+            });
+            // And with a chunk's words held in registers at every row count (the benchmarks' other side of
+            // `set_streamed_q4k`).
+            set_streamed_q4k(false);
+            let mut out = vec![f32::NAN; m * stride];
+            #[allow(unsafe_code)]
+            // SAFETY: as above.
+            unsafe {
+                groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
+            };
+            set_streamed_q4k(true);
+            check_block("q4k lanes, words held", &out, stride, m, cols, |r, c| {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
             let mut out = vec![f32::NAN; m * stride];
