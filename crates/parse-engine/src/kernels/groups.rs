@@ -470,8 +470,8 @@ unsafe fn q4k_chunk<const R: usize, const SPLIT: bool>(
 
 /// [`q4k_chunk`] with the 16 rows' words of chunk `j` loaded and unpacked as they are used (`words`: the lanes
 /// layout's 8 words of the chunk, 64 bytes apart) instead of held in 16 registers, for blocks of a few rows, where
-/// the words serve only those rows: the registers go to more chains (four per row at one to three rows, 16 in all at
-/// eight rows). At most [`super::STREAMED_Q4K_MAX_ROWS`] rows take this (`super::set_streamed_q4k`).
+/// the words serve only those rows: the registers go to more chains (four per row at one to three rows, two per row
+/// at four to eight). At most [`super::STREAMED_Q4K_MAX_ROWS`] rows take this (`super::set_streamed_q4k`).
 ///
 /// # Safety
 /// `words` points at 512 readable bytes; each `q8[r]` at 64; `s` has `R` elements.

@@ -1207,8 +1207,8 @@ mod tests {
         q4k_extremes(&mut w, kb);
         let mut w6 = blocks::<BlockQ6K>(&wf);
         q6k_extremes(&mut w6, kb);
-        // Every count of rows a chunk of the Q4_K kernel takes (1-4 held, 1-4 and 8 streamed), alone and after
-        // whole chunks, on both sides of the streamed words' limit.
+        // Every count of rows a chunk of the Q4_K kernel takes (1-4 with the words held, 1-8 streamed), alone and
+        // after whole chunks, on both sides of the streamed words' limit.
         for m in [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 33] {
             let mut xf = random(&mut rng, m * k, 3.0);
             // One row at the activations' extreme: every value the block's largest (quantized to -127).
