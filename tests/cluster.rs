@@ -109,6 +109,7 @@ fn sampled() -> SamplingParams {
         top_k: 40,
         top_p: 0.95,
         seed: 11,
+        cache_salt: 0,
     }
 }
 
@@ -120,6 +121,7 @@ fn req_sampled(mode: &str, max: u32, sampling: &SamplingParams) -> GenerateReque
             top_k: sampling.top_k as u32,
             top_p: Some(sampling.top_p),
             seed: sampling.seed,
+            cache_salt: sampling.cache_salt,
         }),
         ..req(mode, max)
     }

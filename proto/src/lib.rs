@@ -86,6 +86,7 @@ impl From<&SamplingParams> for v1::Sampling {
             top_k: p.top_k as u32,
             top_p: Some(p.top_p),
             seed: p.seed,
+            cache_salt: p.cache_salt,
         }
     }
 }
@@ -99,6 +100,7 @@ pub fn sampling_from(s: Option<&v1::Sampling>) -> Result<SamplingParams, CoreErr
             top_k: usize_of(s.top_k),
             top_p: s.top_p.unwrap_or(1.0),
             seed: s.seed,
+            cache_salt: s.cache_salt,
         },
     };
     p.validate()?;
@@ -574,13 +576,14 @@ mod tests {
             #[test]
             fn any_wire_sampling_and_segmenter_are_checked(
                 temperature in floats(), top_p in proptest::option::of(floats()), top_k in any::<u32>(),
-                seed in any::<u64>(),
+                seed in any::<u64>(), cache_salt in any::<u64>(),
                 min in proptest::option::of(any::<u32>()), max in proptest::option::of(any::<u32>()),
             ) {
-                let s = v1::Sampling { temperature, top_k, top_p, seed };
+                let s = v1::Sampling { temperature, top_k, top_p, seed, cache_salt };
                 if let Ok(p) = sampling_from(Some(&s)) {
                     prop_assert!(p.temperature.is_finite() && p.temperature >= 0.0);
                     prop_assert!(p.top_p > 0.0 && p.top_p <= 1.0);
+                    prop_assert_eq!(p.cache_salt, cache_salt);
                 }
                 let seg = v1::Segmenter { min_tokens: min, max_tokens: max, ..Default::default() };
                 let _ = segmenter_from(Some(&seg), &Default::default());

@@ -80,6 +80,10 @@ fn main() -> Result<()> {
         load: parse_engine::LoadOptions::draft(),
         ..EngineConfig::new(dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     })?;
+    // No prefix caching: every part of this run sends the same prompts again (in process, then through the router,
+    // then at each concurrency), and each would take the prompts of the part before it.
+    target.set_prefix_budget(0);
+    draft.set_prefix_budget(0);
     let tok = target.tokenizer().clone();
 
     // In process.

@@ -336,6 +336,7 @@ fn through_router(
     recs: &[Record],
     tok: &Tokenizer,
     budget: usize,
+    cache_salt: u64,
 ) -> Result<(Vec<Saved>, f64)> {
     use parse_client::{Client, Event};
     use parse_proto::v1::{GenerateRequest, TokenSource};
@@ -359,6 +360,10 @@ fn through_router(
         exact_floor: Some(true),
         drafter: cfg.drafter.as_str().into(),
         adaptive: Some(cfg.adaptive),
+        sampling: Some(parse_proto::v1::Sampling {
+            cache_salt,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let start = std::time::Instant::now();
@@ -493,6 +498,12 @@ struct RunCfg {
     adaptive: bool,
 }
 
+/// Cell `k`'s prefix-cache namespace in a run whose namespaces start at `run` (never 0, the default namespace).
+fn cell_salt(run: u64, k: usize) -> u64 {
+    run.wrapping_add((k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .max(1)
+}
+
 fn label(c: &RunCfg) -> String {
     let l = match c.mode {
         Mode::Parse | Mode::ParseTokenSpec => {
@@ -523,13 +534,17 @@ fn run_in_process(
     prompt: &[u32],
     budget: usize,
     session: &str,
+    cache_salt: u64,
 ) -> Result<Saved> {
     let req = GenerationRequest {
         session: session.to_string(),
         prompt: prompt.to_vec(),
         max_new_tokens: budget,
         mode: cfg.mode,
-        sampling: Default::default(),
+        sampling: parse_core::SamplingParams {
+            cache_salt,
+            ..Default::default()
+        },
         policy: AcceptPolicy {
             verdict: cfg.verdict,
             tau: cfg.tau,
@@ -702,6 +717,12 @@ fn main() -> Result<()> {
     for cfg in &runs {
         std::fs::create_dir_all(run_dir(cfg))?;
     }
+    // Each cell's prefix-cache namespace (`SamplingParams::cache_salt`): the requests of a cell share the prompts
+    // they begin alike with (the chat layout, an instruction), but no cell takes whole prompts from a cell before it
+    // (the same prompts in another configuration), nor from an earlier run on the same cluster.
+    let run_salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
     // In process, each prompt runs in every configuration before the next prompt: the machine's speed drifts over
     // minutes (a shared host), and configurations run one after the other each met a different part of the drift
     // (`target` alone went from 31 to 26 tok/s over half an hour of runs on one machine), while interleaved they
@@ -718,7 +739,7 @@ fn main() -> Result<()> {
             })
             .collect();
         for (i, p) in prompts.iter().enumerate() {
-            for (cfg, pacing) in runs.iter().zip(&pacings) {
+            for (k, (cfg, pacing)) in runs.iter().zip(&pacings).enumerate() {
                 let saved = run_dir(cfg).join(format!("{}.json", i + args.skip));
                 if args.resume && saved.exists() {
                     continue;
@@ -733,6 +754,7 @@ fn main() -> Result<()> {
                     p,
                     budget,
                     &format!("bench-{i}"),
+                    cell_salt(run_salt, k),
                 )?;
                 std::fs::write(&saved, serde_json::to_string(&s)?)?;
             }
@@ -772,7 +794,9 @@ fn main() -> Result<()> {
             };
             for c in order {
                 let cpu_before = read_cpu(&mut cpu_on);
-                let (outs, wall_s) = through_router(addr, &args, &runs[c], &recs, &tok, budget)?;
+                let salt = cell_salt(run_salt, rep * runs.len() + c);
+                let (outs, wall_s) =
+                    through_router(addr, &args, &runs[c], &recs, &tok, budget, salt)?;
                 let cpu_s = read_cpu(&mut cpu_on).zip(cpu_before).map(|(b, a)| b - a);
                 let tokens: usize = outs.iter().map(|o| o.tokens.len()).sum();
                 let cpu_note = cpu_s

@@ -41,6 +41,12 @@ pub struct SamplingParams {
     /// 1 means no nucleus cut.
     pub top_p: f32,
     pub seed: u64,
+    /// The namespace of the workers' prefix caches for this request: a request reuses the keys and values of
+    /// earlier prompts only where they were kept under the same value (0 unless set), as vLLM's `cache_salt`, so
+    /// tenants that must not learn of each other's prompts from their timing, or benchmark cells that must not
+    /// inherit each other's prompts, each set their own. It never changes the output.
+    #[serde(default)]
+    pub cache_salt: u64,
 }
 
 impl Default for SamplingParams {
@@ -50,6 +56,7 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            cache_salt: 0,
         }
     }
 }
@@ -777,7 +784,11 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
                 ..self.req.sampling.clone()
             }
         } else {
-            SamplingParams::default()
+            // Greedy, in the request's prefix-cache namespace.
+            SamplingParams {
+                cache_salt: self.req.sampling.cache_salt,
+                ..SamplingParams::default()
+            }
         }
     }
 

@@ -189,6 +189,7 @@ fn request(mode: Mode, seed: u64) -> GenerationRequest {
             top_k: 0,
             top_p: 1.0,
             seed,
+            cache_salt: 0,
         },
         policy: AcceptPolicy::default(),
         segmenter: SegmenterConfig::default(),

@@ -233,6 +233,7 @@ pub struct OpenSteps {
     sampling: SamplingParams,
     prefill: Prefill,
     sampler: Option<Sampler>,
+    reused: usize,
 }
 
 impl OpenSteps {
@@ -244,18 +245,22 @@ impl OpenSteps {
             sampling: sampling.clone(),
             prefill: Prefill::new(cached, false),
             sampler: None,
+            reused: 0,
         }
     }
 }
 
+/// Opening a session takes the keys and values of the prompt's first tokens from a prompt kept earlier where one
+/// shares them (`EngineOps::reuse_prefix`, in the request's `cache_salt` namespace), computes the rest, and keeps the
+/// prompt for later requests (`EngineOps::keep_prefix`). Its output: how many of the prompt's tokens were reused.
 impl<E: EngineOps> Steps<EngineVerifier<E>> for OpenSteps {
-    type Output = ();
+    type Output = usize;
     fn step(
         &mut self,
         v: &mut EngineVerifier<E>,
         input: Option<crate::Result<Logits>>,
         room: usize,
-    ) -> CoreResult<Next<()>> {
+    ) -> CoreResult<Next<usize>> {
         match input {
             None => {
                 if self.empty {
@@ -268,6 +273,11 @@ impl<E: EngineOps> Steps<EngineVerifier<E>> for OpenSteps {
                 }
                 self.sampler = Some(Sampler::new(self.sampling.clone())?);
                 v.engine.open_session(&self.session)?;
+                let salt = self.sampling.cache_salt;
+                self.reused = v
+                    .engine
+                    .reuse_prefix(&self.session, salt, &self.prefill.tokens)?;
+                self.prefill.fed = self.reused;
             }
             Some(Err(e)) => {
                 let _ = v.engine.release(&self.session);
@@ -284,7 +294,10 @@ impl<E: EngineOps> Steps<EngineVerifier<E>> for OpenSteps {
             .take()
             .ok_or_else(|| CoreError::internal("open finished twice"))?;
         v.samplers.insert(self.session.clone(), sampler);
-        Ok(Next::Done(()))
+        let salt = self.sampling.cache_salt;
+        v.engine
+            .keep_prefix(&self.session, salt, &self.prefill.tokens)?;
+        Ok(Next::Done(self.reused))
     }
 }
 
@@ -412,7 +425,7 @@ impl<E: EngineOps> Steps<EngineVerifier<E>> for ExtendSteps {
 
 impl<E: EngineOps> Verifier for EngineVerifier<E> {
     fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
-        run_alone(self, OpenSteps::new(session, prompt, sampling))
+        run_alone(self, OpenSteps::new(session, prompt, sampling)).map(|_| ())
     }
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {
@@ -495,6 +508,8 @@ pub struct BeginSteps {
     sampling: SamplingParams,
     prefill: Option<Prefill>,
     keep: usize,
+    /// This begin opened the session: its context is kept for later requests once computed.
+    opened: bool,
 }
 
 impl BeginSteps {
@@ -505,6 +520,7 @@ impl BeginSteps {
             sampling: sampling.clone(),
             prefill: None,
             keep: 0,
+            opened: false,
         }
     }
 
@@ -516,11 +532,17 @@ impl BeginSteps {
         }
         if !d.states.contains_key(session) {
             d.engine.open_session(session)?;
+            self.opened = true;
+            // The keys and values of the context's first tokens from a context kept earlier, where one shares them
+            // (at least the last token is computed, for its logits).
+            let salt = self.sampling.cache_salt;
+            let cut = context.len() - 1;
+            let reused = d.engine.reuse_prefix(session, salt, &context[..cut])?;
             let sampler = Sampler::new(self.sampling.clone())?;
             d.states.insert(
                 session.to_string(),
                 DraftState {
-                    kv: Vec::new(),
+                    kv: context[..reused].to_vec(),
                     next: Vec::new(),
                     cursor: 0,
                     sampler,
@@ -593,6 +615,10 @@ impl<E: EngineOps> Steps<EngineDrafter<E>> for BeginSteps {
         st.kv.extend_from_slice(&self.context[self.keep..]);
         st.next = logits.row(0).to_vec();
         st.cursor = self.context.len();
+        if self.opened {
+            let salt = self.sampling.cache_salt;
+            d.engine.keep_prefix(&self.session, salt, &self.context)?;
+        }
         Ok(Next::Done(()))
     }
 }

@@ -30,6 +30,9 @@ pub struct EngineConfig {
     /// The most of `kv_capacity_bytes` one session may hold (0 < share <= 1; see
     /// [`SessionStore::set_session_share`]).
     pub kv_session_share: f64,
+    /// Bytes of prompts' caches kept for later requests that begin the same way (automatic prefix caching; see
+    /// [`SessionStore::set_prefix_budget`]); 0 keeps none.
+    pub prefix_cache_bytes: usize,
     /// Which model implementation computes, and on which device (`--backend`, `--device`).
     pub compute: Compute,
 }
@@ -42,6 +45,7 @@ impl EngineConfig {
             load: LoadOptions::default(),
             kv_capacity_bytes: DEFAULT_KV_CAPACITY,
             kv_session_share: 1.0,
+            prefix_cache_bytes: crate::session::DEFAULT_PREFIX_BUDGET,
             compute: Compute::default(),
         }
     }
@@ -120,6 +124,7 @@ impl Engine {
         };
         let mut engine = Self::from_net(net, tokenizer, cfg.kv_capacity_bytes, path);
         engine.set_kv_session_share(cfg.kv_session_share)?;
+        engine.sessions.set_prefix_budget(cfg.prefix_cache_bytes);
         Ok(engine)
     }
 
@@ -178,6 +183,11 @@ impl Engine {
         self.sessions.open(&self.model, id)
     }
 
+    /// See [`SessionStore::set_prefix_budget`].
+    pub fn set_prefix_budget(&mut self, bytes: usize) {
+        self.sessions.set_prefix_budget(bytes)
+    }
+
     /// `forward(session, tokens, positions, mask, readout)`: see [`Model::forward`].
     pub fn forward(
         &mut self,
@@ -232,6 +242,20 @@ pub trait EngineOps {
     fn truncate(&mut self, session: &str, n: usize) -> Result<()>;
     /// Frees a session; returns the bytes it held.
     fn release(&mut self, session: &str) -> Result<usize>;
+
+    /// Fills an empty session with the keys and values of the first tokens of `tokens` that a prompt kept for
+    /// later requests in namespace `salt` shares, where it can ([`SessionStore::reuse_prefix`]); returns how many
+    /// it holds. The default, which a tensor-parallel leader keeps (its ranks' caches are not copied), reuses none.
+    fn reuse_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<usize> {
+        let _ = (session, salt, tokens);
+        Ok(0)
+    }
+    /// Keeps a copy of a session's cache, which holds `tokens`, for later requests in namespace `salt` that begin
+    /// the same way ([`SessionStore::keep_prefix`]); the default keeps none.
+    fn keep_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<()> {
+        let _ = (session, salt, tokens);
+        Ok(())
+    }
 
     /// Runs the blocks of several sessions in one step; one result per block, in order. An engine packs them into
     /// one pass (bitwise the same logits as one at a time); the default, which a tensor-parallel leader keeps, runs
@@ -297,6 +321,13 @@ impl EngineOps for Engine {
     fn release(&mut self, session: &str) -> Result<usize> {
         Engine::release(self, session)
     }
+    fn reuse_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<usize> {
+        self.sessions
+            .reuse_prefix(&self.model, session, salt, tokens)
+    }
+    fn keep_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<()> {
+        self.sessions.keep_prefix(session, salt, tokens)
+    }
     fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
         self.sessions.forward_batch(&self.model, blocks)
     }
@@ -327,6 +358,12 @@ macro_rules! delegate_ops {
             }
             fn release(&mut self, session: &str) -> Result<usize> {
                 (**self).release(session)
+            }
+            fn reuse_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<usize> {
+                (**self).reuse_prefix(session, salt, tokens)
+            }
+            fn keep_prefix(&mut self, session: &str, salt: u64, tokens: &[u32]) -> Result<()> {
+                (**self).keep_prefix(session, salt, tokens)
             }
             fn forward_batch(&mut self, blocks: &[Block]) -> Vec<Result<Logits>> {
                 (**self).forward_batch(blocks)

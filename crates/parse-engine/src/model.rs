@@ -236,6 +236,20 @@ impl KvCache {
         2 * self.k.len() * self.len * self.kv_dim * std::mem::size_of::<f32>()
     }
 
+    /// A cache of this one's first `n` tokens (all of them where `n >= len`), copied.
+    pub fn prefix(&self, n: usize) -> KvCache {
+        let n = n.min(self.len);
+        let copy = |bufs: &[Vec<f32>]| -> Vec<Vec<f32>> {
+            bufs.iter().map(|b| b[..n * self.kv_dim].to_vec()).collect()
+        };
+        KvCache {
+            k: copy(&self.k),
+            v: copy(&self.v),
+            len: n,
+            kv_dim: self.kv_dim,
+        }
+    }
+
     fn truncate_layers(&mut self, n: usize) {
         for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
             buf.truncate(n * self.kv_dim);

@@ -61,6 +61,15 @@ impl SessionCache {
         }
     }
 
+    /// A copy of the first `n` tokens, where the cache's kind can be copied: the kernels' caches can; the candle
+    /// backend's live in its device pool's slots and are not copied (`None`).
+    pub fn prefix(&self, n: usize) -> Option<SessionCache> {
+        match self {
+            SessionCache::Kernels(c) => Some(SessionCache::Kernels(c.prefix(n))),
+            SessionCache::Candle(_) => None,
+        }
+    }
+
     /// Keeps the first `n` tokens (no-op when `n >= len`).
     pub fn truncate(&mut self, n: usize) {
         match self {

@@ -156,6 +156,7 @@ mod tests {
             top_k: 0,
             top_p: 1.0,
             seed: 42,
+            cache_salt: 0,
         };
         let draw = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone()).unwrap();
@@ -231,6 +232,7 @@ mod tests {
                 top_k,
                 top_p,
                 seed: 0,
+                cache_salt: 0,
             };
             let mut got = distribution(&logits, &p);
             let mut want = reference(&logits, &p);

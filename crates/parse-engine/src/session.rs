@@ -19,6 +19,71 @@ pub struct SessionStore {
     /// The most bytes one session may hold (the capacity unless set lower): one long request cannot take the
     /// whole store from the others.
     per_session: usize,
+    prefixes: Prefixes,
+}
+
+/// Default budget of the prompts' caches kept for later requests ([`SessionStore::set_prefix_budget`]): 256 MiB, a
+/// few dozen prompts of a few hundred tokens of the default target.
+pub const DEFAULT_PREFIX_BUDGET: usize = 256 << 20;
+
+/// Prompts' caches kept for later requests that begin the same way (automatic prefix caching): a request that
+/// shares its first tokens with a kept prompt (a system prompt, an instruction, a document asked about again) takes
+/// their keys and values from it instead of computing them. A row's keys and values depend only on the tokens up to
+/// it, and the kernels' arithmetic for a row does not depend on what shares its pass or where the prefill was cut,
+/// so the copy holds the same bits the request's own prefill would have written. Kept by recency within a byte
+/// budget of their own, beside the sessions' capacity.
+#[derive(Debug)]
+struct Prefixes {
+    /// Least recently used first: each prompt's namespace (`SamplingParams::cache_salt`), tokens and cache.
+    kept: Vec<(u64, Vec<u32>, SessionCache)>,
+    bytes: usize,
+    budget: usize,
+}
+
+impl Prefixes {
+    /// The kept prompt of namespace `salt` that shares the most first tokens with `tokens`, and how many.
+    fn longest(&self, salt: u64, tokens: &[u32]) -> Option<(usize, usize)> {
+        self.kept
+            .iter()
+            .enumerate()
+            .filter(|(_, (s, _, _))| *s == salt)
+            .map(|(i, (_, kept, _))| (i, common_prefix(kept, tokens)))
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(i, n)| (n, i))
+    }
+
+    /// Marks entry `i` as used now.
+    fn touch(&mut self, i: usize) {
+        let e = self.kept.remove(i);
+        self.kept.push(e);
+    }
+
+    fn insert(&mut self, salt: u64, tokens: Vec<u32>, cache: SessionCache) {
+        let size = cache.bytes();
+        if size > self.budget {
+            return;
+        }
+        // A kept prompt that this one begins with adds nothing beside it.
+        let bytes = &mut self.bytes;
+        self.kept.retain(|(s, kept, c)| {
+            let covered = *s == salt && tokens.starts_with(kept);
+            if covered {
+                *bytes -= c.bytes();
+            }
+            !covered
+        });
+        while self.bytes + size > self.budget && !self.kept.is_empty() {
+            let (_, _, c) = self.kept.remove(0);
+            self.bytes -= c.bytes();
+        }
+        self.bytes += size;
+        self.kept.push((salt, tokens, cache));
+    }
+}
+
+/// How many first tokens `a` and `b` share.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl SessionStore {
@@ -27,7 +92,74 @@ impl SessionStore {
             map: HashMap::new(),
             capacity: capacity_bytes,
             per_session: capacity_bytes,
+            prefixes: Prefixes {
+                kept: Vec::new(),
+                bytes: 0,
+                budget: DEFAULT_PREFIX_BUDGET,
+            },
         }
+    }
+
+    /// Sets the bytes the prompts' caches kept for later requests may take ([`DEFAULT_PREFIX_BUDGET`] unless set;
+    /// 0 keeps none and drops those kept).
+    pub fn set_prefix_budget(&mut self, bytes: usize) {
+        self.prefixes.budget = bytes;
+        while self.prefixes.bytes > bytes && !self.prefixes.kept.is_empty() {
+            let (_, _, c) = self.prefixes.kept.remove(0);
+            self.prefixes.bytes -= c.bytes();
+        }
+    }
+
+    /// Bytes of the prompts' caches kept for later requests, and how many prompts.
+    pub fn prefix_bytes(&self) -> (usize, usize) {
+        (self.prefixes.bytes, self.prefixes.kept.len())
+    }
+
+    /// Fills the empty session `id` with the keys and values of the longest run of `tokens`' first tokens that a
+    /// prompt kept in namespace `salt` shares ([`SessionStore::keep_prefix`]), where the session may hold them;
+    /// returns how many tokens it now holds (0: none shared, or the session is not empty, or no room).
+    pub fn reuse_prefix(
+        &mut self,
+        model: &Net,
+        id: &str,
+        salt: u64,
+        tokens: &[u32],
+    ) -> Result<usize> {
+        if !self.get(id)?.is_empty() {
+            return Ok(0);
+        }
+        let Some((i, n)) = self.prefixes.longest(salt, tokens) else {
+            return Ok(0);
+        };
+        if self.check_capacity(model, id, n).is_err() {
+            return Ok(0);
+        }
+        let Some(copy) = self.prefixes.kept[i].2.prefix(n) else {
+            return Ok(0);
+        };
+        self.prefixes.touch(i);
+        self.map.insert(id.to_string(), copy);
+        Ok(n)
+    }
+
+    /// Keeps a copy of session `id`'s cache, in namespace `salt`, for later requests that begin with `tokens`, the
+    /// tokens it holds (nothing is kept where it holds another number of them, or its kind of cache is not copied).
+    pub fn keep_prefix(&mut self, id: &str, salt: u64, tokens: &[u32]) -> Result<()> {
+        let cache = self.get(id)?;
+        if self.prefixes.budget == 0 || tokens.is_empty() || cache.len() != tokens.len() {
+            return Ok(());
+        }
+        // Already kept within a longer prompt (the same prompt again, say): mark it used.
+        if let Some((i, n)) = self.prefixes.longest(salt, tokens)
+            && n == tokens.len()
+        {
+            self.prefixes.touch(i);
+            return Ok(());
+        }
+        if let Some(copy) = cache.prefix(tokens.len()) {
+            self.prefixes.insert(salt, tokens.to_vec(), copy);
+        }
+        Ok(())
     }
 
     /// Caps what one session may hold at `share` of the capacity (0 < share <= 1).

@@ -177,6 +177,7 @@ fn check_limits(
                     top_k: 1,
                     top_p: 1.0,
                     seed: 7,
+                    cache_salt: 0,
                 },
                 ..base.clone()
             },
@@ -340,4 +341,75 @@ fn a_verification_scores_only_the_rows_asked_for_and_those_with_the_same_bits() 
         }
     }
     v.release("s").unwrap();
+}
+
+/// Automatic prefix caching: a prompt that begins as a kept one takes those rows' keys and values instead of
+/// computing them, and what follows has the same bits as without the cache (the target's session and the draft's);
+/// prompts are kept and reused only within their `cache_salt` namespace, and within the byte budget.
+#[test]
+fn a_prompt_that_begins_as_a_kept_one_reuses_its_rows_with_the_same_bits() {
+    use parse_core::SamplingParams;
+    use parse_core::driver::Drafter;
+    use parse_engine::backend::OpenSteps;
+    use parse_engine::steps::run_alone;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let mut tokens =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..151_000)).collect() };
+    let shared = tokens(37);
+    let prompt = |tail: &[u32]| -> Vec<u32> { shared.iter().chain(tail).copied().collect() };
+    let (first, second, third) = (prompt(&tokens(9)), prompt(&tokens(14)), prompt(&[]));
+    let salted = SamplingParams {
+        cache_salt: 7,
+        ..Default::default()
+    };
+    // The next row's logits after opening `p` on `session`, and how many prompt rows the open reused.
+    let open =
+        |e: &mut Engine, session: &str, p: &[u32], s: &SamplingParams| -> (usize, Vec<u32>) {
+            let mut v = EngineVerifier::new(&mut *e);
+            let reused = run_alone(&mut v, OpenSteps::new(session, p, s)).unwrap();
+            let logits = e.forward_causal(session, &p[p.len() - 1..], &[0]).unwrap();
+            (reused, logits.row(0).iter().map(|x| x.to_bits()).collect())
+        };
+    let mut cold = tiny_engine(41);
+    cold.set_prefix_budget(0);
+    let mut warm = tiny_engine(41);
+    assert_eq!(open(&mut warm, "a", &first, &Default::default()).0, 0);
+    let (n, got) = open(&mut warm, "b", &second, &Default::default());
+    assert_eq!(n, shared.len(), "the shared first tokens are reused");
+    let (none, want) = open(&mut cold, "b", &second, &Default::default());
+    assert_eq!(none, 0, "no budget, nothing kept");
+    assert!(
+        got == want,
+        "the rows after a reused prefix have the bits of a full prefill"
+    );
+    // A prompt that is all prefix of a kept one: every cached row reused.
+    let (n, got) = open(&mut warm, "c", &third, &Default::default());
+    assert_eq!(n, third.len() - 1);
+    assert!(got == open(&mut cold, "c", &third, &Default::default()).1);
+    // Another namespace reuses nothing of the first, then its own.
+    assert_eq!(open(&mut warm, "d", &second, &salted).0, 0);
+    assert_eq!(open(&mut warm, "e", &first, &salted).0, shared.len());
+    // The budget: room for one prompt of this length keeps the latest alone.
+    let per_token = warm.config().kv_bytes_per_token();
+    warm.set_prefix_budget(per_token * first.len());
+    assert!(warm.sessions().prefix_bytes().1 <= 1);
+    // The draft: a context that begins as a kept one drafts the same tokens as without the cache.
+    let mut drafted = Vec::new();
+    for e in [&mut tiny_engine(43), &mut {
+        let mut c = tiny_engine(43);
+        c.set_prefix_budget(0);
+        c
+    }] {
+        let mut d = EngineDrafter::new(&mut *e);
+        d.begin("x", &first, &Default::default()).unwrap();
+        d.begin("y", &second, &Default::default()).unwrap();
+        drafted.push(d.next("y", 6).unwrap().tokens);
+        drafted.push(vec![e.sessions().prefix_bytes().1 as u32]);
+    }
+    assert_eq!(drafted[0], drafted[2]);
+    assert_eq!(
+        (drafted[1][0], drafted[3][0]),
+        (2, 0),
+        "the warm draft kept both contexts"
+    );
 }

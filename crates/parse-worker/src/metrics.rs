@@ -6,6 +6,9 @@
 //! - `parse_worker_rows_total{op}`: token rows the engine computed: a verification's packed positions, a target
 //!   session's prompt (`open`), extension and draft tokens. A draft's `begin` reuses what its cache holds and is
 //!   counted in steps and time only.
+//! - `parse_worker_prefix_rows_total{op}`: prompt rows not computed but taken from a prompt kept earlier that
+//!   begins the same way (the engine's prefix cache, in the request's `cache_salt` namespace): a target session's
+//!   `open` (a draft's `begin` reuses them too, uncounted, as its computed rows are).
 //! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
 //! - `parse_worker_kv_device_bytes`: after each command, on a backend whose KV cache allocates more than it holds
 //!   (the candle backend's KV pool: free slots, and the room of each slot's capacity class); absent elsewhere.
@@ -36,6 +39,7 @@ pub struct WorkerMetrics {
     steps: IntCounterVec,
     step_seconds: HistogramVec,
     rows: IntCounterVec,
+    prefix_rows: IntCounterVec,
     open_sessions: IntGauge,
     kv_bytes: IntGauge,
     kv_capacity: IntGauge,
@@ -114,6 +118,17 @@ impl WorkerMetrics {
                 Opts::new(
                     "parse_worker_rows_total",
                     "Token rows computed by forward passes, by operation.",
+                ),
+                op,
+            )
+            .expect("valid metric"),
+        );
+        let prefix_rows = register(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "parse_worker_prefix_rows_total",
+                    "Prompt rows taken from a prompt kept earlier instead of computed, by operation.",
                 ),
                 op,
             )
@@ -204,6 +219,7 @@ impl WorkerMetrics {
             steps,
             step_seconds,
             rows,
+            prefix_rows,
             open_sessions,
             kv_bytes,
             kv_capacity,
@@ -227,6 +243,11 @@ impl WorkerMetrics {
     /// `n` token rows computed by `op`.
     pub fn rows(&self, op: &str, n: usize) {
         self.rows.with_label_values(&[op]).inc_by(n as u64);
+    }
+
+    /// `n` prompt rows that `op` took from a kept prompt instead of computing them.
+    pub fn prefix_rows(&self, op: &str, n: usize) {
+        self.prefix_rows.with_label_values(&[op]).inc_by(n as u64);
     }
 
     /// The backend's state after a command.
@@ -336,6 +357,7 @@ mod tests {
         m.step("verify", 0.02);
         m.step("verify", 0.03);
         m.rows("verify", 17);
+        m.prefix_rows("open", 40);
         m.state(2, 4096, 1 << 20);
         m.kv_device_bytes(None);
         assert!(
@@ -368,6 +390,7 @@ mod tests {
         for line in [
             "parse_worker_steps_total{op=\"verify\"} 2",
             "parse_worker_rows_total{op=\"verify\"} 17",
+            "parse_worker_prefix_rows_total{op=\"open\"} 40",
             "parse_worker_step_duration_seconds_count{op=\"verify\"} 2",
             "parse_worker_open_sessions 2",
             "parse_worker_kv_bytes 4096",

@@ -354,6 +354,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            cache_salt: 0,
         },
         policy: parse_core::AcceptPolicy::for_verdict(args.verdict, args.tau)
             .with_exact_floor(!args.no_exact_floor)
@@ -467,6 +468,7 @@ fn generate_remote(addr: &str, args: &GenerateArgs, sec: &Security) -> Result<()
             top_k: args.top_k as u32,
             top_p: Some(args.top_p),
             seed: args.seed,
+            cache_salt: 0,
         }),
         mode,
         tau: args.tau,

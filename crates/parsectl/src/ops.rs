@@ -89,7 +89,10 @@ pub struct BenchArgs {
     /// draft sessions wants); the router's default when not given.
     #[arg(long)]
     pub adaptive: Option<bool>,
-    /// Prompts, one per line (cycled); without it a built-in set.
+    /// Prompts, one per line (cycled); without it a built-in set. Each cell's requests share the workers' prefix
+    /// caches among themselves (a prompt repeated within a cell, or the first tokens prompts share), in a
+    /// `cache_salt` namespace of the cell's own, so that no cell takes the prompts of a cell before it (or of an
+    /// earlier run).
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
     /// Seconds one request may take.
@@ -474,8 +477,14 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
             .progress_chars("#> "),
     );
     let mut cells = Vec::new();
+    // Each cell's prefix-cache namespace: this run's, then the cell's number.
+    let run_salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        .max(1);
     for mode in &modes {
         for &concurrency in &b.concurrency {
+            let cache_salt = run_salt.wrapping_add(cells.len() as u64 * 0x9E37_79B9_7F4A_7C15);
             bar.set_message(format!("{} at {concurrency}", display_mode(mode)));
             let start = Instant::now();
             let results = rt.block_on(async {
@@ -489,6 +498,10 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
                         mode: mode.clone(),
                         drafter: b.drafter.clone().unwrap_or_default(),
                         adaptive: b.adaptive,
+                        sampling: Some(parse_client::Sampling {
+                            cache_salt,
+                            ..Default::default()
+                        }),
                         ..Default::default()
                     };
                     let timeout = Duration::from_secs_f64(b.timeout_s);

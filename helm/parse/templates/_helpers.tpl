@@ -150,13 +150,13 @@ livenessProbe:
 {{- end -}}
 
 {{/*
-Memory of a worker container from its model: the weights file, the KV cache budget and a fixed overhead (runtime,
-activations, tokenizer). Requests equal limits, so a worker is never the first the node evicts. dict res, modelMiB,
-kvMiB, overheadMiB. Explicit resources.limits.memory wins.
+Memory of a worker container from its model: the weights file, the KV cache budget, the prompts kept for prefix
+caching and a fixed overhead (runtime, activations, tokenizer). Requests equal limits, so a worker is never the first
+the node evicts. dict res, modelMiB, kvMiB, prefixCacheMiB, overheadMiB. Explicit resources.limits.memory wins.
 */}}
 {{- define "parse.workerResources" -}}
 {{- $res := deepCopy .res }}
-{{- $mem := printf "%dMi" (add (int .modelMiB) (int .kvMiB) (int .overheadMiB)) }}
+{{- $mem := printf "%dMi" (add (int .modelMiB) (int .kvMiB) (int (default 0 .prefixCacheMiB)) (int .overheadMiB)) }}
 {{- $limits := default dict $res.limits }}
 {{- if not (hasKey $limits "memory") }}
 {{- $_ := set $limits "memory" $mem }}

@@ -314,6 +314,15 @@ struct StreamOptions {
     include_usage: bool,
 }
 
+/// `cache_salt`'s string as the workers take it: its 64-bit FNV-1a hash (the same in every router replica), never 0,
+/// the value of requests that set none.
+fn salt_of(s: &str) -> u64 {
+    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    h.max(1)
+}
+
 /// The fields both endpoints share.
 #[derive(Deserialize, Default)]
 struct Common {
@@ -325,6 +334,9 @@ struct Common {
     /// Not OpenAI's; vLLM's and ours.
     top_k: Option<u32>,
     seed: Option<u64>,
+    /// Not OpenAI's; vLLM's and ours: the namespace of the workers' prefix caches (`Sampling.cache_salt`, from a
+    /// hash of the string).
+    cache_salt: Option<String>,
     stop: Option<OneOrMany>,
     n: Option<u32>,
     user: Option<String>,
@@ -450,6 +462,7 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
         top_k: c.top_k.unwrap_or(0),
         top_p: c.top_p,
         seed,
+        cache_salt: c.cache_salt.as_deref().map_or(0, salt_of),
     });
     let stop = c.stop.map(OneOrMany::into_vec).unwrap_or_default();
     if stop.len() > MAX_STOP {
@@ -881,6 +894,7 @@ mod tests {
                 {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
             ],
             "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+            "cache_salt": "tenant-a",
             "stop": "\n\n", "n": 1, "user": "u1", "stream": true, "stream_options": {"include_usage": true},
             "parse": {"mode": "parse", "tau": 0.2, "verdict": "entropy"},
         }))
@@ -894,6 +908,8 @@ mod tests {
         );
         let s = r.sampling.unwrap();
         assert_eq!((s.temperature, s.top_p, s.seed), (0.5, Some(0.9), 3));
+        assert_eq!(s.cache_salt, salt_of("tenant-a"));
+        assert!(salt_of("tenant-a") != salt_of("tenant-b") && salt_of("") != 0);
         assert_eq!(r.stop, vec!["\n\n".to_string()]);
         assert_eq!(
             (r.mode.as_str(), r.tau, r.verdict.as_str()),
@@ -906,7 +922,12 @@ mod tests {
     fn defaults_are_greedy_with_the_default_budget() {
         let (r, shape) = chat(json!({"messages": [{"role": "user", "content": "Hi"}]})).unwrap();
         assert_eq!(r.max_new_tokens, DEFAULT_MAX_TOKENS);
-        assert_eq!(r.sampling.unwrap().temperature, 0.0);
+        let s = r.sampling.unwrap();
+        assert_eq!(
+            (s.temperature, s.cache_salt),
+            (0.0, 0),
+            "greedy, the default namespace"
+        );
         assert!(r.mode.is_empty() && r.tau.is_none() && !shape.stream && !shape.include_usage);
         let (r, _) = chat_request(
             &Bytes::from(json!({"messages": [{"role": "user", "content": "Hi"}]}).to_string()),

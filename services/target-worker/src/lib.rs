@@ -328,7 +328,7 @@ impl Verifier for TargetWorker {
             let max_sessions = self.cfg.max_sessions;
             let steps = OpenSteps::new(&session, &r.prompt, &sampling);
             let admitted = session.clone();
-            let (_, charged_ms) = self
+            let (reused, charged_ms) = self
                 .steps(
                     "open",
                     session,
@@ -341,7 +341,9 @@ impl Verifier for TargetWorker {
                     steps,
                 )
                 .await?;
+            let rows = rows.saturating_sub(reused);
             self.shell.metrics().rows("open", rows);
+            self.shell.metrics().prefix_rows("open", reused);
             tracing::Span::current().record("rows", rows);
             Ok(Response::new(OpenSessionResponse { charged_ms }))
         }

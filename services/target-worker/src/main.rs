@@ -61,6 +61,11 @@ struct Args {
     /// KV cache budget in MiB (per rank in a tensor-parallel group: each holds its share of the KV heads).
     #[arg(long, default_value_t = 4096)]
     kv_mib: usize,
+    /// MiB of prompts' keys and values kept for later requests that begin the same way (a system prompt, an
+    /// instruction, a document asked about again): those requests take them instead of computing them, the same
+    /// bits, in their `cache_salt` namespace (on rank 0 alone: a tensor-parallel group reuses none, its ranks' caches are not copied). 0 keeps none.
+    #[arg(long, env = "PARSE_PREFIX_CACHE_MIB", default_value_t = 256)]
+    prefix_cache_mib: usize,
     #[command(flatten)]
     compute: parse_engine::ComputeArgs,
     #[command(flatten)]
@@ -184,6 +189,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.tokenizer = args.tokenizer.clone();
     cfg.kv_capacity_bytes = args.kv_mib << 20;
     cfg.kv_session_share = args.kv_session_share;
+    cfg.prefix_cache_bytes = args.prefix_cache_mib.saturating_mul(1 << 20);
     cfg.compute = args.compute.compute()?;
     tracing::info!(compute = %cfg.compute, "loading the model");
     let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
