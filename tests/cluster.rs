@@ -1317,3 +1317,55 @@ fn a_tensor_parallel_group_packs_concurrent_requests_into_shared_passes() {
     // The leader's shutdown tells the follower to stop.
     let _ = follower.join();
 }
+
+/// The reused prompt rows a target worker reports (`parse_worker_prefix_rows_total{op="open"}`).
+fn prefix_rows(worker: &parse_target_worker::TargetWorker) -> f64 {
+    let text = worker.metrics().render();
+    text.lines()
+        .find_map(|l| l.strip_prefix("parse_worker_prefix_rows_total{op=\"open\"} "))
+        .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0))
+}
+
+#[test]
+fn a_prompt_sent_again_reuses_its_rows_only_in_its_cache_salt_namespace_and_answers_the_same() {
+    let c = cluster(1, 1, 16);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    let send = |mode: &str, salt: u64| {
+        let mut r = req(mode, 24);
+        r.sampling = Some(Sampling {
+            cache_salt: salt,
+            ..Default::default()
+        });
+        rt.block_on(async {
+            let mut client = Client::connect(&addr).await.unwrap();
+            client.generate(r).await.unwrap()
+        })
+    };
+    let worker = &c.targets[0].worker;
+    let first = send("target", 11);
+    assert_eq!(prefix_rows(worker), 0.0, "nothing kept before the first");
+    let other = send("target", 22);
+    assert_eq!(
+        prefix_rows(worker),
+        0.0,
+        "another namespace takes nothing of the first's prompt"
+    );
+    let again = send("target", 11);
+    let reused = prefix_rows(worker);
+    assert!(
+        reused >= 8.0,
+        "the same namespace reuses the prompt's rows ({reused})"
+    );
+    // PARSE through both workers in the same namespace: its prompt's rows come from the kept one on the target
+    // (and on the draft worker from the draft's own), and the answer stays `target`'s.
+    let parse = send("parse+token-spec", 11);
+    assert!(prefix_rows(worker) >= 2.0 * reused);
+    for (r, what) in [
+        (&other, "another namespace"),
+        (&again, "reused"),
+        (&parse, "parse+token-spec, reused"),
+    ] {
+        assert_eq!(r.token_ids, first.token_ids, "{what}: the answer changed");
+    }
+}
