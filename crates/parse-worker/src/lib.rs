@@ -47,6 +47,10 @@ pub trait Backend: Forward + Send + 'static {
     fn kv_device_bytes(&self) -> Option<usize> {
         None
     }
+    /// Bytes of the prompts kept for prefix caching, beside the sessions' (`SessionStore::prefix_bytes`).
+    fn prefix_bytes(&self) -> usize {
+        0
+    }
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
@@ -66,6 +70,9 @@ impl<E: EngineOps + Send + 'static> Backend for EngineVerifier<E> {
     fn kv_device_bytes(&self) -> Option<usize> {
         self.engine().kv_device_bytes()
     }
+    fn prefix_bytes(&self) -> usize {
+        self.engine().sessions().prefix_bytes().0
+    }
 }
 
 impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
@@ -84,6 +91,9 @@ impl<E: EngineOps + Send + 'static> Backend for EngineDrafter<E> {
     }
     fn kv_device_bytes(&self) -> Option<usize> {
         self.engine().kv_device_bytes()
+    }
+    fn prefix_bytes(&self) -> usize {
+        self.engine().sessions().prefix_bytes().0
     }
 }
 
@@ -313,6 +323,7 @@ where
         let (used, capacity) = st.backend.kv_bytes();
         self.metrics.state(n, used, capacity);
         self.metrics.kv_device_bytes(st.backend.kv_device_bytes());
+        self.metrics.prefix_bytes(st.backend.prefix_bytes());
         match (out, self.reply.take()) {
             (out, Some(reply)) => {
                 let _ = reply.send(out);
@@ -491,6 +502,7 @@ impl<B: Backend> Shell<B> {
             let (used, capacity) = st.backend.kv_bytes();
             metrics.state(n, used, capacity);
             metrics.kv_device_bytes(st.backend.kv_device_bytes());
+            metrics.prefix_bytes(st.backend.prefix_bytes());
             out
         }
     }

@@ -8,7 +8,8 @@
 //!   counted in steps and time only.
 //! - `parse_worker_prefix_rows_total{op}`: prompt rows not computed but taken from a prompt kept earlier that
 //!   begins the same way (the engine's prefix cache, in the request's `cache_salt` namespace): a target session's
-//!   `open` (a draft's `begin` reuses them too, uncounted, as its computed rows are).
+//!   `open` (a draft's `begin` reuses them too, uncounted, as its computed rows are). `parse_worker_prefix_bytes`:
+//!   the bytes of the prompts kept for it (`--prefix-cache-mib`), after each command, beside `parse_worker_kv_bytes`.
 //! - `parse_worker_open_sessions`, `parse_worker_kv_bytes`, `parse_worker_kv_capacity_bytes`: after each command.
 //! - `parse_worker_kv_device_bytes`: after each command, on a backend whose KV cache allocates more than it holds
 //!   (the candle backend's KV pool: free slots, and the room of each slot's capacity class); absent elsewhere.
@@ -40,6 +41,7 @@ pub struct WorkerMetrics {
     step_seconds: HistogramVec,
     rows: IntCounterVec,
     prefix_rows: IntCounterVec,
+    prefix_bytes: IntGauge,
     open_sessions: IntGauge,
     kv_bytes: IntGauge,
     kv_capacity: IntGauge,
@@ -141,6 +143,10 @@ impl WorkerMetrics {
             "parse_worker_kv_bytes",
             "Bytes of KV cache held by sessions.",
         );
+        let prefix_bytes = gauge(
+            "parse_worker_prefix_bytes",
+            "Bytes of the prompts' KV cache kept for later requests that begin the same way (prefix caching).",
+        );
         let kv_capacity = gauge(
             "parse_worker_kv_capacity_bytes",
             "Bytes of KV cache the worker may hold.",
@@ -220,6 +226,7 @@ impl WorkerMetrics {
             step_seconds,
             rows,
             prefix_rows,
+            prefix_bytes,
             open_sessions,
             kv_bytes,
             kv_capacity,
@@ -248,6 +255,11 @@ impl WorkerMetrics {
     /// `n` prompt rows that `op` took from a kept prompt instead of computing them.
     pub fn prefix_rows(&self, op: &str, n: usize) {
         self.prefix_rows.with_label_values(&[op]).inc_by(n as u64);
+    }
+
+    /// The bytes of the prompts kept for prefix caching, after a command.
+    pub fn prefix_bytes(&self, bytes: usize) {
+        self.prefix_bytes.set(bytes as i64);
     }
 
     /// The backend's state after a command.
@@ -358,6 +370,7 @@ mod tests {
         m.step("verify", 0.03);
         m.rows("verify", 17);
         m.prefix_rows("open", 40);
+        m.prefix_bytes(8192);
         m.state(2, 4096, 1 << 20);
         m.kv_device_bytes(None);
         assert!(
@@ -391,6 +404,7 @@ mod tests {
             "parse_worker_steps_total{op=\"verify\"} 2",
             "parse_worker_rows_total{op=\"verify\"} 17",
             "parse_worker_prefix_rows_total{op=\"open\"} 40",
+            "parse_worker_prefix_bytes 8192",
             "parse_worker_step_duration_seconds_count{op=\"verify\"} 2",
             "parse_worker_open_sessions 2",
             "parse_worker_kv_bytes 4096",
