@@ -606,12 +606,17 @@ fn cancelling_a_stream_frees_sessions_on_both_workers() {
     assert_eq!(count("ok"), 0.0);
 }
 
-/// Packed forward passes `worker` has run.
-fn passes(worker: &parse_target_worker::TargetWorker) -> f64 {
+/// The value of the series `series` (its name and labels) in `worker`'s metrics; 0 where absent.
+fn metric(worker: &parse_target_worker::TargetWorker, series: &str) -> f64 {
     let text = worker.metrics().render();
     text.lines()
-        .find_map(|l| l.strip_prefix("parse_worker_batch_rows_count "))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
         .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0))
+}
+
+/// Packed forward passes `worker` has run.
+fn passes(worker: &parse_target_worker::TargetWorker) -> f64 {
+    metric(worker, "parse_worker_batch_rows_count")
 }
 
 #[test]
@@ -1318,12 +1323,9 @@ fn a_tensor_parallel_group_packs_concurrent_requests_into_shared_passes() {
     let _ = follower.join();
 }
 
-/// The reused prompt rows a target worker reports (`parse_worker_prefix_rows_total{op="open"}`).
+/// The reused prompt rows a target worker reports.
 fn prefix_rows(worker: &parse_target_worker::TargetWorker) -> f64 {
-    let text = worker.metrics().render();
-    text.lines()
-        .find_map(|l| l.strip_prefix("parse_worker_prefix_rows_total{op=\"open\"} "))
-        .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0))
+    metric(worker, "parse_worker_prefix_rows_total{op=\"open\"}")
 }
 
 #[test]
