@@ -1236,32 +1236,25 @@ mod tests {
             check_block("q4k lanes", &out, stride, m, cols, |r, c| {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
-            // And row by row, one chain per sub-block (the benchmarks' other side; other tests running meanwhile
-            // get the same bits either way).
-            set_interleaved_q4k(false);
-            let mut out = vec![f32::NAN; m * stride];
-            #[allow(unsafe_code)]
-            // SAFETY: as above.
-            unsafe {
-                groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
-            };
-            set_interleaved_q4k(true);
-            check_block("q4k lanes, row by row", &out, stride, m, cols, |r, c| {
-                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
-            });
-            // And with a chunk's words held in registers at every row count (the benchmarks' other side of
-            // `set_streamed_q4k`).
-            set_streamed_q4k(false);
-            let mut out = vec![f32::NAN; m * stride];
-            #[allow(unsafe_code)]
-            // SAFETY: as above.
-            unsafe {
-                groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
-            };
-            set_streamed_q4k(true);
-            check_block("q4k lanes, words held", &out, stride, m, cols, |r, c| {
-                q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
-            });
+            // And the benchmarks' other sides (other tests running meanwhile get the same bits either way): row by
+            // row, one chain per sub-block (`set_interleaved_q4k`), and a chunk's words held in registers at every
+            // row count (`set_streamed_q4k`).
+            for (name, set) in [
+                ("q4k lanes, row by row", set_interleaved_q4k as fn(bool)),
+                ("q4k lanes, words held", set_streamed_q4k),
+            ] {
+                set(false);
+                let mut out = vec![f32::NAN; m * stride];
+                #[allow(unsafe_code)]
+                // SAFETY: as above.
+                unsafe {
+                    groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
+                };
+                set(true);
+                check_block(name, &out, stride, m, cols, |r, c| {
+                    q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+                });
+            }
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: as above.
