@@ -1363,6 +1363,20 @@ fn a_prompt_sent_again_reuses_its_rows_only_in_its_cache_salt_namespace_and_answ
     // (and on the draft worker from the draft's own), and the answer stays `target`'s.
     let parse = send("parse+token-spec", 11);
     assert!(prefix_rows(worker) >= 2.0 * reused);
+    // Each reply's stats (the OpenAI API's usage.prompt_tokens_details.cached_tokens) count the rows its own open
+    // took, as the worker did.
+    let cached = |r: &parse_proto::v1::GenerateResponse| {
+        r.stats.as_ref().unwrap().cached_prompt_tokens as f64
+    };
+    assert_eq!(
+        [
+            cached(&first),
+            cached(&other),
+            cached(&again),
+            cached(&parse)
+        ],
+        [0.0, 0.0, reused, prefix_rows(worker) - reused]
+    );
     for (r, what) in [
         (&other, "another namespace"),
         (&again, "reused"),

@@ -377,6 +377,7 @@ impl From<&Stats> for v1::Stats {
             token_rounds: u(s.token_rounds),
             guesses: u(s.guesses),
             guesses_right: u(s.guesses_right),
+            cached_prompt_tokens: u(s.cached_prompt_tokens),
         }
     }
 }
@@ -396,7 +397,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reply_stats_carry_the_pace_counters() {
+    fn reply_stats_carry_the_pace_counters_and_the_cached_prompt_tokens() {
         let s = Stats {
             output_tokens: 100,
             paused_tokens: 40,
@@ -405,6 +406,7 @@ mod tests {
             token_rounds: 7,
             guesses: 11,
             guesses_right: 4,
+            cached_prompt_tokens: 6,
             ..Default::default()
         };
         let p = v1::Stats::from(&s);
@@ -416,9 +418,10 @@ mod tests {
                 p.copy_rounds,
                 p.token_rounds,
                 p.guesses,
-                p.guesses_right
+                p.guesses_right,
+                p.cached_prompt_tokens
             ),
-            (100, 40, 3, 5, 7, 11, 4)
+            (100, 40, 3, 5, 7, 11, 4, 6)
         );
     }
 

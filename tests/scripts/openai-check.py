@@ -5,7 +5,8 @@
 
 Installs the pinned package into .cache/ci-tools/openai (git-ignored) on first use. Checks: models.list; a chat
 completion; the same request streamed (chunks reassemble into the same text, same finish reason and token count, usage
-in the last chunk with stream_options.include_usage); a text completion; the `parse` extension object reaching the
+in the last chunk with stream_options.include_usage; the same prompt's tokens reported cached the second time, in
+usage.prompt_tokens_details, at the workers' default prefix cache); a text completion; the `parse` extension object reaching the
 loop (mode echoed in usage.parse); bad requests raising BadRequestError / NotFoundError with OpenAI's error shape.
 Exits non-zero on the first failed check.
 """
@@ -68,6 +69,12 @@ check(roles == ["assistant"], f"one role delta, first: {roles}")
 check(finish == full.choices[0].finish_reason, f"streamed finish reason {finish}")
 check(usage is not None and usage.completion_tokens == full.usage.completion_tokens,
       f"usage in the last chunk: {usage}")
+# Prefix caching (the workers' default): the first request's prompt was kept, so the same prompt again takes all its
+# rows but the pending token's from it, and says so as OpenAI does.
+first_cached = full.usage.prompt_tokens_details.cached_tokens
+check(0 <= first_cached < full.usage.prompt_tokens, f"first request: {first_cached} cached prompt tokens")
+check(usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1,
+      f"the same prompt again: usage.prompt_tokens_details {usage.prompt_tokens_details}, all but the pending token")
 
 comp = client.completions.create(model=model, prompt="def add(a, b):\n    return", max_tokens=8, temperature=0)
 check(comp.object == "text_completion" and comp.choices[0].text, f"text completion: {comp.choices[0].text!r}")

@@ -430,6 +430,7 @@ fn through_router(
                                     token_rounds: s.token_rounds as usize,
                                     guesses: s.guesses as usize,
                                     guesses_right: s.guesses_right as usize,
+                                    cached_prompt_tokens: s.cached_prompt_tokens as usize,
                                     ..Default::default()
                                 };
                                 break;

@@ -387,8 +387,10 @@ pub struct ExtendOutput {
 
 /// Runs the target.
 pub trait Verifier {
-    /// Opens a session on `prompt`: the cache takes all but its last token, which becomes pending.
-    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<()>;
+    /// Opens a session on `prompt`: the cache takes all but its last token, which becomes pending. Returns how many
+    /// of those tokens' rows were taken from a prompt kept earlier that begins the same way (prefix caching) rather
+    /// than computed: 0 where nothing is kept.
+    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<usize>;
     /// Runs a plan; the cache then holds its former tokens plus the plan's (truncate afterwards).
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput>;
     /// Appends `pending` and decodes up to `max` tokens (at least one), stopping after an end token or, with
@@ -483,6 +485,9 @@ pub struct Stats {
     /// target kept.
     pub guesses: usize,
     pub guesses_right: usize,
+    /// Prompt tokens the target took from a prompt kept earlier that begins the same way (prefix caching, in the
+    /// request's `cache_salt` namespace) instead of computing them ([`Verifier::open`]).
+    pub cached_prompt_tokens: usize,
     /// Per position of a verified draft (0-based): verifications whose draft reached it, and those that kept its
     /// token. Left out of serialized figures.
     #[serde(skip)]
@@ -637,8 +642,9 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
 
     fn open_target(&mut self) -> Result<()> {
         let t = Instant::now();
-        self.v
-            .open(&self.req.session, &self.req.prompt, &self.req.sampling)?;
+        self.stats.cached_prompt_tokens =
+            self.v
+                .open(&self.req.session, &self.req.prompt, &self.req.sampling)?;
         self.stats.prefill_ms += ms(t);
         self.cached = self.req.prompt.len() - 1;
         self.pending = *self
@@ -1577,7 +1583,7 @@ impl Drafter for NoDrafter {
 pub struct NoVerifier;
 
 impl Verifier for NoVerifier {
-    fn open(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> Result<()> {
+    fn open(&mut self, _: &str, _: &[u32], _: &SamplingParams) -> Result<usize> {
         Err(Error::internal("no target model loaded"))
     }
     fn verify(&mut self, _: &str, _: &VerifyPlan) -> Result<VerifyOutput> {

@@ -67,14 +67,14 @@ struct FakeVerifier {
 type Events = std::rc::Rc<std::cell::RefCell<Vec<&'static str>>>;
 
 impl Verifier for FakeVerifier {
-    fn open(&mut self, s: &str, prompt: &[u32], _: &SamplingParams) -> parse_core::Result<()> {
+    fn open(&mut self, s: &str, prompt: &[u32], _: &SamplingParams) -> parse_core::Result<usize> {
         self.events.borrow_mut().push("open");
         assert!(
             self.caches
                 .insert(s.into(), prompt[..prompt.len() - 1].to_vec())
                 .is_none()
         );
-        Ok(())
+        Ok(0)
     }
     fn verify(&mut self, s: &str, plan: &VerifyPlan) -> parse_core::Result<VerifyOutput> {
         let cache = self.caches.get_mut(s).unwrap();

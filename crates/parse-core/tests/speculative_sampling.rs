@@ -64,11 +64,11 @@ struct Target {
 }
 
 impl Verifier for Target {
-    fn open(&mut self, s: &str, prompt: &[u32], p: &SamplingParams) -> parse_core::Result<()> {
+    fn open(&mut self, s: &str, prompt: &[u32], p: &SamplingParams) -> parse_core::Result<usize> {
         let cache = prompt[..prompt.len() - 1].to_vec();
         self.caches
             .insert(s.into(), (cache, StdRng::seed_from_u64(p.seed)));
-        Ok(())
+        Ok(0)
     }
     fn verify(&mut self, s: &str, plan: &VerifyPlan) -> parse_core::Result<VerifyOutput> {
         let (cache, _) = self.caches.get_mut(s).unwrap();

@@ -424,8 +424,13 @@ impl<E: EngineOps> Steps<EngineVerifier<E>> for ExtendSteps {
 }
 
 impl<E: EngineOps> Verifier for EngineVerifier<E> {
-    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> CoreResult<()> {
-        run_alone(self, OpenSteps::new(session, prompt, sampling)).map(|_| ())
+    fn open(
+        &mut self,
+        session: &str,
+        prompt: &[u32],
+        sampling: &SamplingParams,
+    ) -> CoreResult<usize> {
+        run_alone(self, OpenSteps::new(session, prompt, sampling))
     }
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> CoreResult<VerifyOutput> {

@@ -579,6 +579,7 @@ pub fn stats_json(s: &parse_client::Stats) -> serde_json::Value {
         "paused_tokens": s.paused_tokens,
         "pauses": s.pauses,
         "copy_rounds": s.copy_rounds,
+        "cached_prompt_tokens": s.cached_prompt_tokens,
     })
 }
 

@@ -12,6 +12,8 @@
 //! - PARSE settings go in an extension object, `"parse": {"mode", "tau", "verdict", "exact_floor",
 //!   "draft_segments", "drafter", "adaptive"}` (every field optional, unknown fields refused), and `usage.parse` carries the acceptance
 //!   figures of the request beside OpenAI's token counts.
+//! - `usage.prompt_tokens_details.cached_tokens` is OpenAI's: the prompt tokens the target worker took from a prompt
+//!   it kept earlier (prefix caching, within the request's `cache_salt`) rather than computed.
 //! - `model` must be the served model's id (`GET /v1/models`) when given, as in other OpenAI-compatible servers.
 //! - A client that disconnects (mid-stream or while waiting) cancels the request on both workers.
 //!
@@ -627,6 +629,8 @@ fn usage(stats: Option<&Stats>) -> Value {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.output_tokens,
         "total_tokens": s.prompt_tokens + s.output_tokens,
+        // As OpenAI reports prompt caching: the prompt tokens taken from a prompt the target kept earlier.
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
         "parse": {
             "mode": s.mode,
             "draft_tokens_proposed": s.draft_tokens_proposed,
@@ -1029,10 +1033,12 @@ mod tests {
             draft_tokens_accepted: 15,
             target_passes: 4,
             target_passes_per_token: 0.2,
+            cached_prompt_tokens: 6,
             ..Default::default()
         };
         let u = usage(Some(&s));
         assert_eq!(u["total_tokens"], 30);
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 6);
         assert_eq!(u["parse"]["draft_share"], 0.75);
         assert_eq!(u["parse"]["target_passes"], 4);
         // The draft's end token, accepted, is not output.

@@ -942,7 +942,7 @@ impl RemoteVerifier {
 }
 
 impl Verifier for RemoteVerifier {
-    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<()> {
+    fn open(&mut self, session: &str, prompt: &[u32], sampling: &SamplingParams) -> Result<usize> {
         if prompt.is_empty() {
             return Err(Error::invalid("empty prompt"));
         }
@@ -956,10 +956,11 @@ impl Verifier for RemoteVerifier {
             });
             ctx.call(c.open_session(req))
         })?;
-        self.charged.saw(r.into_inner().charged_ms);
+        let r = r.into_inner();
+        self.charged.saw(r.charged_ms);
         self.cache = prompt[..prompt.len() - 1].to_vec();
         self.opened = true;
-        Ok(())
+        Ok(r.cached_tokens as usize)
     }
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput> {

@@ -345,7 +345,10 @@ impl Verifier for TargetWorker {
             self.shell.metrics().rows("open", rows);
             self.shell.metrics().prefix_rows("open", reused);
             tracing::Span::current().record("rows", rows);
-            Ok(Response::new(OpenSessionResponse { charged_ms }))
+            Ok(Response::new(OpenSessionResponse {
+                charged_ms,
+                cached_tokens: reused as u32,
+            }))
         }
         .instrument(span)
         .await
