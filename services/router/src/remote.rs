@@ -960,7 +960,8 @@ impl Verifier for RemoteVerifier {
         self.charged.saw(r.charged_ms);
         self.cache = prompt[..prompt.len() - 1].to_vec();
         self.opened = true;
-        Ok(r.cached_tokens as usize)
+        // A worker's count, bounded by what it could have reused.
+        Ok((r.cached_tokens as usize).min(self.cache.len()))
     }
 
     fn verify(&mut self, session: &str, plan: &VerifyPlan) -> Result<VerifyOutput> {
