@@ -72,6 +72,11 @@ struct Args {
     /// in one process (`ops::set_rows_together`; the same bits either way), as `--ab-attention` does
     #[arg(long)]
     ab_attention_rows: bool,
+    /// Instead of the report: time each model's passes with the attention's AVX-512 path reading its key and value
+    /// rows as it comes to them and prefetching them ahead, alternating pass by pass in one process
+    /// (`ops::set_attention_prefetch`; the same bits either way), as `--ab-attention` does
+    #[arg(long)]
+    ab_attention_prefetch: bool,
     /// Instead of the report: time each model's passes with the VNNI Q4_K kernel taking one activation row at a
     /// time (one chain per sub-block) and up to four with their chains interleaved, alternating pass by pass in one
     /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
@@ -126,7 +131,8 @@ struct Args {
     #[arg(long)]
     ab_huge_pages: bool,
     /// Also time packed passes of n sessions, each holding `--context` tokens and bringing one decode row (the
-    /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows.
+    /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows; with an
+    /// `--ab-*` switch of one model's engine, such passes with the switch off and on, alternating.
     #[arg(long, value_delimiter = ',')]
     sessions: Vec<usize>,
 }
@@ -242,7 +248,58 @@ fn ab_switch(name: &str, args: &Args, what: &str, sides: [&str; 2], set: fn(bool
         let [a, b] = medians?;
         println!("| {n} | {a:.1} | {b:.1} | {:.3} |", b / a);
     }
+    if !args.sessions.is_empty() {
+        println!("\n| sessions, one row each | {off} | {on} | {on} / {off} |");
+        println!("|---:|---:|---:|---:|");
+    }
+    for &n in &args.sessions {
+        let medians = ab_packed_medians(args, n, set, &mut engines[0]);
+        set(true);
+        let [a, b] = medians?;
+        println!("| {n} | {a:.1} | {b:.1} | {:.3} |", b / a);
+    }
     Ok(())
+}
+
+/// Medians (ms) of packed passes of `n` sessions, each holding the `--context` tokens and bringing one decode row
+/// (as `--sessions` times them), with `set(false)` and `set(true)`, alternating pass by pass as [`ab_medians`] does.
+fn ab_packed_medians(
+    args: &Args,
+    n: usize,
+    set: fn(bool),
+    (e, ctx, base): &mut (Engine, Vec<u32>, usize),
+) -> Result<[f64; 2]> {
+    let names: Vec<String> = (0..n).map(|i| format!("packed-{i}")).collect();
+    for name in &names {
+        e.open_session(name)?;
+        e.forward_causal(name, ctx, &[ctx.len() - 1])?;
+    }
+    let step: Vec<Block> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| Block::causal(name, *base, &[ctx[(i * 7) % ctx.len()]], vec![0]))
+        .collect();
+    let mut ms = [Vec::new(), Vec::new()];
+    for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for j in order {
+            set(j == 1);
+            let t = Instant::now();
+            for r in e.forward_batch(&step) {
+                r?;
+            }
+            if i >= 2 * choose::TRIALS as usize {
+                ms[j].push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            for name in &names {
+                e.truncate(name, *base)?;
+            }
+        }
+    }
+    for name in &names {
+        e.release(name)?;
+    }
+    Ok(ms.map(median))
 }
 
 /// `--ab-attention`: one model's passes with and without the attention's AVX-512 path (`ops::set_wide_attention`).
@@ -265,6 +322,18 @@ fn ab_attention_rows(name: &str, args: &Args) -> Result<()> {
         "attention without AVX-512, rows alone and together",
         ["alone", "together"],
         parse_engine::ops::set_rows_together,
+    )
+}
+
+/// `--ab-attention-prefetch`: one model's passes with the attention's AVX-512 path prefetching its rows or not
+/// (`ops::set_attention_prefetch`).
+fn ab_attention_prefetch(name: &str, args: &Args) -> Result<()> {
+    ab_switch(
+        name,
+        args,
+        "attention's AVX-512 path without and with prefetches",
+        ["without", "with"],
+        parse_engine::ops::set_attention_prefetch,
     )
 }
 
@@ -726,6 +795,12 @@ fn main() -> Result<()> {
     if args.ab_attention_rows {
         for m in &args.models {
             ab_attention_rows(m, &args)?;
+        }
+        return Ok(());
+    }
+    if args.ab_attention_prefetch {
+        for m in &args.models {
+            ab_attention_prefetch(m, &args)?;
         }
         return Ok(());
     }

@@ -317,6 +317,37 @@ pub fn attention(
     attention_with(wide_attention(), q, k_cache, v_cache, mask, s, out)
 }
 
+/// How far ahead, in visible keys, [`attention`]'s AVX-512 path asks for a key's or a value's row
+/// ([`set_attention_prefetch`]): 32 rows of 128 f32, 16 KB.
+const KEYS_AHEAD: usize = 32;
+
+static ATTENTION_PREFETCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets [`attention`]'s AVX-512 path prefetch the key and value rows [`KEYS_AHEAD`] visible keys ahead of those it
+/// reads (`true`, the default) or not (`false`), for benchmarks that time the two in one process (`engine-bench
+/// --ab-attention-prefetch`); the outputs are the same bits.
+pub fn set_attention_prefetch(on: bool) {
+    ATTENTION_PREFETCH.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn attention_prefetch() -> bool {
+    ATTENTION_PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Asks for every cache line of `row` into L1 (a hint: no fault, no effect on results).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_row(row: &[f32]) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    for line in row.chunks(16) {
+        // SAFETY: a prefetch of an address inside `row` (SSE, part of x86_64).
+        #[allow(unsafe_code)]
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast())
+        };
+    }
+}
+
 /// Whether [`attention`] takes its AVX-512 path ([`dot_heads_wide`], [`weighted_sums_wide`]): on a CPU with AVX-512
 /// F, checked once, unless [`set_wide_attention`] turned it off. The path computes the same bits as the AVX2 and
 /// portable ones, in fewer instructions per key.
@@ -436,7 +467,15 @@ fn attention_wide(
             let mut scores = vec![0f32; group * n];
             let mut row = vec![0f32; group];
             let by16 = n / 16 * 16;
+            let prefetch = attention_prefetch();
             for i0 in (0..by16).step_by(16) {
+                if prefetch {
+                    for &t in keys.iter().skip(i0 + KEYS_AHEAD).take(16) {
+                        prefetch_row(
+                            &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd],
+                        );
+                    }
+                }
                 let ks: [&[f32]; 16] = std::array::from_fn(|j| {
                     let t = keys[i0 + j];
                     &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd]
@@ -469,7 +508,7 @@ fn attention_wide(
             #[allow(unsafe_code)]
             // SAFETY: as above; every offset starts a value row of hd values in v_cache.
             unsafe {
-                weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
+                weighted_sums_wide(&scores, &offsets, v_cache, o, hd, prefetch)
             };
             for h in 0..group {
                 let inv = 1.0 / sums[h];
@@ -892,6 +931,7 @@ unsafe fn weighted_sums_wide(
     v_cache: &[f32],
     o: &mut [f32],
     hd: usize,
+    prefetch: bool,
 ) {
     let n = offsets.len();
     let group = o.len() / hd;
@@ -902,14 +942,14 @@ unsafe fn weighted_sums_wide(
         // SAFETY: the caller's CPU features and value rows; each call takes g heads from h.
         let g = unsafe {
             match hd {
-                128 => wsum_zmm::<8>(sc, offsets, v_cache, oh, group - h),
-                112 => wsum_zmm::<7>(sc, offsets, v_cache, oh, group - h),
-                96 => wsum_zmm::<6>(sc, offsets, v_cache, oh, group - h),
-                80 => wsum_zmm::<5>(sc, offsets, v_cache, oh, group - h),
-                64 => wsum_zmm::<4>(sc, offsets, v_cache, oh, group - h),
-                48 => wsum_zmm::<3>(sc, offsets, v_cache, oh, group - h),
-                32 => wsum_zmm::<2>(sc, offsets, v_cache, oh, group - h),
-                _ => wsum_zmm::<1>(sc, offsets, v_cache, oh, group - h),
+                128 => wsum_zmm::<8>(sc, offsets, v_cache, oh, group - h, prefetch),
+                112 => wsum_zmm::<7>(sc, offsets, v_cache, oh, group - h, prefetch),
+                96 => wsum_zmm::<6>(sc, offsets, v_cache, oh, group - h, prefetch),
+                80 => wsum_zmm::<5>(sc, offsets, v_cache, oh, group - h, prefetch),
+                64 => wsum_zmm::<4>(sc, offsets, v_cache, oh, group - h, prefetch),
+                48 => wsum_zmm::<3>(sc, offsets, v_cache, oh, group - h, prefetch),
+                32 => wsum_zmm::<2>(sc, offsets, v_cache, oh, group - h, prefetch),
+                _ => wsum_zmm::<1>(sc, offsets, v_cache, oh, group - h, prefetch),
             }
         };
         h += g;
@@ -928,16 +968,17 @@ unsafe fn wsum_zmm<const V: usize>(
     v_cache: &[f32],
     o: &mut [f32],
     left: usize,
+    prefetch: bool,
 ) -> usize {
     // SAFETY (all calls below): the caller's CPU features.
     unsafe {
         match (24 / V).min(left) {
-            g if g >= 6 => wsum_heads::<V, 6>(scores, offsets, v_cache, o),
-            5 => wsum_heads::<V, 5>(scores, offsets, v_cache, o),
-            4 => wsum_heads::<V, 4>(scores, offsets, v_cache, o),
-            3 => wsum_heads::<V, 3>(scores, offsets, v_cache, o),
-            2 => wsum_heads::<V, 2>(scores, offsets, v_cache, o),
-            _ => wsum_heads::<V, 1>(scores, offsets, v_cache, o),
+            g if g >= 6 => wsum_heads::<V, 6>(scores, offsets, v_cache, o, prefetch),
+            5 => wsum_heads::<V, 5>(scores, offsets, v_cache, o, prefetch),
+            4 => wsum_heads::<V, 4>(scores, offsets, v_cache, o, prefetch),
+            3 => wsum_heads::<V, 3>(scores, offsets, v_cache, o, prefetch),
+            2 => wsum_heads::<V, 2>(scores, offsets, v_cache, o, prefetch),
+            _ => wsum_heads::<V, 1>(scores, offsets, v_cache, o, prefetch),
         }
     }
 }
@@ -951,6 +992,7 @@ unsafe fn wsum_heads<const V: usize, const H: usize>(
     offsets: &[usize],
     v_cache: &[f32],
     o: &mut [f32],
+    prefetch: bool,
 ) -> usize {
     use std::arch::x86_64::*;
     let (n, hd) = (offsets.len(), 16 * V);
@@ -958,6 +1000,9 @@ unsafe fn wsum_heads<const V: usize, const H: usize>(
     let mut acc = [[_mm512_setzero_ps(); V]; H];
     for (i, &off) in offsets.iter().enumerate() {
         let v = &v_cache[off..off + hd];
+        if prefetch && let Some(&ahead) = offsets.get(i + KEYS_AHEAD) {
+            prefetch_row(&v_cache[ahead..ahead + hd]);
+        }
         let p: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(scores[h * n + i]));
         for j in 0..V {
             // SAFETY: v has hd = 16V values.
