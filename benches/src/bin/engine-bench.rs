@@ -269,16 +269,7 @@ fn ab_packed_medians(
     set: fn(bool),
     (e, ctx, base): &mut (Engine, Vec<u32>, usize),
 ) -> Result<[f64; 2]> {
-    let names: Vec<String> = (0..n).map(|i| format!("packed-{i}")).collect();
-    for name in &names {
-        e.open_session(name)?;
-        e.forward_causal(name, ctx, &[ctx.len() - 1])?;
-    }
-    let step: Vec<Block> = names
-        .iter()
-        .enumerate()
-        .map(|(i, name)| Block::causal(name, *base, &[ctx[(i * 7) % ctx.len()]], vec![0]))
-        .collect();
+    let step = open_packed(e, ctx, *base, n)?;
     let mut ms = [Vec::new(), Vec::new()];
     for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
         let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -291,15 +282,33 @@ fn ab_packed_medians(
             if i >= 2 * choose::TRIALS as usize {
                 ms[j].push(t.elapsed().as_secs_f64() * 1e3);
             }
-            for name in &names {
-                e.truncate(name, *base)?;
+            for b in &step {
+                e.truncate(&b.session, *base)?;
             }
         }
     }
-    for name in &names {
-        e.release(name)?;
+    for b in &step {
+        e.release(&b.session)?;
     }
     Ok(ms.map(median))
+}
+
+/// Opens `n` sessions "packed-i", each holding the `--context` tokens `ctx` (`base` long), and returns a packed
+/// step of one decode row for each.
+fn open_packed(e: &mut Engine, ctx: &[u32], base: usize, n: usize) -> Result<Vec<Block>> {
+    let mut step = Vec::with_capacity(n);
+    for i in 0..n {
+        let name = format!("packed-{i}");
+        e.open_session(&name)?;
+        e.forward_causal(&name, ctx, &[ctx.len() - 1])?;
+        step.push(Block::causal(
+            &name,
+            base,
+            &[ctx[(i * 7) % ctx.len()]],
+            vec![0],
+        ));
+    }
+    Ok(step)
 }
 
 /// `--ab-attention`: one model's passes with and without the attention's AVX-512 path (`ops::set_wide_attention`).
@@ -626,16 +635,7 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
     }
     let mut packed = Vec::new();
     for &n in &args.sessions {
-        let names: Vec<String> = (0..n).map(|i| format!("packed-{i}")).collect();
-        for name in &names {
-            e.open_session(name)?;
-            e.forward_causal(name, &ctx, &[ctx.len() - 1])?;
-        }
-        let step: Vec<Block> = names
-            .iter()
-            .enumerate()
-            .map(|(i, name)| Block::causal(name, base, &[ctx[(i * 7) % ctx.len()]], vec![0]))
-            .collect();
+        let step = open_packed(&mut e, &ctx, base, n)?;
         // As for the blocks above: a pass of n rows first times the row groups against the panels (kernels::choose);
         // those calls are not what a running server runs.
         let warm = if kernels::active() >= kernels::Kernels::Vnni
@@ -654,12 +654,12 @@ fn bench_model(name: &str, args: &Args) -> Result<serde_json::Value> {
             if rep >= warm {
                 ms.push(t.elapsed().as_secs_f64() * 1e3);
             }
-            for name in &names {
-                e.truncate(name, base)?;
+            for b in &step {
+                e.truncate(&b.session, base)?;
             }
         }
-        for name in &names {
-            e.release(name)?;
+        for b in &step {
+            e.release(&b.session)?;
         }
         let ms = median(ms);
         packed.push(json!({ "sessions": n, "ms": ms, "vs_decode": ms / decode_ms }));
