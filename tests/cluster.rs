@@ -231,6 +231,64 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
     assert_eq!(c.targets[0].worker.open_sessions(), 0);
 }
 
+/// A stop string ends a reply at the token that completed it: the text is cut before the stop string, and the token
+/// ids, their count in the stats (OpenAI's `completion_tokens`) and the streamed ids are the output's tokens up to
+/// that one, never the tokens the loop accepted past it in the same round.
+#[test]
+fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_it() {
+    let c = cluster(1, 1, 8);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    let tok = tokenizer();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let mut cut_short = 0;
+        for mode in ["target", "parse+token-spec", "token-spec"] {
+            let full = client.generate(req(mode, 48)).await.unwrap();
+            let chars: Vec<(usize, char)> = full.text.char_indices().collect();
+            assert!(chars.len() > 12, "{mode}: too little text to cut: {:?}", full.text);
+            // Stop strings of two characters taken from several places in the text; each cuts at its first
+            // occurrence.
+            let mut stops: Vec<String> = Vec::new();
+            for at in [1, chars.len() / 5, chars.len() / 3, chars.len() / 2, 3 * chars.len() / 4] {
+                let to = chars.get(at + 2).map_or(full.text.len(), |c| c.0);
+                let stop = full.text[chars[at].0..to].to_string();
+                if !stops.contains(&stop) {
+                    stops.push(stop);
+                }
+            }
+            for stop in stops {
+                let from = full.text.find(&stop).unwrap();
+                let k = (1..=full.token_ids.len())
+                    .find(|&k| tok.decode(&full.token_ids[..k], true).unwrap().contains(&stop))
+                    .unwrap();
+                let r = GenerateRequest {
+                    stop: vec![stop.clone()],
+                    ..req(mode, 48)
+                };
+                let reply = client.generate(r.clone()).await.unwrap();
+                let what = format!("{mode}, stop {stop:?} in {:?}", full.text);
+                assert_eq!(reply.text, full.text[..from], "{what}: text");
+                assert_eq!(reply.finish_reason, "stop", "{what}");
+                assert_eq!(reply.token_ids, full.token_ids[..k], "{what}: token ids");
+                let stats = reply.stats.as_ref().unwrap();
+                assert_eq!(stats.output_tokens as usize, k, "{what}: output tokens");
+                let mut stream = client.generate_stream(r).await.unwrap();
+                let mut ids = Vec::new();
+                while let Some(ev) = stream.next().await {
+                    if let Event::Delta(d) = ev.unwrap() {
+                        ids.extend(d.token_ids);
+                    }
+                }
+                assert_eq!(ids, reply.token_ids, "{what}: streamed ids");
+                cut_short += usize::from(k < full.token_ids.len());
+            }
+        }
+        assert!(cut_short >= 6, "only {cut_short} replies ended before the full output");
+    });
+    sessions_end(&c, "after the stopped replies");
+}
+
 /// `drafter: "model+ngram"`: the router copies from long prompt-lookup matches and asks the draft worker for the
 /// rest; its output is the in-process drafter's, and greedy token-level speculation keeps the target's tokens.
 #[test]

@@ -7,7 +7,7 @@ Installs the pinned package into .cache/ci-tools/openai (git-ignored) on first u
 completion; the same request streamed (chunks reassemble into the same text, same finish reason and token count, usage
 in the last chunk with stream_options.include_usage; the same prompt's tokens reported cached the second time, in
 usage.prompt_tokens_details, at the workers' default prefix cache); a text completion; the `parse` extension object reaching the
-loop (mode echoed in usage.parse); bad requests raising BadRequestError / NotFoundError with OpenAI's error shape.
+loop (mode echoed in usage.parse); a stop string's answer counted up to the token that completed it; bad requests raising BadRequestError / NotFoundError with OpenAI's error shape.
 Exits non-zero on the first failed check.
 """
 
@@ -101,6 +101,26 @@ copy_first = client.chat.completions.create(
     extra_body={"parse": {"mode": "token-spec", "drafter": "model+ngram"}})
 check(copy_first.choices[0].message.content == target.choices[0].message.content,
       "token-spec with the model+ngram drafter writes target's text")
+
+# A stop string ends the answer at the token that completed it: the loop may accept tokens past it in the same round,
+# and completion_tokens counts the answer's alone. Greedy token-level speculation writes target's tokens, so the two
+# count the same.
+counting = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+counts = {}
+for mode in ("target", "token-spec", None):
+    extra = {"extra_body": {"parse": {"mode": mode}}} if mode else {}
+    whole = client.chat.completions.create(model=model, messages=counting, max_tokens=64, temperature=0, **extra)
+    cut = client.chat.completions.create(
+        model=model, messages=counting, max_tokens=64, temperature=0, stop=["7"], **extra)
+    content = cut.choices[0].message.content
+    name = mode or "the default"
+    check("7" in whole.choices[0].message.content and content == whole.choices[0].message.content.split("7")[0],
+          f"{name}: the stop string cuts the text: {content!r}")
+    check(cut.choices[0].finish_reason == "stop", f"{name}: finish reason {cut.choices[0].finish_reason}")
+    check(0 < cut.usage.completion_tokens < whole.usage.completion_tokens,
+          f"{name}: {cut.usage.completion_tokens} tokens up to the stop string, of {whole.usage.completion_tokens}")
+    counts[name] = cut.usage.completion_tokens
+check(counts["target"] == counts["token-spec"], f"target and token-spec count the same stopped answer: {counts}")
 
 for what, kwargs, error in [
     ("n = 2", {"n": 2}, openai.BadRequestError),

@@ -505,6 +505,41 @@ pub struct Outcome {
     pub stats: Stats,
 }
 
+impl Outcome {
+    /// Cuts the output to its first `kept` tokens, where a caller found the answer's end inside it (a stop string:
+    /// the loop hands tokens over by rounds and may accept some past it in the same round). The output count and the
+    /// figures per output token follow; the counts of work (passes, drafted and accepted tokens) stay, as that work
+    /// was done. Nothing changes where `kept` is not less than the output.
+    pub fn keep(&mut self, kept: usize) {
+        if kept < self.tokens.len() {
+            self.tokens.truncate(kept);
+            self.stats.set_output(kept);
+        }
+    }
+}
+
+impl Stats {
+    /// Sets the output count and the figures per output token (`total_ms` and `prefill_ms` already set).
+    fn set_output(&mut self, tokens: usize) {
+        self.output_tokens = tokens;
+        let per = |n: usize| {
+            if tokens > 0 {
+                n as f64 / tokens as f64
+            } else {
+                0.0
+            }
+        };
+        self.target_passes_per_token = per(self.target_passes);
+        self.target_positions_per_token = per(self.target_positions);
+        let gen_ms = self.total_ms - self.prefill_ms;
+        self.tokens_per_s = if gen_ms > 0.0 {
+            tokens as f64 / (gen_ms / 1e3)
+        } else {
+            0.0
+        };
+    }
+}
+
 /// Adds one to each of the first `n` positions' counts.
 fn count_positions(counts: &mut Vec<usize>, n: usize) {
     if counts.len() < n {
@@ -1514,20 +1549,9 @@ pub fn generate_paced<D: Drafter + ?Sized, V: Verifier + ?Sized>(
     stats.paused_tokens = run.pace.paused_tokens;
     stats.entries_declined = run.pace.entries_declined;
     stats.pauses = run.pace.pauses;
-    stats.output_tokens = run.out.len();
     stats.target_passes = stats.verify_passes + stats.extend_passes;
-    if stats.output_tokens > 0 {
-        stats.target_passes_per_token = stats.target_passes as f64 / stats.output_tokens as f64;
-        stats.target_positions_per_token =
-            stats.target_positions as f64 / stats.output_tokens as f64;
-    }
     stats.total_ms = ms(start);
-    let gen_ms = stats.total_ms - stats.prefill_ms;
-    stats.tokens_per_s = if gen_ms > 0.0 {
-        stats.output_tokens as f64 / (gen_ms / 1e3)
-    } else {
-        0.0
-    };
+    stats.set_output(run.out.len());
     Ok(Outcome {
         tokens: run.out,
         finish_reason: run.finished.unwrap_or(FinishReason::Length),

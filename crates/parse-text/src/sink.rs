@@ -11,6 +11,7 @@ pub struct TextSink {
     decoder: StreamDecoder,
     filter: StopFilter,
     stopped: bool,
+    kept: usize,
 }
 
 impl TextSink {
@@ -20,6 +21,7 @@ impl TextSink {
             decoder: StreamDecoder::new(),
             filter: StopFilter::new(stop),
             stopped: false,
+            kept: 0,
         }
     }
 
@@ -31,6 +33,7 @@ impl TextSink {
             if self.stopped {
                 break;
             }
+            self.kept += 1;
             if let Some(delta) = self.decoder.push(&self.tokenizer, t)? {
                 let (out, hit) = self.filter.push(&delta);
                 text.push_str(&out);
@@ -38,6 +41,14 @@ impl TextSink {
             }
         }
         Ok(text)
+    }
+
+    /// The tokens that make up the answer: all pushed so far, or, once a stop string is found, those up to and
+    /// including the one that completed it. The loop hands tokens over in rounds and may have accepted more past a
+    /// stop string in the same round; those are not the answer's, and a reply counts and lists these alone (as
+    /// OpenAI-compatible servers count a stopped completion's tokens).
+    pub fn kept(&self) -> usize {
+        self.kept
     }
 
     /// Whether a stop string has been found.
@@ -53,5 +64,48 @@ impl TextSink {
     /// All text so far (cut before a stop string).
     pub fn text(&self) -> &str {
         self.filter.text()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        // The shared folder beside the checkout, as the other tests find it.
+        let shared = match std::env::var_os("PARSE_SHARED_DIR") {
+            Some(d) => std::path::PathBuf::from(d),
+            None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
+        };
+        let p = shared.join("models/qwen2.5-tokenizer.json");
+        Arc::new(Tokenizer::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+    }
+
+    #[test]
+    fn a_stop_string_keeps_the_tokens_up_to_the_one_that_completes_it() {
+        let tok = tokenizer();
+        let ids = tok.encode("1, 2, 3, 4, 5, 6, 7, 8").unwrap();
+        // The token that completes "4, 5": the first prefix whose text holds it.
+        let want = (1..=ids.len())
+            .find(|&k| tok.decode(&ids[..k], true).unwrap().contains("4, 5"))
+            .unwrap();
+        assert!(want < ids.len());
+        // Handed over in rounds of three, as the loop accepts several tokens at once.
+        let mut sink = TextSink::new(tok.clone(), vec!["4, 5".into()]);
+        let mut text = String::new();
+        for round in ids.chunks(3) {
+            text.push_str(&sink.push(round).unwrap());
+            assert!(sink.kept() <= want, "kept {} of {want}", sink.kept());
+        }
+        text.push_str(&sink.flush());
+        assert!(sink.stopped());
+        assert_eq!(text, "1, 2, 3, ");
+        assert_eq!(sink.kept(), want);
+        // Without a stop string every token is kept.
+        let mut sink = TextSink::new(tok, vec![]);
+        for round in ids.chunks(3) {
+            sink.push(round).unwrap();
+        }
+        assert_eq!((sink.kept(), sink.stopped()), (ids.len(), false));
     }
 }

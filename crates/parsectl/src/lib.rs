@@ -392,7 +392,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
             }
         }
     };
-    let outcome = {
+    let mut outcome = {
         let mut verifier = target.as_mut().map(EngineVerifier::new);
         let mut drafter = draft.as_mut().map(EngineDrafter::new);
         parse_core::generate_with(
@@ -407,6 +407,10 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
     };
     if let Some(e) = failure {
         return Err(e.into());
+    }
+    // The answer ends at the token that completed a stop string (the router's rule).
+    if text_sink.stopped() {
+        outcome.keep(text_sink.kept());
     }
     let tail = text_sink.flush();
     if stream {

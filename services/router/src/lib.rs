@@ -690,6 +690,7 @@ impl Router {
             // Tokens the client was sent: a request that ends early (its client left) counts these.
             let mut sent = 0u64;
             let mut sink = |tokens: &[u32], source: Source| -> bool {
+                let before = text_sink.kept();
                 let text = match text_sink.push(tokens) {
                     Ok(t) => t,
                     Err(e) => {
@@ -701,6 +702,8 @@ impl Router {
                     first_text = Some(started.elapsed().as_secs_f64());
                 }
                 let stopped = text_sink.stopped();
+                // Past a stop string the round's tokens are not the answer's.
+                let tokens = &tokens[..text_sink.kept() - before];
                 let delta = GenerateStreamResponse {
                     event: Some(Event::Delta(TextDelta {
                         text,
@@ -729,10 +732,18 @@ impl Router {
                 }
                 Err(e) => Err(e.clone()),
             };
-            let result = match (result, failure) {
+            let mut result = match (result, failure) {
                 (Ok(o), None) => Ok(o),
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             };
+            // A stop string ends the answer at the token that completed it; the loop may have accepted more in
+            // the same round. The reply's tokens, its count (OpenAI's `completion_tokens`) and the output metric
+            // are the answer's.
+            if let Ok(o) = result.as_mut()
+                && text_sink.stopped()
+            {
+                o.keep(text_sink.kept());
+            }
             // The loop is over: the request adds no more rows to the workers' passes, so it leaves the load that the
             // other requests' pace reads (and the gauge) now, not once its sessions are released and its reply sent.
             // A client that stops reading when its answer is over (a stop rule of its own) sends its next request at
