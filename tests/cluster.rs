@@ -246,11 +246,21 @@ fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_
         for mode in ["target", "parse+token-spec", "token-spec"] {
             let full = client.generate(req(mode, 48)).await.unwrap();
             let chars: Vec<(usize, char)> = full.text.char_indices().collect();
-            assert!(chars.len() > 12, "{mode}: too little text to cut: {:?}", full.text);
+            assert!(
+                chars.len() > 12,
+                "{mode}: too little text to cut: {:?}",
+                full.text
+            );
             // Stop strings of two characters taken from several places in the text; each cuts at its first
             // occurrence.
             let mut stops: Vec<String> = Vec::new();
-            for at in [1, chars.len() / 5, chars.len() / 3, chars.len() / 2, 3 * chars.len() / 4] {
+            for at in [
+                1,
+                chars.len() / 5,
+                chars.len() / 3,
+                chars.len() / 2,
+                3 * chars.len() / 4,
+            ] {
                 let to = chars.get(at + 2).map_or(full.text.len(), |c| c.0);
                 let stop = full.text[chars[at].0..to].to_string();
                 if !stops.contains(&stop) {
@@ -260,7 +270,11 @@ fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_
             for stop in stops {
                 let from = full.text.find(&stop).unwrap();
                 let k = (1..=full.token_ids.len())
-                    .find(|&k| tok.decode(&full.token_ids[..k], true).unwrap().contains(&stop))
+                    .find(|&k| {
+                        tok.decode(&full.token_ids[..k], true)
+                            .unwrap()
+                            .contains(&stop)
+                    })
                     .unwrap();
                 let r = GenerateRequest {
                     stop: vec![stop.clone()],
@@ -284,7 +298,10 @@ fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_
                 cut_short += usize::from(k < full.token_ids.len());
             }
         }
-        assert!(cut_short >= 6, "only {cut_short} replies ended before the full output");
+        assert!(
+            cut_short >= 6,
+            "only {cut_short} replies ended before the full output"
+        );
     });
     sessions_end(&c, "after the stopped replies");
 }
@@ -957,6 +974,75 @@ fn a_killed_target_worker_is_replaced_by_another() {
     assert!(stats.target_failovers >= 1, "{stats:?}");
     // Greedy and batch-invariant: the re-prefilled session continues exactly as the in-process run.
     assert_eq!(tokens, want);
+}
+
+/// A prompt and a budget that together pass the model's context are refused before any work is done, with a message
+/// that says how much fits; a budget that fills the context exactly runs to its end in every mode; and a request
+/// that asks for the budget to fit (`fit_context`, as the OpenAI API does where `max_tokens` is left out) gets what
+/// fits.
+#[test]
+fn a_budget_past_the_context_is_refused_before_any_work_and_one_that_fills_it_runs() {
+    let c = cluster(1, 1, 8);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    let long = GenerateRequest {
+        prompt: "word ".repeat(TINY_CONTEXT - 40),
+        ..req("target", 1)
+    };
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        let one = client.generate(long.clone()).await.unwrap();
+        let prompt_tokens = one.stats.as_ref().unwrap().prompt_tokens as usize;
+        let room = TINY_CONTEXT - prompt_tokens;
+        assert!((8..40).contains(&room), "{prompt_tokens} prompt tokens");
+        for mode in ["target", "draft", "token-spec", "parse", "parse+token-spec"] {
+            let before = passes(&c.targets[0].worker);
+            let over = GenerateRequest {
+                mode: mode.into(),
+                max_new_tokens: (room + 1) as u32,
+                ..long.clone()
+            };
+            match client.generate(over).await {
+                Err(ClientError::InvalidArgument(m)) => assert!(
+                    m.contains(&format!("at most {room} new tokens")),
+                    "{mode}: {m}"
+                ),
+                other => panic!("{mode}: expected INVALID_ARGUMENT, got {other:?}"),
+            }
+            assert_eq!(passes(&c.targets[0].worker), before, "{mode}: work done");
+            let exact = GenerateRequest {
+                mode: mode.into(),
+                max_new_tokens: room as u32,
+                ..long.clone()
+            };
+            let reply = client
+                .generate(exact)
+                .await
+                .unwrap_or_else(|e| panic!("{mode}: {e:?}"));
+            assert!(
+                reply.token_ids.len() == room && reply.finish_reason == "length"
+                    || reply.token_ids.len() < room && reply.finish_reason == "eos",
+                "{mode}: {} tokens of {room}, {}",
+                reply.token_ids.len(),
+                reply.finish_reason
+            );
+            let fitted = GenerateRequest {
+                mode: mode.into(),
+                max_new_tokens: 1000,
+                fit_context: true,
+                ..long.clone()
+            };
+            let fitted = client
+                .generate(fitted)
+                .await
+                .unwrap_or_else(|e| panic!("{mode}: {e:?}"));
+            assert_eq!(
+                fitted.token_ids, reply.token_ids,
+                "{mode}: fitted to the context"
+            );
+        }
+    });
+    sessions_end(&c, "after the long prompts");
 }
 
 #[test]

@@ -382,13 +382,19 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
     assert_eq!(kept.tokens, out.tokens[..10]);
     assert_eq!(kept.stats.output_tokens, 10);
     assert_eq!(kept.stats.target_passes, out.stats.target_passes);
-    assert_eq!(kept.stats.draft_tokens_accepted, out.stats.draft_tokens_accepted);
+    assert_eq!(
+        kept.stats.draft_tokens_accepted,
+        out.stats.draft_tokens_accepted
+    );
     assert_eq!(
         kept.stats.target_passes_per_token,
         out.stats.target_passes as f64 / 10.0
     );
     let rate = out.stats.tokens_per_s / out.tokens.len() as f64 * 10.0;
-    assert!((kept.stats.tokens_per_s - rate).abs() <= 1e-9 * rate.max(1.0), "{kept:?}");
+    assert!(
+        (kept.stats.tokens_per_s - rate).abs() <= 1e-9 * rate.max(1.0),
+        "{kept:?}"
+    );
     let mut all = out.clone();
     all.keep(out.tokens.len() + 5);
     assert_eq!(all, out);

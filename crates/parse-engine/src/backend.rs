@@ -682,7 +682,8 @@ impl<E: EngineOps> Steps<EngineDrafter<E>> for DraftSteps {
                 st.done = d.engine.engine().tokenizer().is_eos(t);
                 continue;
             }
-            if st.kv.len() + 1 >= limit {
+            // A sampled token is written at position `kv.len()`, the context's last at `limit - 1`.
+            if st.kv.len() >= limit {
                 st.done = true;
                 break;
             }

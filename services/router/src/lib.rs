@@ -483,6 +483,22 @@ impl Router {
                 m.max_context
             )));
         }
+        // Every output token but the last is written into the target's cache after the prompt, and a budget that
+        // would run past the context fails only once the work is done: refuse it now (as OpenAI and vLLM do), or
+        // lower it where the request asks for what fits.
+        let room = m.max_context - prompt.len();
+        let max_new = if r.fit_context {
+            max_new.min(room)
+        } else if max_new > room {
+            return Err(CoreError::invalid(format!(
+                "the prompt has {} tokens and max_new_tokens is {max_new}: together past the model's context of {}; \
+                 ask for at most {room} new tokens (or set fit_context)",
+                prompt.len(),
+                m.max_context
+            )));
+        } else {
+            max_new
+        };
         let live = *self.admin.policy.read().unwrap_or_else(|e| e.into_inner());
         let sampling = sampling_from(r.sampling.as_ref())?;
         let mode = if !r.mode.is_empty() {

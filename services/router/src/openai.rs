@@ -6,7 +6,9 @@
 //! ([`Router::run`]): one validation, one loop, the same limits. Decisions where OpenAI's API and ours differ:
 //! - `temperature` left out means greedy (0), PARSE's setting, not OpenAI's 1. A request that samples and names no
 //!   mode runs `token-spec` (PARSE itself decodes greedily; see `Router::build`).
-//! - `max_tokens` / `max_completion_tokens` left out means [`DEFAULT_MAX_TOKENS`] (capped by the router's limit).
+//! - `max_tokens` / `max_completion_tokens` left out means [`DEFAULT_MAX_TOKENS`] (capped by the router's limit),
+//!   lowered to what fits in the model's context beside the prompt; given, prompt and budget must fit together (400
+//!   otherwise, as OpenAI answers).
 //! - `n` must be 1; `logprobs`, tools, penalties, `logit_bias`, `echo`, `suffix`, `best_of` and a non-text
 //!   `response_format` are refused with 400 rather than ignored. `user` is accepted and only logged.
 //! - PARSE settings go in an extension object, `"parse": {"mode", "tau", "verdict", "exact_floor",
@@ -444,14 +446,14 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
             "response_format: only {\"type\": \"text\"} is supported",
         ));
     }
-    let max = c
-        .max_completion_tokens
-        .or(c.max_tokens)
-        .unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(router_limit as u32));
+    let asked = c.max_completion_tokens.or(c.max_tokens);
+    let max = asked.unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(router_limit as u32));
     if max == 0 {
         return Err(bad("max_tokens must be at least 1"));
     }
     r.max_new_tokens = max;
+    // Left out, the budget is what fits beside the prompt (up to the default); asked for, it must fit.
+    r.fit_context = asked.is_none();
     let temperature = c.temperature.unwrap_or(0.0);
     let seed = match c.seed {
         Some(s) => s,
@@ -910,6 +912,10 @@ mod tests {
             r.max_new_tokens, 7,
             "max_completion_tokens wins over max_tokens"
         );
+        assert!(
+            !r.fit_context,
+            "a budget asked for must fit beside the prompt"
+        );
         let s = r.sampling.unwrap();
         assert_eq!((s.temperature, s.top_p, s.seed), (0.5, Some(0.9), 3));
         assert_eq!(s.cache_salt, salt_of("tenant-a"));
@@ -926,6 +932,10 @@ mod tests {
     fn defaults_are_greedy_with_the_default_budget() {
         let (r, shape) = chat(json!({"messages": [{"role": "user", "content": "Hi"}]})).unwrap();
         assert_eq!(r.max_new_tokens, DEFAULT_MAX_TOKENS);
+        assert!(
+            r.fit_context,
+            "the default budget is lowered to what fits beside the prompt"
+        );
         let s = r.sampling.unwrap();
         assert_eq!(
             (s.temperature, s.cache_salt),
