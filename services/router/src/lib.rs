@@ -492,7 +492,7 @@ impl Router {
         } else if max_new > room {
             return Err(CoreError::invalid(format!(
                 "the prompt has {} tokens and max_new_tokens is {max_new}: together past the model's context of {}; \
-                 ask for at most {room} new tokens (or set fit_context)",
+                 ask for at most {room} new tokens",
                 prompt.len(),
                 m.max_context
             )));
