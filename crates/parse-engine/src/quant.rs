@@ -122,7 +122,8 @@ fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
 
 /// The lanes layout of K-quant weights (`w`: whole rows of `kb` super-blocks, a multiple of 16 rows): the same
 /// bytes, permuted so that tile `(g, b)` (super-blocks `(g * kb + b) * 16..+16`) holds super-block `b` of rows
-/// `16g..16g + 16` word by word, word `i` of row `16g + n` at byte `64 i + 4 n` of the tile, and a block's last two
+/// `16g..16g + 16` word by word, word `i` of row `16g + n` at byte `64 i + 4 n` of the tile (Q6_K: `64 s + 4 n`, `s`
+/// the word's slot by [`Q6K_RUN_SLOTS`]), and a block's last two
 /// bytes where its size is not a multiple of 4 (Q6_K's `d`: 210 bytes) at `64 w + 2 n` after its `w` whole words.
 /// One 64-byte load is then a word of all 16 rows, one row per 32-bit lane, which the row groups
 /// ([`kernels::groups`]) otherwise gather from 16 rows and transpose at every step: in one process, alternating the
@@ -139,17 +140,38 @@ pub(crate) fn from_lanes<T: GgmlType>(w: &[T], kb: usize) -> Vec<T> {
     permute_lanes(w, kb, false)
 }
 
+/// Bytes of a Q6_K super-block (ggml's `block_q6_K`: 128 bytes of low nibbles, 64 of high bits, 16 group scales,
+/// `d`).
+const Q6K_BLOCK: usize = 210;
+
+/// The slot of each run of four words of a Q6_K super-block (run `r`: bytes `16r..16r + 16`) in a lanes-layout tile:
+/// the order in which the row groups read them ([`kernels::groups::q6k_lanes`]: the group scales, then for each half
+/// and word run its low nibbles, the other low nibbles of its part and its high bits), so that a tile is read front to
+/// back. In the order of the block, the kernel jumped a kilobyte back and forth inside each tile, and one core of a
+/// 2-core Zen 4 EPYC streamed a matrix from memory at 11 GB/s where Q4_K's tiles, read in order, came at 25.5; a
+/// probe reading 64-byte vectors of 3,360-byte tiles in the two orders ran at 10.9 and 26.8 GB/s there
+/// (docs/figures.md, "Q6_K tiles in the order they are read").
+pub(crate) const Q6K_RUN_SLOTS: [usize; 13] = [1, 4, 2, 5, 7, 10, 8, 11, 3, 6, 9, 12, 0];
+
 /// Where the bytes of row `n`'s super-block (of `block` bytes) go in a lanes-layout tile: `(offset in the block,
-/// offset in the tile, length)` for each of its words and its 2-byte tail, if any.
+/// offset in the tile, length)` for each of its words and its 2-byte tail, if any. Word `i` goes to slot `i` of the
+/// tile, except in Q6_K tiles, whose runs of four words take [`Q6K_RUN_SLOTS`]' order.
 fn lane_runs(block: usize, n: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     debug_assert!(
         block.is_multiple_of(4) || block % 4 == 2,
         "whole words or a 2-byte tail"
     );
     let words = block / 4;
+    let slot = move |i: usize| {
+        if block == Q6K_BLOCK {
+            4 * Q6K_RUN_SLOTS[i / 4] + i % 4
+        } else {
+            i
+        }
+    };
     let tail = (!block.is_multiple_of(4)).then_some((4 * words, 64 * words + 2 * n, 2));
     (0..words)
-        .map(move |i| (4 * i, 64 * i + 4 * n, 4))
+        .map(move |i| (4 * i, 64 * slot(i) + 4 * n, 4))
         .chain(tail)
 }
 
@@ -1846,7 +1868,11 @@ mod shard_tests {
                     QMatrix::Q4KLanes(mat.to_lanes())
                 }
                 QMatrix::Q6K(mat) => {
-                    // 210-byte blocks: 52 words and a 2-byte tail per row; a permutation of every byte.
+                    // 210-byte blocks: 52 words and a 2-byte tail per row; a permutation of every byte, the
+                    // runs of four words in the kernel's order.
+                    let mut slots = Q6K_RUN_SLOTS;
+                    slots.sort_unstable();
+                    assert_eq!(slots, std::array::from_fn(|i| i), "a slot for every run");
                     let kb = mat.blocks_per_row();
                     let there = to_lanes(&mat.blocks, kb);
                     assert_ne!(block_bytes(&there), block_bytes(&mat.blocks));

@@ -581,7 +581,8 @@ pub unsafe fn q6k_lanes(
     unsafe { q6k_16::<true>(w, kb, xs, out, stride) }
 }
 
-/// Words `off / 4..off / 4 + 4` of the 16 rows' super-block at `base`, in the lanes layout (a tile) or in rows.
+/// Words `off / 4..off / 4 + 4` of the 16 rows' super-block at `base` (`off` a multiple of 16), in the lanes layout
+/// (a tile, its runs of four words in the order this kernel reads them: `quant::Q6K_RUN_SLOTS`) or in rows.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn q6k_words<const LANES: bool>(
@@ -589,10 +590,11 @@ unsafe fn q6k_words<const LANES: bool>(
     row_bytes: usize,
     off: usize,
 ) -> [__m512i; 4] {
+    debug_assert!(off.is_multiple_of(16));
     // SAFETY: the caller guarantees a whole tile at `base` (lanes) or 16 rows' super-blocks from it.
     unsafe {
         if LANES {
-            tile_words4(base, off)
+            tile_words4(base, 16 * crate::quant::Q6K_RUN_SLOTS[off / 16])
         } else {
             words4(base, row_bytes, off)
         }
