@@ -296,6 +296,17 @@ fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_
                 }
                 assert_eq!(ids, reply.token_ids, "{what}: streamed ids");
                 cut_short += usize::from(k < full.token_ids.len());
+                // A budget that ends at the same token: the stop string came first.
+                let r = GenerateRequest {
+                    stop: vec![stop.clone()],
+                    ..req(mode, k as u32)
+                };
+                let at_budget = client.generate(r).await.unwrap();
+                assert_eq!(
+                    at_budget.token_ids, reply.token_ids,
+                    "{what}: at the budget"
+                );
+                assert_eq!(at_budget.finish_reason, "stop", "{what}: at the budget");
             }
         }
         assert!(

@@ -506,11 +506,13 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// Cuts the output to its first `kept` tokens, where a caller found the answer's end inside it (a stop string:
-    /// the loop hands tokens over by rounds and may accept some past it in the same round). The output count and the
-    /// figures per output token follow; the counts of work (passes, drafted and accepted tokens) stay, as that work
-    /// was done. Nothing changes where `kept` is not less than the output.
-    pub fn keep(&mut self, kept: usize) {
+    /// The answer ends at a stop string the caller found in it, completed by token `kept - 1`: the loop hands tokens
+    /// over by rounds and may have accepted some past it in the same round, or reached its budget or an end token in
+    /// that round. The output is cut to its first `kept` tokens, the count and the figures per output token follow,
+    /// and the finish reason is `Stop` (the stop string came first); the counts of work (passes, drafted and accepted
+    /// tokens) stay, as that work was done.
+    pub fn stop_at(&mut self, kept: usize) {
+        self.finish_reason = FinishReason::Stop;
         if kept < self.tokens.len() {
             self.tokens.truncate(kept);
             self.stats.set_output(kept);

@@ -378,7 +378,7 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
     // The caller keeps the answer's first 10 tokens (a stop string it found there): the count and the figures per
     // token follow, the work done stays.
     let mut kept = out.clone();
-    kept.keep(10);
+    kept.stop_at(10);
     assert_eq!(kept.tokens, out.tokens[..10]);
     assert_eq!(kept.stats.output_tokens, 10);
     assert_eq!(kept.stats.target_passes, out.stats.target_passes);
@@ -396,8 +396,13 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
         "{kept:?}"
     );
     let mut all = out.clone();
-    all.keep(out.tokens.len() + 5);
+    all.stop_at(out.tokens.len() + 5);
     assert_eq!(all, out);
+    // A stop string found in the round that reached the budget: the stop string came first.
+    let mut budget = out.clone();
+    budget.finish_reason = parse_core::FinishReason::Length;
+    budget.stop_at(out.tokens.len());
+    assert_eq!(budget.finish_reason, parse_core::FinishReason::Stop);
     for bad in [
         GenerationRequest {
             prompt: vec![],

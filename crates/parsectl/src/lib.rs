@@ -410,7 +410,7 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
     }
     // The answer ends at the token that completed a stop string (the router's rule).
     if text_sink.stopped() {
-        outcome.keep(text_sink.kept());
+        outcome.stop_at(text_sink.kept());
     }
     let tail = text_sink.flush();
     if stream {

@@ -753,12 +753,12 @@ impl Router {
                 (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             };
             // A stop string ends the answer at the token that completed it; the loop may have accepted more in
-            // the same round. The reply's tokens, its count (OpenAI's `completion_tokens`) and the output metric
-            // are the answer's.
+            // the same round, or reached the budget in it. The reply's tokens, its count (OpenAI's
+            // `completion_tokens`) and the output metric are the answer's, and it finished by the stop string.
             if let Ok(o) = result.as_mut()
                 && text_sink.stopped()
             {
-                o.keep(text_sink.kept());
+                o.stop_at(text_sink.kept());
             }
             // The loop is over: the request adds no more rows to the workers' passes, so it leaves the load that the
             // other requests' pace reads (and the gauge) now, not once its sessions are released and its reply sent.
