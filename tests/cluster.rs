@@ -233,7 +233,8 @@ fn remote_equals_in_process_in_every_mode_and_streams_match_unary() {
 
 /// A stop string ends a reply at the token that completed it: the text is cut before the stop string, and the token
 /// ids, their count in the stats (OpenAI's `completion_tokens`) and the streamed ids are the output's tokens up to
-/// that one, never the tokens the loop accepted past it in the same round.
+/// that one, never the tokens the loop accepted past it in the same round; where the budget ends at that token too,
+/// the reply still finishes by the stop string.
 #[test]
 fn a_stop_string_ends_the_reply_and_its_token_count_at_the_token_that_completed_it() {
     let c = cluster(1, 1, 8);
@@ -1007,13 +1008,15 @@ fn a_budget_past_the_context_is_refused_before_any_work_and_one_that_fills_it_ru
         let room = TINY_CONTEXT - prompt_tokens;
         assert!((8..40).contains(&room), "{prompt_tokens} prompt tokens");
         for mode in ["target", "draft", "token-spec", "parse", "parse+token-spec"] {
-            let before = passes(&c.targets[0].worker);
-            let over = GenerateRequest {
+            // The long prompt in this mode, with a budget of `max` (lowered to what fits where `fit`).
+            let asking = |max: usize, fit: bool| GenerateRequest {
                 mode: mode.into(),
-                max_new_tokens: (room + 1) as u32,
+                max_new_tokens: max as u32,
+                fit_context: fit,
                 ..long.clone()
             };
-            match client.generate(over).await {
+            let before = passes(&c.targets[0].worker);
+            match client.generate(asking(room + 1, false)).await {
                 Err(ClientError::InvalidArgument(m)) => assert!(
                     m.contains(&format!("at most {room} new tokens")),
                     "{mode}: {m}"
@@ -1021,13 +1024,8 @@ fn a_budget_past_the_context_is_refused_before_any_work_and_one_that_fills_it_ru
                 other => panic!("{mode}: expected INVALID_ARGUMENT, got {other:?}"),
             }
             assert_eq!(passes(&c.targets[0].worker), before, "{mode}: work done");
-            let exact = GenerateRequest {
-                mode: mode.into(),
-                max_new_tokens: room as u32,
-                ..long.clone()
-            };
             let reply = client
-                .generate(exact)
+                .generate(asking(room, false))
                 .await
                 .unwrap_or_else(|e| panic!("{mode}: {e:?}"));
             assert!(
@@ -1037,14 +1035,8 @@ fn a_budget_past_the_context_is_refused_before_any_work_and_one_that_fills_it_ru
                 reply.token_ids.len(),
                 reply.finish_reason
             );
-            let fitted = GenerateRequest {
-                mode: mode.into(),
-                max_new_tokens: 1000,
-                fit_context: true,
-                ..long.clone()
-            };
             let fitted = client
-                .generate(fitted)
+                .generate(asking(1000, true))
                 .await
                 .unwrap_or_else(|e| panic!("{mode}: {e:?}"));
             assert_eq!(
