@@ -7,7 +7,8 @@ Installs the pinned package into .cache/ci-tools/openai (git-ignored) on first u
 completion; the same request streamed (chunks reassemble into the same text, same finish reason and token count, usage
 in the last chunk with stream_options.include_usage; the same prompt's tokens reported cached the second time, in
 usage.prompt_tokens_details, at the workers' default prefix cache); a text completion; the `parse` extension object reaching the
-loop (mode echoed in usage.parse); a stop string's answer counted up to the token that completed it; bad requests raising BadRequestError / NotFoundError with OpenAI's error shape.
+loop (mode echoed in usage.parse); a stop string's answer counted up to the token that completed it; models.retrieve; bad requests raising BadRequestError / NotFoundError with OpenAI's error shape; top_k = -1 (vLLM's
+no cut) accepted; 413 and 405 answered in OpenAI's error shape.
 Exits non-zero on the first failed check.
 """
 
@@ -42,6 +43,12 @@ def check(cond, what):
 models = client.models.list().data
 check(len(models) == 1 and models[0].id, f"models.list serves one model ({[m.id for m in models]})")
 model = models[0].id
+check(client.models.retrieve(model).id == model, f"models.retrieve({model!r})")
+try:
+    client.models.retrieve("no-such-model")
+    check(False, "models.retrieve of an unknown model was refused")
+except openai.NotFoundError as e:
+    check(model in str(e.body), f"models.retrieve of an unknown model: 404 naming the served one ({e.body})")
 messages = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 
 full = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
@@ -130,6 +137,8 @@ for what, kwargs, error in [
     ("a sampled PARSE request", {"temperature": 0.7, "extra_body": {"parse": {"mode": "parse"}}},
      openai.BadRequestError),
     ("an unknown model", {"model": "no-such-model"}, openai.NotFoundError),
+    ("top_k = -2", {"extra_body": {"top_k": -2}}, openai.BadRequestError),
+    ("a stop that is a number", {"extra_body": {"stop": 5}}, openai.BadRequestError),
 ]:
     args = {"model": model, "messages": messages, "max_tokens": 8, **kwargs}
     try:
@@ -138,5 +147,33 @@ for what, kwargs, error in [
     except error as e:
         body = e.body if isinstance(e.body, dict) else {}
         check(body.get("message"), f"{what}: {e.status_code} {body.get('message')!r}")
+
+# vLLM's way of saying "no top-k cut" is accepted.
+nocut = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"top_k": -1})
+check(nocut.choices[0].message.content == client.chat.completions.create(
+    model=model, messages=messages, max_tokens=8, temperature=0).choices[0].message.content,
+    "top_k = -1 (vLLM's no cut) answers as top_k left out")
+
+# Errors the router answers before any handler runs come in OpenAI's shape too: a body past the size limit (413)
+# and a method the route does not take (405).
+import json  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+for what, method, path, data, status in [
+    ("a body past the size limit", "POST", "/chat/completions",
+     json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * (3 << 20)}]}).encode(), 413),
+    ("GET on a POST route", "GET", "/chat/completions", None, 405),
+]:
+    req = urllib.request.Request(base.rstrip("/") + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer unused"})
+    try:
+        urllib.request.urlopen(req, timeout=60)
+        check(False, f"{what} was refused")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read() or b"null") if e.headers.get_content_type() == "application/json" else None
+        message = ((body or {}).get("error") or {}).get("message")
+        check(e.code == status and message, f"{what}: {e.code} {message!r}")
 
 print("openai-check: all checks passed", file=sys.stderr)

@@ -43,6 +43,10 @@ use tonic::{Code, Status};
 
 use crate::Router;
 
+/// The largest request body read (axum's default, named here so that a refusal can say it): a prompt that fills a
+/// 128k-token context is about half of it.
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
 /// Output budget of a request that names none.
 pub const DEFAULT_MAX_TOKENS: u32 = 1024;
 
@@ -57,6 +61,8 @@ pub fn app(router: Router) -> axum::Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*model}", get(model))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(
             move |req: axum::extract::Request, next: axum::middleware::Next| {
                 let key = key.clone();
@@ -71,6 +77,14 @@ pub fn app(router: Router) -> axum::Router {
     v1.route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route", "not_found_error") })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            let message = format!("method {method} is not allowed on this route");
+            error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                &message,
+                "invalid_request_error",
+            )
+        })
         .with_state(router)
 }
 
@@ -261,7 +275,7 @@ fn bad(message: impl Into<String>) -> Status {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a string or an array of strings")]
 enum OneOrMany {
     One(String),
     Many(Vec<String>),
@@ -277,7 +291,7 @@ impl OneOrMany {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a string or an array of content parts")]
 enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
@@ -335,8 +349,8 @@ struct Common {
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    /// Not OpenAI's; vLLM's and ours.
-    top_k: Option<u32>,
+    /// Not OpenAI's; vLLM's and ours. 0 or -1 (vLLM's way of saying it): no cut.
+    top_k: Option<i64>,
     seed: Option<u64>,
     /// Not OpenAI's; vLLM's and ours: the namespace of the workers' prefix caches (`Sampling.cache_salt`, from a
     /// hash of the string).
@@ -455,6 +469,14 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
     // Left out, the budget is what fits beside the prompt (up to the default); asked for, it must fit.
     r.fit_context = asked.is_none();
     let temperature = c.temperature.unwrap_or(0.0);
+    let top_k = match c.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k => u32::try_from(k).map_err(|_| {
+            bad(format!(
+                "top_k must be a count of tokens, or 0 or -1 for no cut; got {k}"
+            ))
+        })?,
+    };
     let seed = match c.seed {
         Some(s) => s,
         // A sampled request without a seed gets a fresh one (OpenAI's behaviour: different answers each call).
@@ -463,7 +485,7 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
     };
     r.sampling = Some(Sampling {
         temperature,
-        top_k: c.top_k.unwrap_or(0),
+        top_k,
         top_p: c.top_p,
         seed,
         cache_salt: c.cache_salt.as_deref().map_or(0, salt_of),
@@ -499,11 +521,15 @@ struct Shape {
     include_usage: bool,
 }
 
+fn unknown_model(asked: &str, served: &str) -> Status {
+    Status::not_found(format!(
+        "model `{asked}` does not exist: this server serves `{served}` (GET /v1/models)"
+    ))
+}
+
 fn check_model(asked: &Option<String>, served: &str) -> Result<(), Status> {
     match asked {
-        Some(m) if !m.is_empty() && m != served => Err(Status::not_found(format!(
-            "model `{m}` does not exist: this server serves `{served}` (GET /v1/models)"
-        ))),
+        Some(m) if !m.is_empty() && m != served => Err(unknown_model(m, served)),
         _ => Ok(()),
     }
 }
@@ -702,16 +728,34 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
+/// A request's body, or the reason it could not be read (a body past the size limit: 413) in OpenAI's error shape.
+type BodyRead = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+fn body_refused(r: &axum::extract::rejection::BytesRejection) -> Response {
+    let message = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        format!("the request body is larger than {MAX_BODY_BYTES} bytes")
+    } else {
+        format!("the request body could not be read: {}", r.body_text())
+    };
+    error(r.status(), &message, "invalid_request_error")
+}
+
 async fn chat_completions(
     State(router): State<Router>,
     headers: HeaderMap,
-    body: Bytes,
+    body: BodyRead,
 ) -> Response {
-    generate(router, headers, body, Kind::Chat).await
+    match body {
+        Ok(body) => generate(router, headers, body, Kind::Chat).await,
+        Err(r) => body_refused(&r),
+    }
 }
 
-async fn completions(State(router): State<Router>, headers: HeaderMap, body: Bytes) -> Response {
-    generate(router, headers, body, Kind::Completion).await
+async fn completions(State(router): State<Router>, headers: HeaderMap, body: BodyRead) -> Response {
+    match body {
+        Ok(body) => generate(router, headers, body, Kind::Completion).await,
+        Err(r) => body_refused(&r),
+    }
 }
 
 async fn generate(router: Router, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
@@ -845,14 +889,32 @@ async fn generate(router: Router, headers: HeaderMap, body: Bytes, kind: Kind) -
     .into_response()
 }
 
+/// The served model as OpenAI's model object.
+fn model_object(name: &str, max_context: impl serde::Serialize) -> Value {
+    json!({"id": name, "object": "model", "created": 0, "owned_by": "parse", "max_model_len": max_context})
+}
+
 async fn models(State(router): State<Router>) -> Response {
     match router.model().await {
         Ok(m) => axum::Json(json!({
             "object": "list",
-            "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "parse",
-                      "max_model_len": m.max_context}],
+            "data": [model_object(&m.name, m.max_context)],
         }))
         .into_response(),
+        Err(s) => status_error(&s),
+    }
+}
+
+/// `GET /v1/models/{model}`: the served model's object, or 404 for any other name (OpenAI clients' `models.retrieve`).
+async fn model(
+    State(router): State<Router>,
+    axum::extract::Path(asked): axum::extract::Path<String>,
+) -> Response {
+    match router.model().await {
+        Ok(m) if m.name == asked => {
+            axum::Json(model_object(&m.name, m.max_context)).into_response()
+        }
+        Ok(m) => status_error(&unknown_model(&asked, &m.name)),
         Err(s) => status_error(&s),
     }
 }
@@ -968,6 +1030,8 @@ mod tests {
             json!({"messages": []}),
             json!({"messages": [{"role": "user", "content": "x"}], "parse": {"tua": 0.5}}),
             json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+            json!({"messages": [{"role": "user", "content": "x"}], "top_k": -2}),
+            json!({"messages": [{"role": "user", "content": "x"}], "top_k": 1u64 << 40}),
             json!({"messages": [{"role": "user", "content": "x"}], "stop": vec!["s"; MAX_STOP + 1]}),
             json!({"prompt": "x"}),
         ];
@@ -982,6 +1046,36 @@ mod tests {
             .unwrap();
         assert_eq!(e.code(), Code::NotFound);
         assert!(e.message().contains("`m`"), "{}", e.message());
+        // Untagged fields name what they take, not the server's types.
+        for (c, expected) in [
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": 5}),
+                "a string or an array of strings",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": 5}]}),
+                "a string or an array of content parts",
+            ),
+        ] {
+            let e = chat(c.clone())
+                .err()
+                .unwrap_or_else(|| panic!("accepted {c}"));
+            assert!(e.message().contains(expected), "{c}: {}", e.message());
+        }
+        let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "top_k": -2}))
+            .err()
+            .unwrap();
+        assert!(
+            e.message().contains("0 or -1 for no cut"),
+            "{}",
+            e.message()
+        );
+        // top_k: vLLM's -1 and 0 mean no cut, a count is kept.
+        for (k, cut) in [(-1, 0), (0, 0), (40, 40)] {
+            let (r, _) =
+                chat(json!({"messages": [{"role": "user", "content": "x"}], "top_k": k})).unwrap();
+            assert_eq!(r.sampling.unwrap().top_k, cut, "top_k {k}");
+        }
         // Explicit defaults are not refusals.
         chat(
             json!({"messages": [{"role": "user", "content": "x"}], "n": 1, "logprobs": false,
