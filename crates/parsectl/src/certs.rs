@@ -52,6 +52,11 @@ fn validity(p: &mut CertificateParams, days: u32) {
     p.not_after = now + time::Duration::days(i64::from(days));
 }
 
+/// An I/O error that names what was done to which path (the exit code stays a failure's, not a usage error's).
+fn in_path(e: std::io::Error, what: &str, path: &Path) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("cannot {what} {}: {e}", path.display()))
+}
+
 /// Writes `bytes` to a new file (never over an existing one), private ones readable by the owner only.
 fn write_new(path: &Path, bytes: &[u8], private: bool) -> Result<(), CliError> {
     let mut o = std::fs::OpenOptions::new();
@@ -68,7 +73,7 @@ fn write_new(path: &Path, bytes: &[u8], private: bool) -> Result<(), CliError> {
             path.display()
         ))
     })?;
-    f.write_all(bytes)?;
+    f.write_all(bytes).map_err(|e| in_path(e, "write", path))?;
     Ok(())
 }
 
@@ -99,7 +104,7 @@ pub fn certs(a: &CertsArgs) -> Result<(), CliError> {
     if a.days == 0 {
         return Err(CliError::Usage("--days must be at least 1".into()));
     }
-    std::fs::create_dir_all(&a.dir)?;
+    std::fs::create_dir_all(&a.dir).map_err(|e| in_path(e, "create the directory", &a.dir))?;
     for f in FILES {
         if a.dir.join(f).exists() {
             return Err(CliError::Usage(format!(

@@ -658,3 +658,40 @@ fn health(args: &HealthArgs, sec: &Security) -> Result<(), CliError> {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> Result<(), CliError> {
+        run(Cli::try_parse_from(args).expect("arguments parse"))
+    }
+
+    /// A file the CLI cannot read or write is named in the error, with the exit code of what went wrong.
+    #[test]
+    fn file_errors_name_the_path() {
+        let missing = std::env::temp_dir().join(format!("parsectl-missing-{}", std::process::id()));
+        let m = missing.to_str().unwrap();
+        let e = run_args(&[
+            "parsectl",
+            "bench",
+            "--router",
+            "127.0.0.1:1",
+            "-n",
+            "1",
+            "--prompts",
+            m,
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains(m), "{e}");
+        assert_eq!(e.exit_code(), EXIT_USAGE, "{e}");
+        // A directory under a regular file cannot be created.
+        let file = std::env::temp_dir().join(format!("parsectl-file-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        let dir = file.join("certs");
+        let e = run_args(&["parsectl", "certs", dir.to_str().unwrap()]).unwrap_err();
+        std::fs::remove_file(&file).unwrap();
+        assert!(e.to_string().contains(dir.to_str().unwrap()), "{e}");
+        assert_eq!(e.exit_code(), EXIT_FAILURE, "{e}");
+    }
+}

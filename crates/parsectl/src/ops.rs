@@ -445,7 +445,10 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
         return Err(CliError::Usage("timeout-s must be a number > 0".into()));
     }
     let prompts: Vec<String> = match &b.prompts {
-        Some(p) => std::fs::read_to_string(p)?
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| {
+                CliError::Usage(format!("cannot read the prompts file {}: {e}", p.display()))
+            })?
             .lines()
             .filter(|l| !l.trim().is_empty())
             .map(str::to_string)
