@@ -465,6 +465,12 @@ fn common_into(c: Common, r: &mut GenerateRequest, router_limit: usize) -> Resul
     if max == 0 {
         return Err(bad("max_tokens must be at least 1"));
     }
+    if max as usize > router_limit {
+        // Named as the client sent it (the router would name its own field, max_new_tokens).
+        return Err(bad(format!(
+            "max_tokens must be at most {router_limit} on this server, got {max}"
+        )));
+    }
     r.max_new_tokens = max;
     // Left out, the budget is what fits beside the prompt (up to the default); asked for, it must fit.
     r.fit_context = asked.is_none();
@@ -1062,6 +1068,14 @@ mod tests {
                 .unwrap_or_else(|| panic!("accepted {c}"));
             assert!(e.message().contains(expected), "{c}: {}", e.message());
         }
+        let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}))
+            .err()
+            .unwrap();
+        assert!(
+            e.message().starts_with("max_tokens must be at most 4096"),
+            "{}",
+            e.message()
+        );
         let e = chat(json!({"messages": [{"role": "user", "content": "x"}], "top_k": -2}))
             .err()
             .unwrap();
