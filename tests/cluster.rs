@@ -813,20 +813,66 @@ fn an_open_whose_caller_goes_away_mid_prefill_frees_its_cache() {
     assert_eq!(kv.as_deref(), Some("0"), "KV bytes still held");
 }
 
-/// A target worker's front that answers the first `Release` with UNAVAILABLE (as a worker stopped just as a request
-/// finished: the release never reached it) and passes everything else to the worker.
+/// A target worker's front that passes every call to the worker, but with `miss_first_release` answers the first
+/// `Release` with UNAVAILABLE (as a worker stopped just as a request finished: the release never reached it), and
+/// with `slow_first_open` holds the first `OpenSession` that long first (a long prefill). It serves
+/// `grpc.health.v1` as serving.
 #[derive(Clone)]
-struct MissesFirstRelease {
+struct Front {
     worker: parse_proto::v1::verifier_client::VerifierClient<tonic::transport::Channel>,
     releases: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    miss_first_release: bool,
+    opens: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    slow_first_open: Option<Duration>,
+}
+
+impl Front {
+    fn new(rt: &tokio::runtime::Runtime, target: &str) -> Front {
+        Front {
+            worker: parse_proto::v1::verifier_client::VerifierClient::new(
+                rt.block_on(worker_channel(target)),
+            )
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20),
+            releases: Default::default(),
+            miss_first_release: false,
+            opens: Default::default(),
+            slow_first_open: None,
+        }
+    }
+
+    /// Serves the front on a free port of its own: its address.
+    fn serve(self, rt: &tokio::runtime::Runtime) -> String {
+        let port = free_port();
+        rt.spawn(async move {
+            let (_reporter, health) = tonic_health::server::health_reporter();
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .add_service(
+                    parse_proto::v1::verifier_server::VerifierServer::new(self)
+                        .max_decoding_message_size(64 << 20)
+                        .max_encoding_message_size(64 << 20),
+                )
+                .serve(([127, 0, 0, 1], port).into())
+                .await
+        });
+        assert!(eventually(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        }));
+        format!("127.0.0.1:{port}")
+    }
 }
 
 #[tonic::async_trait]
-impl parse_proto::v1::verifier_server::Verifier for MissesFirstRelease {
+impl parse_proto::v1::verifier_server::Verifier for Front {
     async fn open_session(
         &self,
         r: tonic::Request<parse_proto::v1::OpenSessionRequest>,
     ) -> Result<tonic::Response<parse_proto::v1::OpenSessionResponse>, tonic::Status> {
+        let first = self.opens.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        if let (true, Some(hold)) = (first, self.slow_first_open) {
+            tokio::time::sleep(hold).await;
+        }
         self.worker.clone().open_session(r.into_inner()).await
     }
     async fn verify(
@@ -855,6 +901,7 @@ impl parse_proto::v1::verifier_server::Verifier for MissesFirstRelease {
             .releases
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
             == 0
+            && self.miss_first_release
         {
             return Err(tonic::Status::unavailable("the worker did not answer"));
         }
@@ -878,30 +925,13 @@ impl parse_proto::v1::verifier_server::Verifier for MissesFirstRelease {
 fn a_release_the_worker_did_not_answer_at_a_requests_end_is_sent_again() {
     let target = target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default());
     let rt = runtime();
-    let releases = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let port = free_port();
-    let front = MissesFirstRelease {
-        worker: parse_proto::v1::verifier_client::VerifierClient::new(
-            rt.block_on(worker_channel(&target.endpoint())),
-        )
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20),
-        releases: releases.clone(),
+    let front = Front {
+        miss_first_release: true,
+        ..Front::new(&rt, &target.endpoint())
     };
-    rt.spawn(
-        tonic::transport::Server::builder()
-            .add_service(
-                parse_proto::v1::verifier_server::VerifierServer::new(front)
-                    .max_decoding_message_size(64 << 20)
-                    .max_encoding_message_size(64 << 20),
-            )
-            .serve(([127, 0, 0, 1], port).into()),
-    );
-    assert!(eventually(Duration::from_secs(10), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    }));
+    let releases = front.releases.clone();
     let router = router_server(RouterConfig {
-        targets: vec![format!("127.0.0.1:{port}")],
+        targets: vec![front.serve(&rt)],
         ..Default::default()
     });
     rt.block_on(async {
@@ -917,6 +947,44 @@ fn a_release_the_worker_did_not_answer_at_a_requests_end_is_sent_again() {
         releases.load(std::sync::atomic::Ordering::SeqCst)
     );
     assert_eq!(releases.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+#[test]
+fn a_call_past_its_limit_on_a_worker_that_still_serves_fails_that_request_alone() {
+    // A slow prefill (the front holds the first open past the router's per-call limit) on a worker that answers its
+    // health check: that request ends with DEADLINE_EXCEEDED naming the limit, and the worker is not taken for lost:
+    // the next request, right after, is served (marked failed, it was refused with "no target worker available"
+    // until the prober's next round).
+    let target = target_server(tiny_engine(TARGET_SEED), TargetWorkerConfig::default());
+    let rt = runtime();
+    let front = Front {
+        slow_first_open: Some(Duration::from_secs(3)),
+        ..Front::new(&rt, &target.endpoint())
+    };
+    let router = router_server(RouterConfig {
+        targets: vec![front.serve(&rt)],
+        worker_call_timeout: Duration::from_secs(1),
+        // Far apart: the next request must not find the worker brought back by a probe.
+        probe_every: Duration::from_secs(3600),
+        ..Default::default()
+    });
+    rt.block_on(async {
+        let mut client = Client::connect(&router.endpoint()).await.unwrap();
+        match client.generate(req("target", 6)).await.unwrap_err() {
+            parse_client::ClientError::DeadlineExceeded(m) => {
+                assert!(m.contains("--worker-call-timeout-s"), "{m}")
+            }
+            other => panic!("not DEADLINE_EXCEEDED: {other:?}"),
+        }
+        let out = client.generate(req("target", 6)).await.unwrap();
+        assert_eq!(out.token_ids.len(), 6);
+    });
+    assert!(
+        eventually(Duration::from_secs(20), || target.worker.open_sessions()
+            == 0),
+        "{} sessions still open",
+        target.worker.open_sessions()
+    );
 }
 
 #[test]

@@ -108,7 +108,8 @@ struct Args {
     /// The longest one worker call may take (within the client's deadline, if any), its wait behind other requests'
     /// work on the worker included. A call past it counts its worker as lost (wedged) and moves the request, so set
     /// it well above the longest call at peak load: a stopped or unreachable worker is found by HTTP/2 keep-alive
-    /// (about 10 s) whatever this is.
+    /// (about 10 s) whatever this is. A call that prefills more than 8,192 context tokens (a long prompt) gets this
+    /// times the square of its tokens over 8,192.
     #[arg(long, default_value_t = 300)]
     worker_call_timeout_s: u64,
     #[command(flatten)]

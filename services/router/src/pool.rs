@@ -45,6 +45,17 @@ impl Worker {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// Whether the worker answers a `grpc.health.v1` check as serving within `timeout`.
+    pub async fn answers_health(&self, timeout: Duration) -> bool {
+        let mut client = HealthClient::new(self.channel.clone());
+        let mut req = tonic::Request::new(HealthCheckRequest {
+            service: String::new(),
+        });
+        req.set_timeout(timeout);
+        let check = tokio::time::timeout(timeout, client.check(req));
+        matches!(check.await, Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32)
+    }
+
     /// Marks the worker lost (a transport failure); the prober brings it back once it answers health checks.
     pub fn mark_failed(&self) {
         if self.healthy.swap(false, Ordering::Relaxed) {
@@ -185,14 +196,7 @@ impl Pool {
             loop {
                 tokio::time::sleep(every).await;
                 for w in pool.workers().iter().filter(|w| !w.healthy()) {
-                    let mut client = HealthClient::new(w.channel.clone());
-                    let mut req = tonic::Request::new(HealthCheckRequest {
-                        service: String::new(),
-                    });
-                    req.set_timeout(every);
-                    if let Ok(r) = client.check(req).await
-                        && r.into_inner().status == ServingStatus::Serving as i32
-                    {
+                    if w.answers_health(every).await {
                         w.healthy.store(true, Ordering::Relaxed);
                         tracing::info!(role = pool.role.as_str(), addr = %w.addr, "worker back");
                     }

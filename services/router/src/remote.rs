@@ -49,14 +49,33 @@ impl CallCtx {
         &self,
         f: impl std::future::Future<Output = std::result::Result<T, tonic::Status>>,
     ) -> std::result::Result<T, tonic::Status> {
-        self.handle.block_on(async {
-            tokio::select! {
-                r = f => r,
-                _ = self.cancel.cancelled() => {
-                    Err(tonic::Status::cancelled("the client cancelled the request"))
+        self.handle
+            .block_on(async {
+                tokio::select! {
+                    r = f => r,
+                    _ = self.cancel.cancelled() => {
+                        Err(tonic::Status::cancelled("the client cancelled the request"))
+                    }
                 }
-            }
-        })
+            })
+            .map_err(|s| self.timed_out(s))
+    }
+
+    /// tonic ends a call past its limit as CANCELLED "Timeout expired"; this request did not cancel it: a worker
+    /// that did not answer in time, DEADLINE_EXCEEDED with the limits it met (504 on the OpenAI API, not a 500).
+    fn timed_out(&self, s: tonic::Status) -> tonic::Status {
+        if s.code() == tonic::Code::Cancelled
+            && s.message() == "Timeout expired"
+            && !self.cancel.is_cancelled()
+        {
+            let limit = self.call_timeout.as_secs_f64();
+            tonic::Status::deadline_exceeded(format!(
+                "a worker did not answer within the request's deadline or the router's per-call limit ({limit:.0} s, \
+                 --worker-call-timeout-s; more for calls that prefill over {CALL_LIMIT_ROWS} tokens)"
+            ))
+        } else {
+            s
+        }
     }
 
     fn check(&self) -> Result<()> {
@@ -75,15 +94,51 @@ impl CallCtx {
     /// A worker call's request: the deadline, and the current span's trace context (the PARSE round it belongs
     /// to) so that the worker's span joins the request's trace.
     fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        self.request_over(msg, 0)
+    }
+
+    /// A worker call's request that may prefill up to `rows` context tokens (a prompt, a drafter's catching up):
+    /// its limit grows with them ([`call_limit`]), the request's own deadline still bounding it.
+    fn request_over<T>(&self, msg: T, rows: usize) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         parse_proto::telemetry::inject(r.metadata_mut());
-        let left = self.deadline.map_or(self.call_timeout, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-        r.set_timeout(left.min(self.call_timeout));
+        let limit = call_limit(self.call_timeout, rows);
+        let left = self
+            .deadline
+            .map_or(limit, |d| d.saturating_duration_since(Instant::now()));
+        r.set_timeout(left.min(limit));
         r
     }
 }
+
+/// Context tokens a call may prefill within the router's per-call limit (`--worker-call-timeout-s`).
+pub const CALL_LIMIT_ROWS: usize = 8192;
+
+/// The limit of a call that may prefill `rows` context tokens: `base` up to [`CALL_LIMIT_ROWS`], beyond them `base`
+/// times the square of `rows / CALL_LIMIT_ROWS`, as attention's share of a prefill grows with the square of its rows
+/// (one request's prompt of 4,000 tokens took 33 s, of 8,000 96 s on a 2-core Zen 4 EPYC; at that pace 32,761 tokens
+/// take about 19 minutes, and met the default 300 s as a worker taken for wedged). The limit finds a wedged worker;
+/// a slow prefill of a long prompt is not one.
+pub fn call_limit(base: Duration, rows: usize) -> Duration {
+    let r = rows as f64 / CALL_LIMIT_ROWS as f64;
+    base.mul_f64(r.max(1.0).powi(2))
+}
+
+#[cfg(test)]
+mod call_limit_tests {
+    use super::*;
+
+    #[test]
+    fn a_long_prompt_gets_a_limit_that_grows_with_the_square_of_its_rows() {
+        let base = Duration::from_secs(300);
+        assert_eq!(call_limit(base, 0), base);
+        assert_eq!(call_limit(base, CALL_LIMIT_ROWS), base);
+        assert_eq!(call_limit(base, 2 * CALL_LIMIT_ROWS), 4 * base);
+        assert_eq!(call_limit(base, 4 * CALL_LIMIT_ROWS), 16 * base);
+    }
+}
+
+impl CallCtx {}
 
 /// How long a session release may take; past it the worker's session TTL frees the session.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -106,12 +161,26 @@ impl Side {
     }
 }
 
+/// How long a worker whose call ran past its limit has to answer a health check to count as slow rather than lost.
+const SLOW_OR_LOST_PROBE: Duration = Duration::from_secs(2);
+
 /// Leaves a worker for the rest of a request after `e`: a lost one is marked failed for every request, a full one
-/// only skipped by this one; either way the request's session there is freed in the background.
+/// only skipped by this one; either way the request's session there is freed in the background. A worker whose
+/// call ran past its limit but that answers a health check at once is slow (a long prefill, a queue behind other
+/// requests), not lost: only this request leaves it. Marked failed, it turned every request arriving before the
+/// prober's next round away with "no target worker available".
 fn leave(ctx: &CallCtx, l: Lease, session: &str, side: Side, e: &Error, lost: &mut Vec<String>) {
     release_orphan(&ctx.handle, &l, session, side);
     let role = side.role();
-    if is_lost(ctx, e) {
+    let slow = || {
+        e.kind == ErrorKind::DeadlineExceeded
+            && ctx
+                .handle
+                .block_on(l.worker.answers_health(SLOW_OR_LOST_PROBE))
+    };
+    if is_lost(ctx, e) && slow() {
+        tracing::warn!(addr = %l.worker.addr, "{role} worker too slow for this request, still serving: {}", e.message);
+    } else if is_lost(ctx, e) {
         tracing::warn!(addr = %l.worker.addr, "{role} worker lost: {}", e.message);
         l.worker.mark_failed();
     } else {
@@ -463,12 +532,15 @@ impl RemoteDrafter {
         let Some(mut client) = self.client() else {
             return Ok(());
         };
-        let req = self.ctx.request(DraftRequest {
-            session: session.to_string(),
-            context: context.to_vec(),
-            sampling: Some(sampling.into()),
-            max_tokens: (tokens as u32).clamp(1, self.max_tokens),
-        });
+        let req = self.ctx.request_over(
+            DraftRequest {
+                session: session.to_string(),
+                context: context.to_vec(),
+                sampling: Some(sampling.into()),
+                max_tokens: (tokens as u32).clamp(1, self.max_tokens),
+            },
+            context.len(),
+        );
         let (tx, rx) = mpsc::unbounded_channel();
         let task = self.ctx.handle.spawn(async move {
             let mut stream = match client.draft(req).await {
@@ -570,12 +642,15 @@ impl Drafter for RemoteDrafter {
             self.prefilled = true;
             self.ensure_worker();
             if let Some(mut client) = self.client() {
-                let req = self.ctx.request(DraftRequest {
-                    session: session.to_string(),
-                    context: self.context.clone(),
-                    sampling: Some((&self.sampling).into()),
-                    max_tokens: 0,
-                });
+                let req = self.ctx.request_over(
+                    DraftRequest {
+                        session: session.to_string(),
+                        context: self.context.clone(),
+                        sampling: Some((&self.sampling).into()),
+                        max_tokens: 0,
+                    },
+                    self.context.len(),
+                );
                 let charged = &mut self.charged;
                 let drained = self.ctx.call(async {
                     let mut s = client.draft(req).await?.into_inner();
@@ -616,12 +691,16 @@ impl Drafter for RemoteDrafter {
                 let want = (max - chunk.tokens.len()) as u32;
                 let mut context = self.context.clone();
                 context.extend(&chunk.tokens);
-                let req = self.ctx.request(DraftRequest {
-                    session: session.to_string(),
-                    context,
-                    sampling: Some((&self.sampling).into()),
-                    max_tokens: want.min(self.max_tokens),
-                });
+                let rows = context.len();
+                let req = self.ctx.request_over(
+                    DraftRequest {
+                        session: session.to_string(),
+                        context,
+                        sampling: Some((&self.sampling).into()),
+                        max_tokens: want.min(self.max_tokens),
+                    },
+                    rows,
+                );
                 match self.ctx.call(client.draft(req)) {
                     Ok(r) => {
                         self.stream = Some(DraftStream::Direct(Box::new(r.into_inner())));
@@ -748,12 +827,15 @@ impl Drafter for RemoteDrafter {
             return Ok(false);
         };
         // The first begin's prefill call, made now on the runtime; that begin waits for it (see `begin`).
-        let req = self.ctx.request(DraftRequest {
-            session: session.to_string(),
-            context: context.to_vec(),
-            sampling: Some(sampling.into()),
-            max_tokens: 0,
-        });
+        let req = self.ctx.request_over(
+            DraftRequest {
+                session: session.to_string(),
+                context: context.to_vec(),
+                sampling: Some(sampling.into()),
+                max_tokens: 0,
+            },
+            context.len(),
+        );
         let cancel = self.ctx.cancel.clone();
         let task = self.ctx.handle.spawn(async move {
             let drain = async {
@@ -846,11 +928,15 @@ impl RemoteVerifier {
         let mut prompt = self.cache.clone();
         // `OpenSession` caches all but the last token; the last one here is a placeholder.
         prompt.push(0);
-        let req = self.ctx.request(OpenSessionRequest {
-            session: session.to_string(),
-            prompt,
-            sampling: Some((&self.sampling).into()),
-        });
+        let rows = prompt.len();
+        let req = self.ctx.request_over(
+            OpenSessionRequest {
+                session: session.to_string(),
+                prompt,
+                sampling: Some((&self.sampling).into()),
+            },
+            rows,
+        );
         let r = self
             .ctx
             .call(client.open_session(req))
@@ -949,11 +1035,14 @@ impl Verifier for RemoteVerifier {
         self.sampling = sampling.clone();
         let wire_sampling = Some(sampling.into());
         let r = self.with_failover(session, |ctx, c| {
-            let req = ctx.request(OpenSessionRequest {
-                session: session.to_string(),
-                prompt: prompt.to_vec(),
-                sampling: wire_sampling,
-            });
+            let req = ctx.request_over(
+                OpenSessionRequest {
+                    session: session.to_string(),
+                    prompt: prompt.to_vec(),
+                    sampling: wire_sampling,
+                },
+                prompt.len(),
+            );
             ctx.call(c.open_session(req))
         })?;
         let r = r.into_inner();
