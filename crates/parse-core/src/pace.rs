@@ -1046,6 +1046,9 @@ pub struct Pace {
 impl Pace {
     /// Rounds of its own after which a request is judged on them alone.
     pub const PROBE: usize = 3;
+    /// Context tokens a drafter may catch up on per token left to write, where no drafter's prefill is priced yet
+    /// ([`Pace::entry_unpriced_and_far`]).
+    pub const UNPRICED_ENTRY: usize = 32;
     /// The first pause where the target's speed at this load is not known yet.
     pub const FIRST_PAUSE: usize = 4;
     /// Tokens a request writes by the sort of rounds it chose before it chooses again ([`Pace::choose_rounds`]).
@@ -1113,6 +1116,22 @@ impl Pace {
         };
         let horizon = costs.expected_left(self.written, self.left);
         (alone - spec) * horizon as f64 >= row * self.lag as f64
+    }
+
+    /// Whether the drafter has more to catch up on than [`Pace::UNPRICED_ENTRY`] tokens for each token the request is
+    /// expected to write still ([`Costs::expected_left`]), where no drafter's prefill has been priced in the pool
+    /// yet ([`Costs::entry_ms`]: [`Pace::entry_pays`] has nothing to judge by). Speculation saves less than the
+    /// target's step per token written, and a drafter's prefill costs more than a 32nd of that step per token it
+    /// catches up on (the shipped 0.5B draft about a third of the 1.5B target's step, docs/figures.md, "Speculation
+    /// that pays for its entry"), so such an entry loses whatever it accepts. The first request of a fresh router,
+    /// with a prompt of 16,000 tokens and 4 to write, made the draft worker prefill all of them after the target had:
+    /// 986 s for 4 tokens, none of them drafted.
+    fn entry_unpriced_and_far(&self) -> bool {
+        let costs = &self.pacing.costs;
+        self.lag > 0
+            && (self.alone_last || self.rounds == 0)
+            && costs.entry_ms(&self.pacing.kind, self.level).is_none()
+            && self.lag > Self::UNPRICED_ENTRY * costs.expected_left(self.written, self.left).max(1)
     }
 
     /// The drafter's first prefill, of `rows` context tokens, cost `spent` ([`Costs::record_entry`]).
@@ -1243,6 +1262,13 @@ impl Pace {
             // count of requests reached was first measured by a request hundreds of tokens in.
             self.entries_declined += 1;
             return self.pause(Self::MAX_PAUSE, "no figure here yet, and its drafter has more to catch up on than a first round is worth");
+        }
+        if self.entry_unpriced_and_far() {
+            self.entries_declined += 1;
+            return self.pause(
+                Self::MAX_PAUSE,
+                "its drafter's catching up is not priced yet and is many times the tokens left to write",
+            );
         }
         // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
         let alone = rival(alone, copies);
@@ -2152,6 +2178,32 @@ mod tests {
             Spent::wall(100.0),
         );
         assert_eq!(costs.until_probe(kind, 2), 2240);
+    }
+
+    #[test]
+    fn a_drafter_with_far_more_to_catch_up_on_than_tokens_left_does_not_start_on_a_fresh_router() {
+        let kind = "parse+token-spec/model";
+        let (costs, pacing) = pool(kind, 1);
+        // Nothing measured: a long prompt with a few tokens to write writes them alone.
+        let mut far = Pace::new(pacing.clone());
+        far.position(0, 4, 16_000);
+        assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+        assert_eq!(far.entries_declined, 1);
+        // The same prompt with a budget that could pay for it, and a short prompt, make the first round.
+        let mut long = Pace::new(pacing.clone());
+        long.position(0, 1024, 16_000);
+        assert_eq!(long.advise(), Advice::Speculate);
+        drop(long);
+        let mut short = Pace::new(pacing.clone());
+        short.position(0, 4, 100);
+        assert_eq!(short.advise(), Advice::Speculate);
+        drop(short);
+        // Once a drafter's prefill is priced, this rule steps aside (the price judges the entry where a figure of
+        // speculation is there to weigh it against).
+        costs.record_entry(kind, 0, 160.0, 16_000);
+        let mut priced = Pace::new(pacing);
+        priced.position(0, 4, 16_000);
+        assert_eq!(priced.advise(), Advice::Speculate);
     }
 
     #[test]
