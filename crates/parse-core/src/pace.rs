@@ -1121,11 +1121,12 @@ impl Pace {
     /// Whether the drafter has more to catch up on than [`Pace::UNPRICED_ENTRY`] tokens for each token the request is
     /// expected to write still ([`Costs::expected_left`]), where no drafter's prefill has been priced in the pool
     /// yet ([`Costs::entry_ms`]: [`Pace::entry_pays`] has nothing to judge by). Speculation saves less than the
-    /// target's step per token written, and a drafter's prefill costs more than a 32nd of that step per token it
-    /// catches up on (the shipped 0.5B draft about a third of the 1.5B target's step, docs/figures.md, "Speculation
-    /// that pays for its entry"), so such an entry loses whatever it accepts. The first request of a fresh router,
-    /// with a prompt of 16,000 tokens and 4 to write, made the draft worker prefill all of them after the target had:
-    /// 986 s for 4 tokens, none of them drafted.
+    /// target's step per token written, and a drafter's prefill is taken to cost at least a 32nd of that step per
+    /// token it catches up on (the shipped 0.5B draft's costs about a third of the 1.5B target's step,
+    /// docs/figures.md, "Speculation that pays for its entry"), so such an entry loses whatever it accepts. The first
+    /// request of a fresh router, with a prompt of 16,000 tokens and 4 to write, made the draft worker prefill all of
+    /// them after the target had, none of the 4 drafted; with 4,000 tokens it took 52.7 s against 34.0 without the
+    /// catching up (docs/figures.md, "Long prompts").
     fn entry_unpriced_and_far(&self) -> bool {
         let costs = &self.pacing.costs;
         self.lag > 0

@@ -124,22 +124,6 @@ pub fn call_limit(base: Duration, rows: usize) -> Duration {
     base.mul_f64(r.max(1.0).powi(2))
 }
 
-#[cfg(test)]
-mod call_limit_tests {
-    use super::*;
-
-    #[test]
-    fn a_long_prompt_gets_a_limit_that_grows_with_the_square_of_its_rows() {
-        let base = Duration::from_secs(300);
-        assert_eq!(call_limit(base, 0), base);
-        assert_eq!(call_limit(base, CALL_LIMIT_ROWS), base);
-        assert_eq!(call_limit(base, 2 * CALL_LIMIT_ROWS), 4 * base);
-        assert_eq!(call_limit(base, 4 * CALL_LIMIT_ROWS), 16 * base);
-    }
-}
-
-impl CallCtx {}
-
 /// How long a session release may take; past it the worker's session TTL frees the session.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -1120,7 +1104,17 @@ impl Verifier for RemoteVerifier {
 
 #[cfg(test)]
 mod tests {
-    use super::host_of;
+    use super::{CALL_LIMIT_ROWS, call_limit, host_of};
+    use std::time::Duration;
+
+    #[test]
+    fn a_long_prompt_gets_a_limit_that_grows_with_the_square_of_its_rows() {
+        let base = Duration::from_secs(300);
+        assert_eq!(call_limit(base, 0), base);
+        assert_eq!(call_limit(base, CALL_LIMIT_ROWS), base);
+        assert_eq!(call_limit(base, 2 * CALL_LIMIT_ROWS), 4 * base);
+        assert_eq!(call_limit(base, 4 * CALL_LIMIT_ROWS), 16 * base);
+    }
 
     #[test]
     fn a_worker_address_gives_its_host() {
