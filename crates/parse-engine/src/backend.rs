@@ -108,7 +108,7 @@ impl Prefill {
         if self.finished() {
             return None;
         }
-        let rows = room.max(MIN_PREFILL_CHUNK).min(PREFILL_CHUNK);
+        let rows = room.clamp(MIN_PREFILL_CHUNK, PREFILL_CHUNK);
         let n = (self.tokens.len() - self.fed).min(context_chunk(base, rows));
         let chunk = &self.tokens[self.fed..self.fed + n];
         self.fed += n;
