@@ -43,8 +43,8 @@ use tonic::{Code, Status};
 
 use crate::Router;
 
-/// The largest request body read (axum's default, named here so that a refusal can say it): a prompt that fills a
-/// 128k-token context is about half of it.
+/// The largest request body read (axum's default, named here so that a refusal can say it): twice the router's own
+/// limit on a request's prompt text (`--max-prompt-bytes`, 1 MiB), which leaves room for JSON's escapes.
 pub const MAX_BODY_BYTES: usize = 2 << 20;
 
 /// Output budget of a request that names none.
