@@ -116,9 +116,9 @@ pub const CALL_LIMIT_ROWS: usize = 8192;
 
 /// The limit of a call that may prefill `rows` context tokens: `base` up to [`CALL_LIMIT_ROWS`], beyond them `base`
 /// times the square of `rows / CALL_LIMIT_ROWS`, as attention's share of a prefill grows with the square of its rows
-/// (one request's prompt of 4,000 tokens took 33 s, of 8,000 96 s on a 2-core Zen 4 EPYC; at that pace 32,761 tokens
-/// take about 19 minutes, and met the default 300 s as a worker taken for wedged). The limit finds a wedged worker;
-/// a slow prefill of a long prompt is not one.
+/// (one request's prompt of 4,000 tokens took 33 s, of 8,000 96 s, of 16,000 7.7 minutes on a 2-core Zen 4 EPYC; one of
+/// 32,761 met the default 300 s as a worker taken for wedged). The limit finds a wedged worker; a slow prefill of a
+/// long prompt is not one.
 pub fn call_limit(base: Duration, rows: usize) -> Duration {
     let r = rows as f64 / CALL_LIMIT_ROWS as f64;
     base.mul_f64(r.max(1.0).powi(2))
