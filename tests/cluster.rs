@@ -1184,6 +1184,63 @@ fn bad_input_gets_invalid_argument_and_the_cluster_stays_healthy() {
 }
 
 #[test]
+fn a_prompt_of_token_ids_answers_as_the_raw_text_they_encode() {
+    let c = cluster(1, 1, 8);
+    let rt = runtime();
+    let addr = c.router.endpoint();
+    let ids = tokenizer().encode_prompt(PROMPT).unwrap();
+    rt.block_on(async {
+        let mut client = Client::connect(&addr).await.unwrap();
+        for mode in ["target", "parse+token-spec"] {
+            let text = client
+                .generate(GenerateRequest {
+                    raw_prompt: true,
+                    ..req(mode, 8)
+                })
+                .await
+                .unwrap();
+            let by_ids = client
+                .generate(GenerateRequest {
+                    prompt: String::new(),
+                    prompt_tokens: ids.clone(),
+                    ..req(mode, 8)
+                })
+                .await
+                .unwrap();
+            assert_eq!(by_ids.token_ids, text.token_ids, "{mode}");
+            assert_eq!(by_ids.text, text.text, "{mode}");
+            let prompt_tokens =
+                |r: &parse_client::GenerateResponse| r.stats.as_ref().unwrap().prompt_tokens;
+            assert_eq!(prompt_tokens(&by_ids), ids.len() as u32, "{mode}");
+            assert_eq!(prompt_tokens(&text), ids.len() as u32, "{mode}");
+        }
+        for (r, expected) in [
+            (
+                GenerateRequest {
+                    prompt_tokens: vec![ids[0], u32::MAX],
+                    prompt: String::new(),
+                    ..req("target", 8)
+                },
+                "token id 4294967295 is outside the model's vocabulary",
+            ),
+            (
+                GenerateRequest {
+                    prompt_tokens: ids.clone(),
+                    ..req("target", 8)
+                },
+                "give no `prompt`, `messages` or `system` with it",
+            ),
+        ] {
+            match client.generate(r).await {
+                Err(ClientError::InvalidArgument(m)) => assert!(m.contains(expected), "{m}"),
+                other => panic!("expected INVALID_ARGUMENT ({expected}), got {other:?}"),
+            }
+        }
+    });
+    sessions_end(&c, "after the token-id prompts");
+}
+
+#[test]
 fn an_overloaded_router_answers_resource_exhausted() {
     let c = cluster(1, 1, 1);
     let rt = runtime();

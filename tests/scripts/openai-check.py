@@ -93,6 +93,24 @@ streamed = "".join(
 )
 check(streamed == comp.choices[0].text, "streamed text completion equals the unary one")
 
+# A prompt of token ids: those of the text above in the default pair's tokenizer (Qwen2.5's). `target` mode on both
+# sides, whose output does not depend on the load.
+ADD_IDS = [750, 912, 2877, 11, 293, 982, 262, 470]
+as_text = client.completions.create(model=model, prompt="def add(a, b):\n    return", max_tokens=8, temperature=0,
+                                    extra_body={"parse": {"mode": "target"}})
+for prompt in (ADD_IDS, [ADD_IDS]):
+    as_ids = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"parse": {"mode": "target"}})
+    check(as_ids.choices[0].text == as_text.choices[0].text
+          and as_ids.usage.prompt_tokens == as_text.usage.prompt_tokens == len(ADD_IDS),
+          f"a prompt of token ids {'in an array ' if prompt != ADD_IDS else ''}answers as its text: "
+          f"{as_ids.choices[0].text!r}, {as_ids.usage.prompt_tokens} prompt tokens")
+try:
+    client.completions.create(model=model, prompt=[1, 10**9], max_tokens=4)
+    check(False, "a token id past the vocabulary is refused")
+except openai.BadRequestError as e:
+    check("outside the model's vocabulary" in str(e), f"a token id past the vocabulary: 400, {e}")
+
 target = client.chat.completions.create(
     model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"parse": {"mode": "target"}})
 check(target.usage.model_extra["parse"]["mode"] == "target", "the parse extension object picks the mode")

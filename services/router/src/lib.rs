@@ -144,6 +144,8 @@ struct ModelCtx {
     name: String,
     tokenizer: Arc<Tokenizer>,
     max_context: usize,
+    /// The target's vocabulary size: token-id prompts must stay below it.
+    vocab_size: usize,
     judge_suffix: Vec<u32>,
 }
 
@@ -411,6 +413,7 @@ impl Router {
                                 name,
                                 tokenizer: Arc::new(tok),
                                 max_context: info.max_context as usize,
+                                vocab_size: info.vocab_size as usize,
                                 judge_suffix,
                             }));
                         }
@@ -433,7 +436,25 @@ impl Router {
         session: &str,
     ) -> Result<(GenerationRequest, Vec<String>, DrafterKind), CoreError> {
         check_limits(r, &self.cfg)?;
-        let messages: Vec<Message> = if r.raw_prompt {
+        let tokens_given = !r.prompt_tokens.is_empty();
+        if tokens_given {
+            if !r.prompt.is_empty() || !r.messages.is_empty() || !r.system.is_empty() {
+                return Err(CoreError::invalid(
+                    "prompt_tokens is the whole prompt: give no `prompt`, `messages` or `system` with it",
+                ));
+            }
+            if let Some(t) = r
+                .prompt_tokens
+                .iter()
+                .find(|&&t| t as usize >= m.vocab_size)
+            {
+                return Err(CoreError::invalid(format!(
+                    "prompt_tokens: token id {t} is outside the model's vocabulary of {}",
+                    m.vocab_size
+                )));
+            }
+        }
+        let messages: Vec<Message> = if r.raw_prompt || tokens_given {
             if !r.messages.is_empty() || !r.system.is_empty() {
                 return Err(CoreError::invalid(
                     "raw_prompt takes `prompt` alone (no `messages`, no `system`)",
@@ -470,7 +491,9 @@ impl Router {
                 self.cfg.max_new_tokens_limit, r.max_new_tokens
             )));
         }
-        let prompt = if r.raw_prompt {
+        let prompt = if tokens_given {
+            Ok(r.prompt_tokens.clone())
+        } else if r.raw_prompt {
             m.tokenizer.encode_prompt(&r.prompt)
         } else {
             m.tokenizer.encode_chat(&messages)

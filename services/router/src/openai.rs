@@ -9,6 +9,8 @@
 //! - `max_tokens` / `max_completion_tokens` left out means [`DEFAULT_MAX_TOKENS`] (capped by the router's limit),
 //!   lowered to what fits in the model's context beside the prompt; given, prompt and budget must fit together (400
 //!   otherwise, as OpenAI answers).
+//! - A completion's `prompt` is a string (sent raw, no chat template), an array of token ids
+//!   (`GenerateRequest.prompt_tokens`), or an array holding one of these: one prompt per request.
 //! - `n` must be 1; `logprobs`, tools, penalties, `logit_bias`, `echo`, `suffix`, `best_of` and a non-text
 //!   `response_format` are refused with 400 rather than ignored. `user` is accepted and only logged.
 //! - PARSE settings go in an extension object, `"parse": {"mode", "tau", "verdict", "exact_floor",
@@ -290,6 +292,46 @@ impl OneOrMany {
     }
 }
 
+/// A completion's `prompt` as OpenAI's API takes it: a string, token ids, or an array of either (one prompt per
+/// request here).
+#[derive(Deserialize)]
+#[serde(
+    untagged,
+    expecting = "expected a string, an array of token ids (integers from 0), or an array of one of these"
+)]
+enum PromptIn {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// The one prompt of a completion request.
+enum OnePrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl PromptIn {
+    /// The one prompt of the request, or a 400 for several or for no token at all.
+    fn one(self) -> Result<OnePrompt, Status> {
+        let many = |n: usize| {
+            bad(format!(
+                "prompt must be one prompt (got {n}): one completion per request"
+            ))
+        };
+        match self {
+            PromptIn::Text(s) => Ok(OnePrompt::Text(s)),
+            PromptIn::Tokens(t) if t.is_empty() => Err(bad("prompt: an empty array of token ids")),
+            PromptIn::Tokens(t) => Ok(OnePrompt::Tokens(t)),
+            PromptIn::Texts(mut v) if v.len() == 1 => Ok(OnePrompt::Text(v.remove(0))),
+            PromptIn::Texts(v) => Err(many(v.len())),
+            PromptIn::TokenLists(mut v) if v.len() == 1 => PromptIn::Tokens(v.remove(0)).one(),
+            PromptIn::TokenLists(v) => Err(many(v.len())),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(untagged, expecting = "expected a string or an array of content parts")]
 enum Content {
@@ -381,7 +423,7 @@ struct ChatRequest {
 
 #[derive(Deserialize)]
 struct CompletionRequest {
-    prompt: OneOrMany,
+    prompt: PromptIn,
     #[serde(default)]
     echo: bool,
     suffix: Option<String>,
@@ -598,13 +640,7 @@ fn completion_request(
 ) -> Result<(GenerateRequest, Shape), Status> {
     let req: CompletionRequest = parse_body(body)?;
     check_model(&req.common.model, served)?;
-    let mut prompts = req.prompt.into_vec();
-    if prompts.len() != 1 {
-        return Err(bad(format!(
-            "prompt must be one string (got {}): one completion per request",
-            prompts.len()
-        )));
-    }
+    let prompt = req.prompt.one()?;
     if req.echo {
         return Err(bad("echo is not supported"));
     }
@@ -614,10 +650,16 @@ fn completion_request(
     if req.best_of.is_some_and(|b| b != 1) {
         return Err(bad("best_of must be 1"));
     }
-    let r = GenerateRequest {
-        prompt: prompts.remove(0),
-        raw_prompt: true,
-        ..Default::default()
+    let r = match prompt {
+        OnePrompt::Text(text) => GenerateRequest {
+            prompt: text,
+            raw_prompt: true,
+            ..Default::default()
+        },
+        OnePrompt::Tokens(tokens) => GenerateRequest {
+            prompt_tokens: tokens,
+            ..Default::default()
+        },
     };
     with_common(r, req.common, Kind::Completion, served, limit)
 }
@@ -1119,6 +1161,45 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("accepted {v}"));
             assert_eq!(e.code(), Code::InvalidArgument);
+        }
+    }
+
+    #[test]
+    fn completions_take_a_prompt_of_token_ids() {
+        let b = |v: Value| Bytes::from(v.to_string());
+        for v in [
+            json!({"prompt": [750, 912, 2877], "max_tokens": 5}),
+            json!({"prompt": [[750, 912, 2877]], "max_tokens": 5}),
+        ] {
+            let (r, _) = completion_request(&b(v.clone()), "m", 4096).unwrap();
+            assert_eq!(r.prompt_tokens, [750, 912, 2877], "{v}");
+            assert!(
+                r.prompt.is_empty() && !r.raw_prompt && r.messages.is_empty(),
+                "{v}"
+            );
+        }
+        for (v, expected) in [
+            (json!({"prompt": [[1], [2]]}), "one prompt (got 2)"),
+            (json!({"prompt": []}), "an empty array of token ids"),
+            (json!({"prompt": [[]]}), "an empty array of token ids"),
+            (
+                json!({"prompt": [1, -2]}),
+                "an array of token ids (integers from 0)",
+            ),
+            (
+                json!({"prompt": [1, "a"]}),
+                "an array of token ids (integers from 0)",
+            ),
+            (
+                json!({"prompt": [1.5]}),
+                "an array of token ids (integers from 0)",
+            ),
+        ] {
+            let e = completion_request(&b(v.clone()), "m", 4096)
+                .err()
+                .unwrap_or_else(|| panic!("accepted {v}"));
+            assert_eq!(e.code(), Code::InvalidArgument, "{v}");
+            assert!(e.message().contains(expected), "{v}: {}", e.message());
         }
     }
 
