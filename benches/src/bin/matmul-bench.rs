@@ -32,10 +32,6 @@ struct Args {
     /// Timed calls; the fastest is reported.
     #[arg(long, default_value_t = 50)]
     reps: usize,
-    /// Instead of the fastest call: alternate calls with the VNNI Q4_K lanes kernel's words held in registers and
-    /// streamed (`kernels::set_streamed_q4k`; the same bits either way) and report the medians and their ratio.
-    #[arg(long)]
-    ab_q4k_streamed: bool,
 }
 
 /// The most a matrix, or the activations or outputs of a call, may take (a mistyped shape is refused, not allocated).
@@ -82,7 +78,7 @@ fn main() -> Result<()> {
                 "--shape {n}x{k} with {rows} rows needs more than {MAX_BYTES} bytes; this bench stays under it"
             );
         }
-        // In the layout a model's matrix takes at load on this CPU (`PARSE_CPU_LANES=off` keeps Q4_K in rows).
+        // In the layout a model's matrix takes at load on this CPU.
         let w = parse_engine::quant::random_matrix(dtype, n, k, 7)
             .with_context(|| format!("a {name} matrix of {n}x{k}"))?
             .into_fast_cpu_format();
@@ -94,28 +90,6 @@ fn main() -> Result<()> {
             let mut out = vec![0f32; m * n];
             for _ in 0..args.warmup {
                 w.matmul(&x, m, &mut out)?;
-            }
-            if args.ab_q4k_streamed {
-                let mut t = [Vec::new(), Vec::new()];
-                for rep in 0..2 * args.reps {
-                    let side = (rep + rep / 2) % 2;
-                    parse_engine::kernels::set_streamed_q4k(side == 1);
-                    let t0 = Instant::now();
-                    w.matmul(&x, m, &mut out)?;
-                    t[side].push(t0.elapsed().as_secs_f64());
-                }
-                let med = |v: &mut Vec<f64>| {
-                    v.sort_by(f64::total_cmp);
-                    v[v.len() / 2]
-                };
-                let (held, streamed) = (med(&mut t[0]), med(&mut t[1]));
-                println!(
-                    "{name} {n}x{k}, {m} rows: held {:.3} ms, streamed {:.3} ms, streamed / held {:.3}",
-                    held * 1e3,
-                    streamed * 1e3,
-                    streamed / held
-                );
-                continue;
             }
             let mut best = f64::MAX;
             for _ in 0..args.reps {

@@ -28,21 +28,6 @@ pub fn keep_large_buffers() {
     });
 }
 
-static NO_HUGE_PAGES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets [`huge_pages`] ask for 2 MB pages (`true`, the default unless `PARSE_CPU_HUGE_PAGES=off`) or not, for
-/// matrices loaded from now on: `engine-bench --ab-huge-pages` loads a model both ways in one process.
-pub fn set_huge_pages(on: bool) {
-    NO_HUGE_PAGES.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn huge_pages_wanted() -> bool {
-    static ENV_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let env_off = *ENV_OFF
-        .get_or_init(|| std::env::var("PARSE_CPU_HUGE_PAGES").is_ok_and(|v| v.trim() == "off"));
-    !env_off && !NO_HUGE_PAGES.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Asks the kernel to back the whole 2 MB pages inside the `bytes` bytes at `at` (a weight matrix this process owns,
 /// streamed whole at every step; only its address is used, nothing is read or written through it) with
 /// transparent huge pages, now (`MADV_COLLAPSE`, Linux 6.1 and later) and for good (`MADV_HUGEPAGE`, for a kernel
@@ -54,7 +39,7 @@ pub fn huge_pages(at: *const u8, bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         const HUGE: usize = 2 << 20;
-        if bytes < HUGE || !huge_pages_wanted() {
+        if bytes < HUGE {
             return;
         }
         let start = (at as usize).next_multiple_of(HUGE);

@@ -317,22 +317,9 @@ pub fn attention(
     attention_with(wide_attention(), q, k_cache, v_cache, mask, s, out)
 }
 
-/// How far ahead, in visible keys, [`attention`]'s AVX-512 path asks for a key's or a value's row
-/// ([`set_attention_prefetch`]): 32 rows of 128 f32, 16 KB.
+/// How far ahead, in visible keys, [`attention`]'s AVX-512 path asks for a key's or a value's row: 32 rows of 128
+/// f32, 16 KB.
 const KEYS_AHEAD: usize = 32;
-
-static ATTENTION_PREFETCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Lets [`attention`]'s AVX-512 path prefetch the key and value rows [`KEYS_AHEAD`] visible keys ahead of those it
-/// reads (`true`, the default) or not (`false`), for benchmarks that time the two in one process (`engine-bench
-/// --ab-attention-prefetch`); the outputs are the same bits.
-pub fn set_attention_prefetch(on: bool) {
-    ATTENTION_PREFETCH.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn attention_prefetch() -> bool {
-    ATTENTION_PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
-}
 
 /// Asks for every cache line of `row` into L1 (a hint: no fault, no effect on results).
 #[cfg(target_arch = "x86_64")]
@@ -349,10 +336,9 @@ fn prefetch_row(row: &[f32]) {
 }
 
 /// Whether [`attention`] takes its AVX-512 path ([`dot_heads_wide`], [`weighted_sums_wide`]): on a CPU with AVX-512
-/// F, checked once, unless [`set_wide_attention`] turned it off. The path computes the same bits as the AVX2 and
-/// portable ones, in fewer instructions per key.
+/// F, checked once. The path computes the same bits as the AVX2 and portable ones, in fewer instructions per key.
 fn wide_attention() -> bool {
-    !NARROW_ATTENTION.load(std::sync::atomic::Ordering::Relaxed) && wide_attention_runs()
+    wide_attention_runs()
 }
 
 /// Whether this CPU can run [`attention`]'s AVX-512 path (AVX-512 F, AVX2, FMA), checked once.
@@ -372,41 +358,6 @@ fn wide_attention_runs() -> bool {
     }
 }
 
-static NARROW_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-static ROWS_TOGETHER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-static VALUES_BY_RUNS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Lets the weighted sums of [`attention`]'s path without AVX-512 go by runs of [`KEY_RUN`] keys, every (row, head)
-/// of a task over a run's values before the next (`true`, the default), or each (row, head) over all of its keys in
-/// one pass (`false`, as before), for benchmarks that time the two in one process (`engine-bench
-/// --ab-values-by-runs`); the outputs are the same bits.
-///
-/// In one pass, each of a KV head's query heads (six in the default target) and each row of a block read the head's
-/// values again: 768 KB after 1,500 tokens, more than a Zen 3 core's 512 KB of L2.
-pub fn set_values_by_runs(on: bool) {
-    VALUES_BY_RUNS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_values_by_runs`] left the runs on.
-fn values_by_runs() -> bool {
-    VALUES_BY_RUNS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Lets [`attention`]'s path without AVX-512 take a block's rows together and score keys 8 at a time (`true`, the
-/// default) or take each row alone and score key by key (`false`), for benchmarks that time the two in one process
-/// (`engine-bench --ab-attention-rows`); the outputs are the same bits.
-pub fn set_rows_together(on: bool) {
-    ROWS_TOGETHER.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Lets [`attention`] take its AVX-512 path where the CPU has it (`true`, the default) or not (`false`), for
-/// benchmarks that time the two in one process (`engine-bench --ab-attention`); the outputs are the same bits.
-pub fn set_wide_attention(on: bool) {
-    NARROW_ATTENTION.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// [`attention`], with its AVX-512 path (`wide`, taken only where the CPU has it and the head width is a multiple of
 /// 16, at most 128) or without; the two give the same bits.
 fn attention_with(
@@ -421,13 +372,8 @@ fn attention_with(
     let hd = s.head_dim;
     let wide = wide && wide_attention_runs() && hd.is_multiple_of(16) && hd <= 128;
     if !wide {
-        let together = ROWS_TOGETHER.load(std::sync::atomic::Ordering::Relaxed);
-        let rb = if together {
-            rows_per_task(mask.len(), s)
-        } else {
-            1
-        };
-        return attention_narrow(q, k_cache, v_cache, mask, s, out, rb, together);
+        let rb = rows_per_task(mask.len(), s);
+        return attention_narrow(q, k_cache, v_cache, mask, s, out, rb);
     }
     #[cfg(target_arch = "x86_64")]
     attention_wide(q, k_cache, v_cache, mask, s, out);
@@ -467,14 +413,11 @@ fn attention_wide(
             let mut scores = vec![0f32; group * n];
             let mut row = vec![0f32; group];
             let by16 = n / 16 * 16;
-            let prefetch = attention_prefetch();
             for i0 in (0..by16).step_by(16) {
-                if prefetch {
-                    for &t in keys.iter().skip(i0 + KEYS_AHEAD).take(16) {
-                        prefetch_row(
-                            &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd],
-                        );
-                    }
+                for &t in keys.iter().skip(i0 + KEYS_AHEAD).take(16) {
+                    prefetch_row(
+                        &k_cache[t * kv_stride + kvh * hd..t * kv_stride + (kvh + 1) * hd],
+                    );
                 }
                 let ks: [&[f32]; 16] = std::array::from_fn(|j| {
                     let t = keys[i0 + j];
@@ -508,7 +451,7 @@ fn attention_wide(
             #[allow(unsafe_code)]
             // SAFETY: as above; every offset starts a value row of hd values in v_cache.
             unsafe {
-                weighted_sums_wide(&scores, &offsets, v_cache, o, hd, prefetch)
+                weighted_sums_wide(&scores, &offsets, v_cache, o, hd)
             };
             for h in 0..group {
                 let inv = 1.0 / sums[h];
@@ -531,14 +474,12 @@ fn rows_per_task(rows: usize, s: &AttnShape) -> usize {
 const KEY_RUN: usize = 32;
 
 /// [`attention`] without the AVX-512 path, its work split by (KV head, run of `rb` rows): the rows of a task score
-/// each run of [`KEY_RUN`] keys in turn, so a key comes from memory once for all of them, and (`together`) score 8
-/// keys at a time with their sums reduced side by side ([`scores8`]). The weighted sums go by the same runs: every
-/// (row, head) of the task sums a run's values before the next run ([`set_values_by_runs`]), each output element's
-/// chain carried over from run to run in key order. Per (row, head) the scores, softmax and weighted sum
-/// ([`weighted_sum`]) are the same operations in the same order as the row alone runs them (`rb` 1, keys one by one,
-/// as before rows went together): the same bits whatever `rb`. In-process alternation (`engine-bench
-/// --ab-attention-rows`, `--ab-values-by-runs`) measures the differences.
-#[allow(clippy::too_many_arguments)]
+/// each run of [`KEY_RUN`] keys in turn, so a key comes from memory once for all of them, and score 8 keys at a time
+/// with their sums reduced side by side ([`scores8`], bitwise [`dot_heads`] of each key). The weighted sums go by the
+/// same runs: every (row, head) of the task sums a run's values before the next run, so that a run's values are read
+/// from memory once for all of them, each output element's chain carried over from run to run in key order. Per
+/// (row, head) the scores, softmax and weighted sum ([`weighted_sum`]) are the same operations in the same order as
+/// the row alone runs them (`rb` 1): the same bits whatever `rb`.
 fn attention_narrow(
     q: &[f32],
     k_cache: &[f32],
@@ -547,7 +488,6 @@ fn attention_narrow(
     s: &AttnShape,
     out: &mut [f32],
     rb: usize,
-    together: bool,
 ) {
     let (hd, n_kv) = (s.head_dim, s.n_kv_heads);
     let group = s.n_heads / n_kv;
@@ -591,8 +531,7 @@ fn attention_narrow(
                     let end = (i0 + KEY_RUN).min(n);
                     let mut i = i0;
                     // Runs of 8 keys, their sums reduced side by side (`scores8`); the rest key by key.
-                    while together
-                        && i + 8 <= end
+                    while i + 8 <= end
                         && scores8(qs(j), std::array::from_fn(|e| key(ks[i + e])), &mut by8)
                     {
                         for h in 0..group {
@@ -619,13 +558,8 @@ fn attention_narrow(
                     sums[j * group + h] = crate::vexp::exp_sum(sh, crate::vexp::max_of(sh));
                 }
             }
-            // By runs of keys, every (row, head) of the task over a run before the next ([`set_values_by_runs`]), so
-            // that a run's values are read from memory once for all of them; or each (row, head) over all its keys.
-            let run = if values_by_runs() {
-                KEY_RUN
-            } else {
-                most.max(1)
-            };
+            // By runs of keys, every (row, head) of the task over a run before the next.
+            let run = KEY_RUN;
             for i0 in (0..most).step_by(run) {
                 for (j, ks) in keys.iter().enumerate() {
                     let n = ks.len();
@@ -931,7 +865,6 @@ unsafe fn weighted_sums_wide(
     v_cache: &[f32],
     o: &mut [f32],
     hd: usize,
-    prefetch: bool,
 ) {
     let n = offsets.len();
     let group = o.len() / hd;
@@ -942,14 +875,14 @@ unsafe fn weighted_sums_wide(
         // SAFETY: the caller's CPU features and value rows; each call takes g heads from h.
         let g = unsafe {
             match hd {
-                128 => wsum_zmm::<8>(sc, offsets, v_cache, oh, group - h, prefetch),
-                112 => wsum_zmm::<7>(sc, offsets, v_cache, oh, group - h, prefetch),
-                96 => wsum_zmm::<6>(sc, offsets, v_cache, oh, group - h, prefetch),
-                80 => wsum_zmm::<5>(sc, offsets, v_cache, oh, group - h, prefetch),
-                64 => wsum_zmm::<4>(sc, offsets, v_cache, oh, group - h, prefetch),
-                48 => wsum_zmm::<3>(sc, offsets, v_cache, oh, group - h, prefetch),
-                32 => wsum_zmm::<2>(sc, offsets, v_cache, oh, group - h, prefetch),
-                _ => wsum_zmm::<1>(sc, offsets, v_cache, oh, group - h, prefetch),
+                128 => wsum_zmm::<8>(sc, offsets, v_cache, oh, group - h),
+                112 => wsum_zmm::<7>(sc, offsets, v_cache, oh, group - h),
+                96 => wsum_zmm::<6>(sc, offsets, v_cache, oh, group - h),
+                80 => wsum_zmm::<5>(sc, offsets, v_cache, oh, group - h),
+                64 => wsum_zmm::<4>(sc, offsets, v_cache, oh, group - h),
+                48 => wsum_zmm::<3>(sc, offsets, v_cache, oh, group - h),
+                32 => wsum_zmm::<2>(sc, offsets, v_cache, oh, group - h),
+                _ => wsum_zmm::<1>(sc, offsets, v_cache, oh, group - h),
             }
         };
         h += g;
@@ -968,17 +901,16 @@ unsafe fn wsum_zmm<const V: usize>(
     v_cache: &[f32],
     o: &mut [f32],
     left: usize,
-    prefetch: bool,
 ) -> usize {
     // SAFETY (all calls below): the caller's CPU features.
     unsafe {
         match (24 / V).min(left) {
-            g if g >= 6 => wsum_heads::<V, 6>(scores, offsets, v_cache, o, prefetch),
-            5 => wsum_heads::<V, 5>(scores, offsets, v_cache, o, prefetch),
-            4 => wsum_heads::<V, 4>(scores, offsets, v_cache, o, prefetch),
-            3 => wsum_heads::<V, 3>(scores, offsets, v_cache, o, prefetch),
-            2 => wsum_heads::<V, 2>(scores, offsets, v_cache, o, prefetch),
-            _ => wsum_heads::<V, 1>(scores, offsets, v_cache, o, prefetch),
+            g if g >= 6 => wsum_heads::<V, 6>(scores, offsets, v_cache, o),
+            5 => wsum_heads::<V, 5>(scores, offsets, v_cache, o),
+            4 => wsum_heads::<V, 4>(scores, offsets, v_cache, o),
+            3 => wsum_heads::<V, 3>(scores, offsets, v_cache, o),
+            2 => wsum_heads::<V, 2>(scores, offsets, v_cache, o),
+            _ => wsum_heads::<V, 1>(scores, offsets, v_cache, o),
         }
     }
 }
@@ -992,7 +924,6 @@ unsafe fn wsum_heads<const V: usize, const H: usize>(
     offsets: &[usize],
     v_cache: &[f32],
     o: &mut [f32],
-    prefetch: bool,
 ) -> usize {
     use std::arch::x86_64::*;
     let (n, hd) = (offsets.len(), 16 * V);
@@ -1000,7 +931,7 @@ unsafe fn wsum_heads<const V: usize, const H: usize>(
     let mut acc = [[_mm512_setzero_ps(); V]; H];
     for (i, &off) in offsets.iter().enumerate() {
         let v = &v_cache[off..off + hd];
-        if prefetch && let Some(&ahead) = offsets.get(i + KEYS_AHEAD) {
+        if let Some(&ahead) = offsets.get(i + KEYS_AHEAD) {
             prefetch_row(&v_cache[ahead..ahead + hd]);
         }
         let p: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(scores[h * n + i]));
@@ -1218,10 +1149,8 @@ mod tests {
             let (k, v, q, mask, s) = attention_case(case, rows, 3);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let mut alone = vec![0f32; q.len()];
-            // As before rows went together: each row alone, key by key, each (row, head) summing all of its values in
-            // one pass. (The switch is global; other tests running meanwhile get the same bits either way.)
-            set_values_by_runs(false);
-            attention_narrow(&q, &k, &v, &mask, &s, &mut alone, 1, false);
+            // One row a task.
+            attention_narrow(&q, &k, &v, &mask, &s, &mut alone, 1);
             // Each row by itself, as a block of one row.
             let width = n_heads * head_dim;
             for r in 0..rows {
@@ -1234,7 +1163,6 @@ mod tests {
                     &s,
                     &mut one,
                     1,
-                    false,
                 );
                 assert_eq!(
                     bits(&one),
@@ -1242,18 +1170,14 @@ mod tests {
                     "row {r}"
                 );
             }
-            for runs in [false, true] {
-                set_values_by_runs(runs);
-                for rb in [1, 2, 3, 7, 8] {
-                    let mut together = vec![0f32; q.len()];
-                    attention_narrow(&q, &k, &v, &mask, &s, &mut together, rb, true);
-                    assert_eq!(
-                        bits(&alone),
-                        bits(&together),
-                        "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {rb} rows a task, values by runs \
-                         {runs}"
-                    );
-                }
+            for rb in [1, 2, 3, 7, 8] {
+                let mut together = vec![0f32; q.len()];
+                attention_narrow(&q, &k, &v, &mask, &s, &mut together, rb);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&together),
+                    "{n_heads} heads, {n_kv_heads} KV heads of {head_dim}, {rb} rows a task"
+                );
             }
             assert!(alone.iter().all(|x| x.is_finite() && *x != 0.0));
             // Against the plain loops: softmax-weighted values, within float rounding.

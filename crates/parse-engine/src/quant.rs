@@ -126,11 +126,8 @@ fn blocks_from_bytes<T: GgmlType>(bytes: &[u8], n_blocks: usize) -> Vec<T> {
 /// the word's slot by [`Q6K_RUN_SLOTS`]), and a block's last two
 /// bytes where its size is not a multiple of 4 (Q6_K's `d`: 210 bytes) at `64 w + 2 n` after its `w` whole words.
 /// One 64-byte load is then a word of all 16 rows, one row per 32-bit lane, which the row groups
-/// ([`kernels::groups`]) otherwise gather from 16 rows and transpose at every step: in one process, alternating the
-/// two layouts pass by pass (`engine-bench --ab-lanes`), a one-token step of the default target took 10-18% less
-/// time and blocks of 2-8 rows 4-12% less on an AVX-512 VNNI EPYC with Q4_K in lanes (docs/figures.md, "Q4_K in the
-/// lanes layout"); Q6_K followed with its faster row groups (the same document, "Q6_K row groups with the rows in
-/// registers").
+/// ([`kernels::groups`]) would otherwise gather from 16 rows and transpose at every step. See
+/// docs/decisions/kernel-choice.md.
 pub(crate) fn to_lanes<T: GgmlType>(w: &[T], kb: usize) -> Vec<T> {
     permute_lanes(w, kb, true)
 }
@@ -147,10 +144,9 @@ const Q6K_BLOCK: usize = 210;
 /// The slot of each run of four words of a Q6_K super-block (run `r`: bytes `16r..16r + 16`) in a lanes-layout tile:
 /// the order in which the row groups read them ([`kernels::groups::q6k_lanes`]: the group scales, then for each half
 /// and word run its low nibbles, the other low nibbles of its part and its high bits), so that a tile is read front to
-/// back. In the order of the block, the kernel jumped a kilobyte back and forth inside each tile, and one core of a
-/// 2-core Zen 4 EPYC streamed a matrix from memory at 11 GB/s where Q4_K's tiles, read in order, came at 25.5; a
-/// probe reading 64-byte vectors of 3,360-byte tiles in the two orders ran at 10.9 and 26.8 GB/s there
-/// (docs/figures.md, "Q6_K tiles in the order they are read").
+/// back, which the hardware prefetchers follow; in the block's own order the kernel would jump a kilobyte back and
+/// forth inside each tile, and memory would stream at less than half the rate (`benches/probes/tile-order.c`
+/// measures the two orders).
 pub(crate) const Q6K_RUN_SLOTS: [usize; 13] = [1, 4, 2, 5, 7, 10, 8, 11, 3, 6, 9, 12, 0];
 
 /// Where the bytes of row `n`'s super-block (of `block` bytes) go in a lanes-layout tile: `(offset in the block,
@@ -567,44 +563,6 @@ impl<T: GgmlType> Mat<T> {
     }
 }
 
-/// The lanes layout's switches, for all formats and for Q6_K and Q5_0 alone: 0 as `PARSE_CPU_LANES` says, 1 off,
-/// 2 on ([`set_lanes`], [`set_q6k_lanes`], [`set_q5_0_lanes`]).
-static LANES: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-static LANES_Q6K: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-static LANES_Q5_0: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Turns the lanes layout off or on for matrices loaded from now on, whatever `PARSE_CPU_LANES` says (a benchmark
-/// loads the model both ways in one process and alternates them: `engine-bench --ab-lanes`).
-pub fn set_lanes(on: bool) {
-    LANES.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Turns the lanes layout off or on for Q6_K matrices loaded from now on (where [`set_lanes`] leaves it on):
-/// `engine-bench --ab-lanes-q6k` times Q6_K in rows against Q6_K in lanes, Q4_K in lanes on both sides.
-pub fn set_q6k_lanes(on: bool) {
-    LANES_Q6K.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Turns the lanes layout off or on for Q5_0 matrices loaded from now on (where [`set_lanes`] leaves it on):
-/// `engine-bench --ab-lanes-q5-0` times Q5_0 in rows against Q5_0 in lanes, the K-quants alike on both sides.
-pub fn set_q5_0_lanes(on: bool) {
-    LANES_Q5_0.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The formats `PARSE_CPU_LANES` puts in the lanes layout: `off` none; a comma-separated list of `q4k`, `q6k`,
-/// `q5_0` those (`q4k` alone: Q4_K only); unset or anything else every format that has one.
-fn lanes_env(value: &str) -> [bool; 3] {
-    let value = value.trim();
-    if value == "off" {
-        return [false; 3];
-    }
-    let names: Vec<&str> = value.split(',').map(str::trim).collect();
-    if !value.is_empty() && names.iter().all(|n| ["q4k", "q6k", "q5_0"].contains(n)) {
-        return ["q4k", "q6k", "q5_0"].map(|f| names.contains(&f));
-    }
-    [true; 3]
-}
-
 /// Whether a matrix of `format` with `rows` rows takes the lanes layout at load ([`QMatrix::into_fast_cpu_format`]):
 /// Q4_K and Q5_0 wherever the AVX2 or the AVX-512 VNNI kernels are active (Q4_K: the VNNI row groups, on AMX machines
 /// the tiles, or the AVX2 kernel read the one layout; Q5_0: each family reads a layout of its own, [`Q5_0Tiles`]),
@@ -612,32 +570,11 @@ fn lanes_env(value: &str) -> [bool; 3] {
 fn lanes_wanted(format: GgmlDType, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::sync::atomic::Ordering::Relaxed;
-        static ENV: std::sync::OnceLock<[bool; 3]> = std::sync::OnceLock::new();
-        let [q4k, q6k, q5_0] =
-            *ENV.get_or_init(|| lanes_env(&std::env::var("PARSE_CPU_LANES").unwrap_or_default()));
-        // A format's own switch wins, then the switch for all formats, then the environment.
-        let on = |own: Option<&std::sync::atomic::AtomicU8>, env_on: bool| match own
-            .map_or(0, |s| s.load(Relaxed))
-        {
-            1 => false,
-            2 => true,
-            _ => match LANES.load(Relaxed) {
-                1 => false,
-                2 => true,
-                _ => env_on,
-            },
-        };
         let whole_groups = rows > 0 && rows.is_multiple_of(16);
         let simd = kernels::active() >= kernels::Kernels::Avx2;
         match format {
-            GgmlDType::Q4K => on(None, q4k) && whole_groups && simd,
-            GgmlDType::Q6K => {
-                on(Some(&LANES_Q6K), q6k)
-                    && whole_groups
-                    && kernels::active() == kernels::Kernels::Vnni
-            }
-            GgmlDType::Q5_0 => on(Some(&LANES_Q5_0), q5_0) && whole_groups && simd,
+            GgmlDType::Q4K | GgmlDType::Q5_0 => whole_groups && simd,
+            GgmlDType::Q6K => whole_groups && kernels::active() == kernels::Kernels::Vnni,
             _ => false,
         }
     }
@@ -723,53 +660,32 @@ type AmxGroups<T> = unsafe fn(&[T], usize, &kernels::amx::Acts, &mut [f32], usiz
 #[cfg(target_arch = "x86_64")]
 type RowGroups<T> = unsafe fn(&[T], usize, &[&[BlockQ8K]], &mut [f32], usize);
 
-/// Work items per thread of a K-quant row-group matmul ([`set_long_chunks`]).
+/// Work items per thread of a K-quant row-group matmul in long runs ([`long_chunks`]).
 #[cfg(target_arch = "x86_64")]
 const LONG_CHUNKS_PER_THREAD: usize = 2;
 
-/// [`set_long_chunks`]'s switch: until chosen the CPU decides ([`long_chunks`]).
-static LONG_CHUNKS: kernels::Switch = kernels::Switch::unset();
-
-/// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
-/// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off); unset, the
-/// CPU decides (`long_chunks`: its vendor and family). The same bits either way: each output value is one kernel
-/// call's. The row groups read each weight once for every activation row, so no item need fit L2; and each item's
-/// first group starts unprefetched (a kernel prefetches only its own next group), so long runs keep the weights
-/// streaming. `engine-bench --ab-long-chunks` times the two in one process.
-pub fn set_long_chunks(on: bool) {
-    LONG_CHUNKS.set(on);
+#[cfg(all(test, target_arch = "x86_64"))]
+thread_local! {
+    /// The split a test asks of the K-quant matmuls called on its thread, in place of the CPU's.
+    static LONG_CHUNKS_IN_TEST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether the K-quant row-group matmuls take long runs of rows ([`set_long_chunks`]). By default on every CPU but
-/// AMD's before CPU family 25 (Zen, Zen+ and Zen 2), which keep L2-sized items ([`long_chunks_by_cpu`]):
-/// - On a 2-core AMX Xeon, passes alternating in one process (`engine-bench --ab-long-chunks --models target,draft
-///   --context 512`, three runs), long runs made the target's one-token step take 0.980-0.995 of the time and its
-///   blocks of 2, 4 and 8 rows 0.976-0.986, 0.955-0.964 and 0.932-0.963; with the AVX2 kernels forced there
-///   (`PARSE_CPU_KERNELS=avx2`), 0.976-0.989 at 1-8 rows (one run).
-/// - On a 2-core AVX-512 VNNI Zen 4 EPYC (CPU family 25, model 17), the same command (four runs) gave the target's
-///   blocks of 4 and 8 rows 0.926-0.953 and 0.865-0.899, 3 rows 0.932, 16 rows 0.906 and 1.002, one-token steps
-///   0.928-1.017 and 2 rows 0.955-1.042; `target` mode at 8 clients on a local cluster (`parsectl bench -n 24 -c 8
-///   --mode target --max-new-tokens 128`, builds alternating) 62.9-70.6 tok/s against 55.6-61.7, 1.10-1.16x in
-///   three pairs (docs/figures.md, "Long runs of rows on a Zen 4 EPYC").
-/// - On a 2-core AVX2-only Zen 1 EPYC (CPU family 23), it gave the target's blocks of 2, 4 and 8 rows
-///   1.014-1.075, 0.998-1.174 and 0.990-1.094 of the L2-sized items' time over three runs, one-token steps
-///   0.966-1.003: slower in two runs, even in the third (docs/figures.md, "Long runs of rows on a Zen 1 EPYC").
-/// - On a 2-core AVX2-only Zen 2 EPYC (CPU family 23, model 49), the same command (four runs) gave the target's
-///   passes 0.978-1.054 at 1-4 rows, 0.996-1.173 at 8 and 0.954-1.159 at 16, the draft's 0.966-1.033: no gain, and
-///   13-17% slower at 8 and 16 rows in two runs (docs/figures.md, "Issue 15 on a Zen 2 EPYC").
-///
-/// - On a 2-core AVX2-only Zen 3 EPYC (CPU family 25, model 1), the same command (two runs) gave the target's
-///   passes 0.953-1.010 at one row, 0.988-1.003 at 2-4 rows, 1.017-1.118 at 8 and 1.030 at 16, the draft's
-///   0.992-1.072: even within that machine's spread, so it keeps them with Zen 4 (docs/figures.md, "Activations
-///   quantized by AVX2 and shared among the threads").
-///
-/// Zen 5 (family 26) was not measured with long runs; it takes them with Zen 4, the nearest measured design
-/// (`engine-bench --ab-long-chunks` measures it). The draft's Q5_0 row groups keep the
-/// L2-sized items everywhere: on the AMX Xeon they lost 1.5-5% at 1-2 rows with long runs (its matrices are a fifth
-/// of the target's, and two items a thread balance worse).
+/// Whether the K-quant row-group matmuls (Q4_K and Q6_K through the row groups or the AMX tiles) split a matrix into
+/// `LONG_CHUNKS_PER_THREAD` runs of rows per thread (on) or into L2-sized items (`column_chunk`, off), as the CPU
+/// decides ([`long_chunks_by_cpu`]). The same bits either way: each output value is one kernel call's. The row groups
+/// read each weight once for every activation row, so no item need fit L2; and each item's first group starts
+/// unprefetched (a kernel prefetches only its own next group), so long runs keep the weights streaming. AMD CPUs
+/// before family 25 (Zen, Zen+, Zen 2) lose with long runs at blocks of several rows and keep the L2-sized items.
+/// The draft's Q5_0 row groups keep L2-sized items everywhere: its matrices are small, and two items a thread
+/// balance worse. See docs/decisions/kernel-choice.md.
 #[cfg(target_arch = "x86_64")]
 fn long_chunks() -> bool {
-    LONG_CHUNKS.get(long_chunks_by_cpu)
+    #[cfg(test)]
+    if let Some(long) = LONG_CHUNKS_IN_TEST.with(|c| c.get()) {
+        return long;
+    }
+    static BY_CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BY_CPU.get_or_init(long_chunks_by_cpu)
 }
 
 /// [`long_chunks`]'s default on this CPU: off on AMD CPUs before family 25, on elsewhere.
@@ -780,8 +696,8 @@ fn long_chunks_by_cpu() -> bool {
 
 /// Matmul of a block of rows through a kernel of 16 weight rows at a time: `groups(w, rows, dst, stride)` takes
 /// whole 16-row groups of a chunk's columns (`rows`: the activation rows), the panels (the same arithmetic) any
-/// remaining columns. With `long`, each thread takes [`LONG_CHUNKS_PER_THREAD`] runs of rows
-/// ([`set_long_chunks`]); otherwise L2-sized items ([`column_chunk`]).
+/// remaining columns. With `long`, each thread takes [`LONG_CHUNKS_PER_THREAD`] runs of rows ([`long_chunks`]);
+/// otherwise L2-sized items ([`column_chunk`]).
 #[cfg(target_arch = "x86_64")]
 fn matmul_16<T: GgmlType, X: Sync>(
     mat: &Mat<T>,
@@ -984,26 +900,11 @@ const KEPT_BUFFERS: usize = 2;
 /// [`drive`]'s chunk-results buffers, kept for later calls.
 static RESULTS: std::sync::Mutex<Vec<Vec<f32>>> = std::sync::Mutex::new(Vec::new());
 
-/// Switch of [`set_parallel_copy_out`].
-static SERIAL_COPY_OUT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets [`drive`] zero and lay out its chunks' results in the threads that compute them, in a buffer kept from call
-/// to call (`true`, the default), or zero a fresh buffer and lay the results out on the calling thread (`false`, as
-/// before), for benchmarks that time the two in one process (`engine-bench --ab-parallel-copy-out`); the same bits.
-pub fn set_parallel_copy_out(on: bool) {
-    SERIAL_COPY_OUT.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Runs `work(first_column, dst)` over column chunks in parallel and lays the results out row-major in `out`.
 /// `dst` holds the chunk's `cw` columns row-major (`dst[r * cw + (c - first_column)]`, `cw = dst.len() / m`), zeroed,
 /// so each row of a chunk lands in `out` as one contiguous copy. With several rows, the chunks' results go to a
 /// buffer kept from call to call ([`KEPT_RESULTS`]), each chunk zeroing its own part in parallel, and the rows of
-/// `out` are laid out in parallel too. Zeroing a fresh buffer and copying on the calling thread, while the
-/// other threads waited, was 1.4% of the samples of a run of 8-row target passes on a 2-core AVX2-only Zen 3 EPYC;
-/// target passes alternating in one process there (`engine-bench --ab-parallel-copy-out --models target --context
-/// 512`, three runs) took 0.966-0.983 of the time at 8 rows, 0.959-0.983 at 16, 0.975 at 24 and 0.988-0.997 at 2
-/// and 4; one row does not take this path (docs/figures.md, "Activations quantized by AVX2 and shared among the
-/// threads").
+/// `out` are laid out in parallel too, so that no thread waits while the caller zeroes and copies.
 fn drive(
     n: usize,
     m: usize,
@@ -1018,21 +919,8 @@ fn drive(
             .for_each(|(i, dst)| work(i * chunk, dst));
         return;
     }
-    if SERIAL_COPY_OUT.load(std::sync::atomic::Ordering::Relaxed) {
-        let mut t = vec![0f32; n * m];
-        t.par_chunks_mut(chunk * m)
-            .enumerate()
-            .for_each(|(i, dst)| work(i * chunk, dst));
-        for (i, buf) in t.chunks(chunk * m).enumerate() {
-            let (c0, cw) = (i * chunk, buf.len() / m);
-            for (r, row) in buf.chunks(cw).enumerate() {
-                out[r * n + c0..r * n + c0 + cw].copy_from_slice(row);
-            }
-        }
-        return;
-    }
     let (mut t, reused) = if n * m > KEPT_RESULTS {
-        // Too large to keep: zeroed as before (so its chunks need not zero it again), and dropped after.
+        // Too large to keep: zeroed at allocation (so its chunks need not zero it again), and dropped after.
         (vec![0f32; n * m], false)
     } else {
         let mut t = RESULTS
@@ -1425,8 +1313,6 @@ impl QMatrix {
     /// through [`kernels::amx::q4k_lanes`]), a Q4_K matrix of whole 16-row groups takes the lanes layout
     /// ([`to_lanes`]; the same bytes, the same results bit for bit), and so does a Q6_K one where the VNNI kernels
     /// are active without AMX; a Q5_0 one takes its own ([`Q5_0Tiles`]), the layout of the active kernels.
-    /// `PARSE_CPU_LANES=off` keeps the rows, a list of formats (`q4k,q6k`, `q4k`) keeps the others in rows
-    /// (benchmarks compare them in one build).
     ///
     /// The storage, once in its layout, asks for 2 MB pages ([`crate::alloc::huge_pages`]).
     pub fn into_fast_cpu_format(self) -> Self {
@@ -1834,17 +1720,6 @@ mod shard_tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    /// `PARSE_CPU_LANES`: `off`, a list of formats, or everything.
-    #[test]
-    fn the_lanes_switch_reads_off_a_list_or_everything() {
-        assert_eq!(lanes_env("off"), [false; 3]);
-        assert_eq!(lanes_env("q4k"), [true, false, false]);
-        assert_eq!(lanes_env("q4k, q6k"), [true, true, false]);
-        assert_eq!(lanes_env("q5_0"), [false, false, true]);
-        assert_eq!(lanes_env(""), [true; 3]);
-        assert_eq!(lanes_env("on"), [true; 3]);
-    }
-
     /// A Q4_K, Q6_K or Q5_0 matrix in the lanes layout reads, shards and multiplies exactly as the same matrix in
     /// rows.
     #[test]
@@ -1940,7 +1815,7 @@ mod shard_tests {
     }
 
     /// The K-quant row-group matmuls give the same bits in long runs of rows a thread and in L2-sized items
-    /// ([`set_long_chunks`]), in the lanes layout and in rows (a row count that leaves a remainder for the panels).
+    /// ([`long_chunks`]), in the lanes layout and in rows (a row count that leaves a remainder for the panels).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn long_runs_of_rows_compute_what_short_items_do() {
@@ -1959,14 +1834,13 @@ mod shard_tests {
             };
             for m in [1, 3, 8, 20] {
                 let x = random(m * k, 32 + m as u64);
-                let before = LONG_CHUNKS.swap_raw(0);
                 let outs = [true, false, true].map(|long| {
-                    set_long_chunks(long);
+                    LONG_CHUNKS_IN_TEST.with(|c| c.set(Some(long)));
                     let mut out = vec![0f32; m * n];
                     mat.matmul(&x, m, &mut out).unwrap();
                     out.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
                 });
-                LONG_CHUNKS.swap_raw(before);
+                LONG_CHUNKS_IN_TEST.with(|c| c.set(None));
                 assert!(
                     outs[0].iter().any(|&b| b != 0),
                     "{dtype:?}, {m} rows: computed"
@@ -1981,13 +1855,11 @@ mod shard_tests {
     }
 
     /// [`drive`] lays every row of every chunk where it belongs, and what a chunk's work leaves unwritten is zero,
-    /// in a buffer kept from an earlier call (dirty) as in a fresh one, and beyond the size it keeps; as it did
-    /// when it zeroed a fresh buffer and laid the rows out on the calling thread.
+    /// in a buffer kept from an earlier call (dirty) as in a fresh one, and beyond the size it keeps.
     #[test]
     fn drive_lays_out_every_row_and_zeroes_what_the_work_leaves() {
         for (n, m, chunk) in [(1000, 3, 64), (37, 8, 5), (KEPT_RESULTS / 4 + 7, 5, 4096)] {
-            for parallel in [true, true, false] {
-                set_parallel_copy_out(parallel);
+            for call in 0..2 {
                 let mut out = vec![f32::NAN; n * m];
                 let work = |c0: usize, dst: &mut [f32]| {
                     let cw = dst.len() / m;
@@ -2007,27 +1879,20 @@ mod shard_tests {
                     assert_eq!(
                         v.to_bits(),
                         want.to_bits(),
-                        "{n} x {m} by {chunk} (parallel {parallel}): value {i}"
+                        "{n} x {m} by {chunk} (call {call}): value {i}"
                     );
                 }
             }
         }
-        set_parallel_copy_out(true);
         assert!(RESULTS.lock().unwrap().len() <= KEPT_BUFFERS);
     }
 
-    /// The split's switch: unset, the CPU decides (AMD before family 25: L2-sized items, others: long runs); set, it
-    /// holds either way. The split leaves the bits as they are ([`long_runs_of_rows_compute_what_short_items_do`]).
+    /// The split follows the CPU (AMD before family 25: L2-sized items, others: long runs). The split leaves the
+    /// bits as they are ([`long_runs_of_rows_compute_what_short_items_do`]).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn long_runs_follow_the_cpu_until_set() {
-        let before = LONG_CHUNKS.swap_raw(0);
+    fn long_runs_follow_the_cpu() {
         assert_eq!(long_chunks(), long_chunks_by_cpu());
-        set_long_chunks(false);
-        assert!(!long_chunks());
-        set_long_chunks(true);
-        assert!(long_chunks());
-        LONG_CHUNKS.swap_raw(before);
     }
 
     /// Cutting a matrix by rows or by whole blocks of columns computes the same products (rows: bitwise; columns:

@@ -23,14 +23,8 @@ use std::sync::OnceLock;
 use super::*;
 
 /// Blocks with fewer activation rows use the row groups of [`super::groups`] or the panels, whichever is faster
-/// there ([`super::choose`]):
-/// unpacking the weights for the tiles costs about as much as a one-row pass whatever the rows, and a 16-row tile
-/// of fewer rows is mostly padding. Measured on a 2-core AMX machine, `engine-bench --models target --blocks
-/// 8,10,12,14,16 --decode-steps 10 --reps 2`, `PARSE_CPU_KERNELS=vnni` (row groups) against `amx`, alternated twice,
-/// ms with logits at every row: 8 rows 122-123 against 147-149, 10 rows 144-147 against 152-159, 12 rows 151-157
-/// against 160-161, 14 rows 167-174 against 164-172, 16 rows 185-189 against 172-175; 6 rows (panels, the row
-/// groups start at 8) 134-138 against 137. (Before the row groups the tiles took blocks from 6 rows on.)
-/// `PARSE_CPU_AMX_MIN_ROWS` overrides it (benchmarks compare thresholds in one build).
+/// there ([`super::choose`]): unpacking the weights for the tiles costs about as much as a one-row pass whatever the
+/// rows, and a 16-row tile of fewer rows is mostly padding.
 pub const MIN_ROWS: usize = 14;
 
 const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;

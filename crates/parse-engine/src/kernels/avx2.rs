@@ -189,12 +189,10 @@ pub(super) fn hsum_i32(v: __m256i) -> i32 {
 /// unpacked by 64-bit halves (`unpacklo`/`unpackhi_epi64`) so that each i16 lane of both holds values of the same
 /// sub-block (lanes 0..4 of sub-block `s`, 4..8 of `s + 2`, 8..12 of `s + 1`, 12..16 of `s + 3`), and the
 /// activations were laid out the same way once per panel. Each `maddubs` lane is at most 2 x 63 x 128 in magnitude,
-/// so the two add without saturating (32,256 < 32,768); the integers are the definition's. Without `PAIRED` (the
-/// kernel before, kept for `engine-bench --ab-q6k-pairs`) the activations are in their own order and each `maddubs`
-/// takes its own `madd`.
+/// so the two add without saturating (32,256 < 32,768); the integers are the definition's.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn q6k_sums<const R: usize, const N: usize, const PAIRED: bool>(
+fn q6k_sums<const R: usize, const N: usize>(
     wb: &RawQ6K,
     xs: &[&[RawQ8K]; R],
     b: usize,
@@ -267,25 +265,6 @@ fn q6k_sums<const R: usize, const N: usize, const PAIRED: bool>(
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
         ];
-        if !PAIRED {
-            let scale: [__m256i; 4] = std::array::from_fn(|j| {
-                let g = 8 * n + 2 * j;
-                _mm256_set_m128i(
-                    _mm_set1_epi16(wb.scales[g + 1] as i16),
-                    _mm_set1_epi16(wb.scales[g] as i16),
-                )
-            });
-            for r in 0..R {
-                let q8 = xs[r][b].qs.as_ptr();
-                for j in 0..4 {
-                    // SAFETY: qs has 256 bytes; the load spans 128n + 32j .. +32.
-                    let a = unsafe { _mm256_loadu_si256(q8.add(128 * n + 32 * j).cast()) };
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), scale[j]);
-                    sumi[r] = _mm256_add_epi32(sumi[r], p);
-                }
-            }
-            continue;
-        }
         // Sub-blocks 8n..8n+8 as i16 in both halves, then each pair's lanes.
         let sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
         let pairs: [(__m256i, __m256i, __m256i); 2] = std::array::from_fn(|p| {
@@ -355,16 +334,13 @@ fn q6k_offset(sc16: __m256i, bsums: &[i16; 16]) -> __m256i {
 /// `R` activation rows against one Q6_K weight row; each super-block's integer sum is exact.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile<const R: usize, const PAIRED: bool>(
-    w: &[BlockQ6K],
-    xs: &[&[RawQ8K]; R],
-) -> [f32; R] {
+unsafe fn q6k_tile<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
     let w = raw_q6k(w);
     let mut acc = [0f32; R];
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
-        let sumi: [__m256i; R] = q6k_sums::<R, R, PAIRED>(wb, xs, b);
+        let sumi: [__m256i; R] = q6k_sums::<R, R>(wb, xs, b);
         let wd = f16::from_bits(wb.d).to_f32();
         for r in 0..R {
             let xb = &xs[r][b];
@@ -379,16 +355,13 @@ unsafe fn q6k_tile<const R: usize, const PAIRED: bool>(
 /// reduced together ([`sum_rows8`]) and the float chain run with one row per lane, bit for bit [`q6k_dot_scalar`].
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile_rows<const R: usize, const PAIRED: bool>(
-    w: &[BlockQ6K],
-    xs: &[&[RawQ8K]; R],
-) -> [f32; R] {
+unsafe fn q6k_tile_rows<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
     let w = raw_q6k(w);
     let mut acc = _mm256_setzero_ps();
     for (b, wb) in w.iter().enumerate() {
         // SAFETY: scales has 16 bytes.
         let sc16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(wb.scales.as_ptr().cast()) });
-        let mut sumi: [__m256i; 8] = q6k_sums::<R, 8, PAIRED>(wb, xs, b);
+        let mut sumi: [__m256i; 8] = q6k_sums::<R, 8>(wb, xs, b);
         for r in 0..R {
             sumi[r] = _mm256_sub_epi32(sumi[r], q6k_offset(sc16, &xs[r][b].bsums));
         }
@@ -407,33 +380,23 @@ tile_any_fn!(q4k_tile_any, q4k_tile, q4k_tile_rows, "avx2,fma", BlockQ4K);
 /// [`q6k_tile`] or [`q6k_tile_rows`] by `R`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn q6k_tile_any<const R: usize, const PAIRED: bool>(
-    w: &[BlockQ6K],
-    xs: &[&[RawQ8K]; R],
-) -> [f32; R] {
+unsafe fn q6k_tile_any<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
     // SAFETY: the caller's CPU has this function's features, which both tiles need.
     unsafe {
         if R == 1 {
-            q6k_tile::<R, PAIRED>(w, xs)
+            q6k_tile::<R>(w, xs)
         } else {
-            q6k_tile_rows::<R, PAIRED>(w, xs)
+            q6k_tile_rows::<R>(w, xs)
         }
     }
 }
 
-/// The tiles on activation rows in [`q6k_paired`]'s layout, and (the kernel before) in their own order.
+/// The tiles on activation rows in [`q6k_paired`]'s layout.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn q6k_tile_paired<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
     // SAFETY: the caller's CPU has this function's features.
-    unsafe { q6k_tile_any::<R, true>(w, xs) }
-}
-
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn q6k_tile_single<const R: usize>(w: &[BlockQ6K], xs: &[&[RawQ8K]; R]) -> [f32; R] {
-    // SAFETY: as above.
-    unsafe { q6k_tile_any::<R, false>(w, xs) }
+    unsafe { q6k_tile_any::<R>(w, xs) }
 }
 
 /// `R` activation rows against one weight row of a 32-wide format, 8 blocks per step: `unpack` a block's weights once
@@ -560,21 +523,13 @@ panel_fn!(
     BlockQ6K,
     &[RawQ8K]
 );
-panel_fn!(
-    q6k_panel_single,
-    q6k_tile_single,
-    "avx2,fma",
-    BlockQ6K,
-    &[RawQ8K]
-);
 
 thread_local! {
     /// The activation rows of the panel running on this thread, in [`q6k_paired`]'s layout.
     static Q6K_PAIRED: std::cell::RefCell<Vec<RawQ8K>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The Q6_K panel: the activation rows laid out once for the call ([`q6k_paired`]), then the tiles over them (or,
-/// where [`set_paired_q6k`] turned the pairs off, the kernel before on the rows as they are).
+/// The Q6_K panel: the activation rows laid out once for the call ([`q6k_paired`]), then the tiles over them.
 ///
 /// # Safety
 /// As the panels of [`panel_fn`]: the CPU has AVX2 and FMA, `w` holds whole rows of `kb` blocks, every row of `xs`
@@ -587,14 +542,6 @@ pub(super) unsafe fn q6k_panel(
     out: &mut [f32],
     stride: usize,
 ) {
-    if !paired_q6k() {
-        let mut rows: [&[RawQ8K]; TILE_ROWS] = [&[]; TILE_ROWS];
-        for (row, x) in rows.iter_mut().zip(xs) {
-            *row = raw_q8k(x);
-        }
-        // SAFETY: the caller's bounds.
-        return unsafe { q6k_panel_single(w, kb, &rows[..xs.len()], out, stride) };
-    }
     Q6K_PAIRED.with(|buf| {
         let mut buf = buf.borrow_mut();
         q6k_paired(xs, &mut buf);
@@ -1055,12 +1002,9 @@ unsafe fn q4k_rows8<const R: usize, const IN_ORDER: bool>(
 /// registers, over weights the first four brought into cache.
 ///
 /// Chunks of two rows read each sub-block's words in order (an empty `asm!` block per word, which the compiler must
-/// take for a memory access; `set_q4k_two_rows_in_order`). Left to itself the compiler scheduled the two-row
-/// instance unlike the others (in one build: each sub-block's words loaded last to first, their unpacked nibbles
-/// spilled to the stack), and on a 2-core AVX2-only Zen 3 EPYC two activation rows cost more than three: target
-/// passes of two rows, alternated in one process with the order kept, took 0.89-0.94 of the time (draft passes
-/// 0.94-0.99), one, three and four rows unchanged (docs/figures.md, "Two Q4_K rows in order on AVX2"). Reading in
-/// order gained nothing beyond the spread for the other instances, so they keep their schedule.
+/// take for a memory access). Left to itself the compiler schedules the two-row instance unlike the others (each
+/// sub-block's words loaded last to first, their unpacked nibbles spilled to the stack), which makes two activation
+/// rows cost more than three; the other instances keep the compiler's schedule, which is as fast as the order.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` must be whole groups of 16 rows of `kb` super-blocks in the lanes
@@ -1084,7 +1028,6 @@ pub unsafe fn q4k_lanes8(
         .map(|(r, x)| (*x, &pairs[r * kb * 4..(r + 1) * kb * 4]))
         .collect();
     let wp = w.as_ptr().cast::<u8>();
-    let in_order = two_rows_in_order();
     for g in 0..groups {
         let next = wp.wrapping_add((g + 1) * kb * Q4K_TILE16);
         for half in 0..2 {
@@ -1098,18 +1041,13 @@ pub unsafe fn q4k_lanes8(
                 // SAFETY (all): the group's tiles lie in `w` and the rows hold kb super-blocks (the caller's bounds);
                 // `dst` holds 8 values at every r * stride of the chunk.
                 unsafe {
-                    match (chunk, in_order) {
-                        (&[r0], _) => q4k_rows8::<1, false>(base, kb, [r0], prefetch, dst, stride),
-                        (&[r0, r1], false) => {
-                            q4k_rows8::<2, false>(base, kb, [r0, r1], prefetch, dst, stride)
-                        }
-                        (&[r0, r1], true) => {
-                            q4k_rows8::<2, true>(base, kb, [r0, r1], prefetch, dst, stride)
-                        }
-                        (&[r0, r1, r2], _) => {
+                    match *chunk {
+                        [r0] => q4k_rows8::<1, false>(base, kb, [r0], prefetch, dst, stride),
+                        [r0, r1] => q4k_rows8::<2, true>(base, kb, [r0, r1], prefetch, dst, stride),
+                        [r0, r1, r2] => {
                             q4k_rows8::<3, false>(base, kb, [r0, r1, r2], prefetch, dst, stride)
                         }
-                        (&[r0, r1, r2, r3], _) => {
+                        [r0, r1, r2, r3] => {
                             q4k_rows8::<4, false>(base, kb, [r0, r1, r2, r3], prefetch, dst, stride)
                         }
                         _ => unreachable!("chunks of 1..=4 rows"),

@@ -2,26 +2,19 @@
 //! themselves.
 //!
 //! Both kernels compute the same bits (the module contract of [`super`]), so the choice moves time, never tokens.
-//! Which one is faster depends on the CPU, the format and the block's rows: Q4_K row groups won from 4 rows on an
-//! AMX machine and from 8 on one AVX-512 VNNI AMD EPYC, but only from 16 on another (`engine-bench --models target
-//! --blocks 8,12,16,24,32,64`, alternating `PARSE_CPU_ROW_GROUPS=off` and on: 8 rows 85-86 ms on the panels against
-//! 106-112 in the groups, 12 rows 126-129 against 131-134, 16 rows 151-154 against 149-158, 64 rows 596-603 against
-//! 390-397), where Q5_0's groups won from 8 there as well. A fixed threshold is wrong somewhere. So each key
-//! (format, matrix shape, rows) between [`MIN_TRIED`] and [`MAX_TRIED`] rows alternates the two kernels for its
-//! first [`TRIALS`] calls each, then keeps the one whose fastest call was faster; the fastest call, not the mean,
-//! because a first call that faults the weights in or a call that another process slowed tells nothing of the
-//! kernel. Blocks of fewer rows take the panels and blocks of more the groups without timing (at 64 rows the
-//! groups took 0.65x the panels' time on the CPU where they started latest).
-//!
-//! `PARSE_CPU_GROUPS_MIN_ROWS` / `PARSE_CPU_GROUPS32_MIN_ROWS` fix the threshold instead (benchmarks compare
-//! thresholds in one build), and `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels.
+//! Which one is faster depends on the CPU, the format and the block's rows, and the crossing differs from CPU to
+//! CPU by a factor of several rows, so no fixed threshold is right everywhere. Each key (format, matrix shape, rows)
+//! between [`MIN_TRIED`] and [`MAX_TRIED`] rows therefore alternates the two kernels for its first [`TRIALS`] calls
+//! each, then keeps the one whose fastest call was faster: the fastest call, not the mean, because a first call that
+//! faults the weights in or a call that another process slowed tells nothing of the kernel. Blocks of fewer rows take
+//! the panels and blocks of more the groups without timing. See docs/decisions/kernel-choice.md.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
 /// Blocks of fewer rows (one: a one-token step) take the panels untimed; from 2 rows the groups can win on some
-/// matrices (on the AVX-512 EPYC above, `ffn_down` from 4 rows while whole 4-row blocks were a tie).
+/// matrices.
 pub const MIN_TRIED: usize = 2;
 
 /// Blocks of more rows take the row groups untimed.

@@ -60,11 +60,10 @@ unsafe fn words4(base: *const u8, row_bytes: usize, off: usize) -> [__m512i; 4] 
 }
 
 /// Prefetches share `b` of `kb` of the `bytes` bytes at `next` (the next group's weight rows, contiguous) into L2
-/// (into every level on AMD CPUs: [`super::set_prefetch_l1`]), so that they arrive while this group computes. The
-/// hardware prefetchers do not follow 16 short rows at once: on a 2-core AVX-512 VNNI EPYC a 62 MB Q4_K matrix took
-/// about twice as long for 8 activation rows as its weights would in L3 (memory time and compute added up), 1.1-1.3x
-/// with this; requesting all of a group's lines at its start got less than half of that gain (docs/figures.md, "Row
-/// groups that prefetch"), hence the shares spread over its work.
+/// (into every level on AMD CPUs: [`super::prefetch_l1`]), so that they arrive while this group computes. The
+/// hardware prefetchers do not follow 16 short rows at once, so without this memory time and compute add up; the
+/// shares are spread over the group's work because requesting all of a group's lines at its start leaves most of
+/// them arriving late.
 #[inline]
 pub(super) fn prefetch_share(next: *const u8, bytes: usize, b: usize, kb: usize) {
     let (from, to) = (bytes * b / kb, bytes * (b + 1) / kb);
@@ -90,14 +89,9 @@ pub(super) fn next_group(w: *const u8, row_bytes: usize, g: usize) -> (*const u8
     (w.wrapping_add((g + 1) * 16 * row_bytes), 16 * row_bytes)
 }
 
-/// The groups whose successors are prefetched: all but the last, or none where `PARSE_CPU_GROUPS_PREFETCH=off`
-/// (benchmarks compare the two in one build).
+/// The groups whose successors are prefetched: all but the last.
 pub(super) fn prefetched(groups: usize) -> usize {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| {
-        std::env::var("PARSE_CPU_GROUPS_PREFETCH").is_ok_and(|v| v.trim() == "off")
-    });
-    if off { 0 } else { groups.saturating_sub(1) }
+    groups.saturating_sub(1)
 }
 
 /// Per activation row and super-block, the sums of its sub-blocks' Q8_K sums (`bsums[2s] + bsums[2s + 1]`, at most
@@ -270,8 +264,7 @@ unsafe fn q4k_16<const LANES: bool>(
     let ahead = prefetched(groups);
     let wp = w.as_ptr().cast::<u8>();
     let nib = _mm512_set1_epi8(0xF);
-    let interleave = super::interleaved_q4k();
-    let stream = LANES && interleave && super::streamed_q4k(m);
+    let stream = LANES && super::streamed_q4k(m);
     let mut acc = vec![_mm512_setzero_ps(); m];
     let mut acc_m = vec![_mm512_setzero_ps(); m];
     let mut s = vec![_mm512_setzero_si512(); m];
@@ -376,10 +369,8 @@ unsafe fn q4k_16<const LANES: bool>(
                         hi[4 * h + k] = _mm512_and_si512(_mm512_srli_epi32::<4>(qk), nib);
                     }
                 }
-                // Up to four activation rows at once, their chains interleaved ([`q4k_chunk`]); or, where a
-                // benchmark asks ([`super::set_interleaved_q4k`]), one row at a time in one chain per sub-block.
-                let per = if interleave { 4 } else { 1 };
-                let full = if interleave { m / 4 * 4 } else { 0 };
+                // Up to four activation rows at once, their chains interleaved ([`q4k_chunk`]).
+                let full = m / 4 * 4;
                 for r0 in (0..full).step_by(4) {
                     // SAFETY: row r0 + r holds kb blocks, so block b's chunk j (64 bytes at `off`) is inside it.
                     let at = |r: usize| unsafe { xp[r0 + r].add(off) };
@@ -395,16 +386,15 @@ unsafe fn q4k_16<const LANES: bool>(
                         )
                     }
                 }
-                for r0 in (full..m).step_by(per) {
+                for r0 in (full..m).step_by(4) {
                     let at = |r: usize| xs[r0 + r][b].qs[64 * j..].as_ptr();
-                    let s = &mut s[r0..m.min(r0 + per)];
+                    let s = &mut s[r0..m.min(r0 + 4)];
                     // SAFETY: each pointer is 64 bytes of an activation row's qs (64j + 64 <= 256).
                     unsafe {
-                        match (s.len(), interleave) {
-                            (1, false) => q4k_chunk::<1, false>(&lo, &hi, [at(0)], sc, j == 0, s),
-                            (1, _) => q4k_chunk::<1, true>(&lo, &hi, [at(0)], sc, j == 0, s),
-                            (2, _) => q4k_chunk::<2, true>(&lo, &hi, [at(0), at(1)], sc, j == 0, s),
-                            (3, _) => q4k_chunk::<3, false>(
+                        match s.len() {
+                            1 => q4k_chunk::<1, true>(&lo, &hi, [at(0)], sc, j == 0, s),
+                            2 => q4k_chunk::<2, true>(&lo, &hi, [at(0), at(1)], sc, j == 0, s),
+                            3 => q4k_chunk::<3, false>(
                                 &lo,
                                 &hi,
                                 [at(0), at(1), at(2)],
@@ -448,9 +438,9 @@ unsafe fn q4k_16<const LANES: bool>(
 /// 16 weight rows in the lanes (`lo`, `hi`: the unpacked nibbles of sub-blocks `2j` and `2j + 1`): each sub-block's
 /// sum times its scale (`sc`), added into `s[r]` (or stored where `first`). The rows' chains are interleaved, and
 /// where `SPLIT` (one or two rows) each sub-block's sum runs in two chains (even and odd words), so that
-/// `vpdpbusd`'s latency does not set the pace: one chain of eight per sub-block and row, row after row, left the
-/// kernel at well under half the core's `vpdpbusd` rate at 4-8 rows on an AVX-512 VNNI Xeon (docs/figures.md, "Q4_K
-/// chains side by side"). The sums are exact integers, so their grouping leaves the bits as they are.
+/// `vpdpbusd`'s latency does not set the pace (one chain of eight per sub-block and row, row after row, leaves the
+/// kernel well under the core's `vpdpbusd` rate). The sums are exact integers, so their grouping leaves the bits as
+/// they are.
 ///
 /// # Safety
 /// Each `q8[r]` points at 64 readable bytes; `s` has `R` elements.
@@ -471,7 +461,7 @@ unsafe fn q4k_chunk<const R: usize, const SPLIT: bool>(
 /// [`q4k_chunk`] with the 16 rows' words of chunk `j` loaded and unpacked as they are used (`words`: the lanes
 /// layout's 8 words of the chunk, 64 bytes apart) instead of held in 16 registers, for blocks of a few rows, where
 /// the words serve only those rows: the registers go to more chains (four per row at one to three rows, two per row
-/// at four to eight). At most [`super::STREAMED_Q4K_MAX_ROWS`] rows take this (`super::set_streamed_q4k`).
+/// at four to eight). At most [`super::STREAMED_Q4K_MAX_ROWS`] rows take this.
 ///
 /// # Safety
 /// `words` points at 512 readable bytes; each `q8[r]` at 64; `s` has `R` elements.

@@ -77,95 +77,25 @@ struct RawQ8K {
     bsums: [i16; QK_K / 16],
 }
 
-static SERIAL_Q4K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets the VNNI Q4_K row-group kernel take up to four activation rows at once with their chains interleaved
-/// (`true`, the default) or one row at a time, one chain per sub-block, as it did before (`false`), for benchmarks
-/// that time the two in one process (`engine-bench --ab-q4k-chains`); the outputs are the same bits.
-pub fn set_interleaved_q4k(on: bool) {
-    SERIAL_Q4K.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Blocks of at most this many rows take the VNNI Q4_K lanes kernel's words as they use them ([`streamed_q4k`]).
+/// Blocks of at most this many rows take the VNNI Q4_K lanes kernel's words as they use them ([`streamed_q4k`]);
+/// larger blocks hold a chunk's 16 words in registers for every row, which pays once enough rows share them.
 #[cfg(target_arch = "x86_64")]
 const STREAMED_Q4K_MAX_ROWS: usize = 16;
 
-static HELD_Q4K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets the VNNI Q4_K lanes kernel load and unpack each word of 16 weight rows as the block's rows use it (`true`,
-/// the default), for blocks of up to [`STREAMED_Q4K_MAX_ROWS`] rows, or hold a chunk's 16 words in registers for
-/// every row (`false`, as before), for benchmarks that time the two in one process (`engine-bench
-/// --ab-q4k-streamed`, `matmul-bench --ab-q4k-streamed`); the same bits either way.
-pub fn set_streamed_q4k(on: bool) {
-    HELD_Q4K.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether a block of `m` rows takes the streamed words ([`set_streamed_q4k`]).
+/// Whether a block of `m` rows takes the streamed words.
 #[cfg(target_arch = "x86_64")]
 fn streamed_q4k(m: usize) -> bool {
-    m <= STREAMED_Q4K_MAX_ROWS && !HELD_Q4K.load(std::sync::atomic::Ordering::Relaxed)
+    m <= STREAMED_Q4K_MAX_ROWS
 }
 
-/// Whether [`set_interleaved_q4k`] left the interleaved chains on.
-#[cfg(target_arch = "x86_64")]
-fn interleaved_q4k() -> bool {
-    !SERIAL_Q4K.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// A switch that benchmarks set and that, left unset, takes a default the first time it is read (the CPU's vendor,
-/// say) and keeps it: 0 until chosen, 1 off, 2 on.
-pub(crate) struct Switch(AtomicU8);
-
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-impl Switch {
-    pub(crate) const fn unset() -> Self {
-        Switch(AtomicU8::new(0))
-    }
-
-    pub(crate) fn set(&self, on: bool) {
-        self.0.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-    }
-
-    /// Where the switch stands; unset, `default()`'s answer, kept from then on.
-    pub(crate) fn get(&self, default: impl FnOnce() -> bool) -> bool {
-        match self.0.load(Ordering::Relaxed) {
-            0 => {
-                let on = default();
-                self.set(on);
-                on
-            }
-            h => h == 2,
-        }
-    }
-
-    /// The raw state, swapped for `raw` (tests unset a switch and put it back).
-    #[cfg(test)]
-    pub(crate) fn swap_raw(&self, raw: u8) -> u8 {
-        self.0.swap(raw, Ordering::Relaxed)
-    }
-}
-
-/// The row-group kernels' prefetch of the next group's weights ([`groups::prefetch_share`]): until chosen the CPU's
-/// vendor decides; off into L2 (`prefetcht1`), on into every level (`prefetcht0`).
-static PREFETCH_HINT: Switch = Switch::unset();
-
-/// Lets the row-group kernels prefetch the next group's weights into every cache level (`true`, `prefetcht0`) or
-/// into L2 (`false`, `prefetcht1`), for benchmarks that time the two in one process (`engine-bench
-/// --ab-prefetch-l1`); the outputs are the same bits. Unset, AMD CPUs take `prefetcht0` and others `prefetcht1`
-/// ([`prefetch_l1`]).
-pub fn set_prefetch_l1(on: bool) {
-    PREFETCH_HINT.set(on);
-}
-
-/// Whether the row-group kernels prefetch into every cache level ([`set_prefetch_l1`]). By default on AMD CPUs
-/// only: Zen 4 and later take `prefetcht1` into L2 alone, and such prefetches have been reported dropped there at
-/// times (the data left in memory). On a 2-core Zen 5 EPYC, `prefetcht0` made the target's passes 1-8% faster
-/// (one-token steps 2-5%) and the draft's 1-6% in nine of ten comparisons, with the sides timed in either
-/// order (docs/figures.md, "Prefetches into every cache level on AMD"). Intel CPUs keep `prefetcht1`, with which the
-/// kernels were measured there; the AVX2 kernels prefetch with `prefetcht0` everywhere.
+/// Whether the row-group kernels prefetch the next group's weights into every cache level (`prefetcht0`) rather
+/// than into L2 (`prefetcht1`): on AMD CPUs only. Zen 4 and later take `prefetcht1` into L2 alone, and such
+/// prefetches are at times dropped there (the data left in memory); Intel CPUs keep `prefetcht1`. The AVX2 kernels
+/// prefetch with `prefetcht0` everywhere. The hint changes timing only, never a result.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_l1() -> bool {
-    PREFETCH_HINT.get(amd_cpu)
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(amd_cpu)
 }
 
 /// Whether the CPU's vendor string is AMD's.
@@ -190,37 +120,6 @@ pub(crate) fn cpu_family() -> u32 {
     } else {
         base
     }
-}
-
-static SINGLE_Q6K: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets the AVX2 Q6_K panels add two `maddubs` as i16 before each `madd` on activations laid out for it (`true`, the
-/// default) or take a `madd` per `maddubs` on the activations as they are, as they did before (`false`), for
-/// benchmarks that time the two in one process (`engine-bench --ab-q6k-pairs`); the outputs are the same bits.
-pub fn set_paired_q6k(on: bool) {
-    SINGLE_Q6K.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_paired_q6k`] left the pairs on.
-#[cfg(target_arch = "x86_64")]
-fn paired_q6k() -> bool {
-    !SINGLE_Q6K.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-static TWO_ROWS_REORDERED: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
-/// Lets the AVX2 Q4_K lanes kernel take blocks of two activation rows with the words of each sub-block read in
-/// order (`true`, the default) or as the compiler schedules them (`false`, as before), for benchmarks that time the
-/// two in one process (`engine-bench --ab-q4k-in-order`); the outputs are the same bits.
-pub fn set_q4k_two_rows_in_order(on: bool) {
-    TWO_ROWS_REORDERED.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_q4k_two_rows_in_order`] left the order on.
-#[cfg(target_arch = "x86_64")]
-fn two_rows_in_order() -> bool {
-    !TWO_ROWS_REORDERED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 const _: () = assert!(std::mem::size_of::<RawQ4K>() == std::mem::size_of::<BlockQ4K>());
@@ -628,7 +527,7 @@ pub fn active() -> Kernels {
         return k;
     }
     let best = Kernels::best();
-    let chosen = match std::env::var("PARSE_CPU_KERNELS") {
+    let chosen = match std::env::var(parse_core::env::CPU_KERNELS) {
         Ok(v) if !v.trim().is_empty() => match Kernels::parse(&v) {
             Ok(k) if k.supported() => k,
             Ok(k) => {
@@ -653,13 +552,8 @@ pub fn active() -> Kernels {
 
 /// Quantizes `x` (rows of whole 256-value blocks) to Q8_K, the activation format of the K-quant kernels, with
 /// exactly the rounding of candle's `BlockQ8K::from_float` on every variant (AVX-512 where the active variant has
-/// it, AVX2 where it has that; tested equal), blocks of rows shared among the threads. Before, every variant
-/// without AVX-512 quantized with candle's loop, one value at a time, on the thread that called the matmul while the
-/// others waited: on a 2-core AVX2-only Zen 3 EPYC that was 2.1% of the samples of a run of 8-row target passes
-/// (`perf record` on `engine-bench --models target --blocks 8`), the K-quant matmuls' input of every layer. With the
-/// AVX2 quantizer and the sharing, the target's passes alternating in one process (`engine-bench --ab-fast-q8k
-/// --models target --context 512`) took 0.96-0.98 of the time at 2 and 4 rows and 0.91-0.97 at 8 and 16, one-token
-/// steps 0.98-1.01 (docs/figures.md, "Activations quantized by AVX2 and shared among the threads").
+/// it, AVX2 where it has that; tested equal), blocks of rows shared among the threads so that no thread waits on
+/// the caller to quantize every layer's input.
 pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     use rayon::prelude::*;
     // Blocks are quantized one by one, so any split gives the same bits: a block of rows (8 rows of an 8,960-wide
@@ -667,7 +561,7 @@ pub fn quantize_q8k(x: &[f32], out: &mut [BlockQ8K]) {
     const SHARED_FROM: usize = 64;
     const SHARE: usize = 16;
     let x = &x[..QK_K * out.len()];
-    if out.len() >= SHARED_FROM && rayon::current_num_threads() > 1 && fast_q8k() {
+    if out.len() >= SHARED_FROM && rayon::current_num_threads() > 1 {
         out.par_chunks_mut(SHARE)
             .zip(x.par_chunks(QK_K * SHARE))
             .for_each(|(o, x)| quantize_q8k_blocks(x, o));
@@ -689,7 +583,7 @@ fn quantize_q8k_blocks(x: &[f32], out: &mut [BlockQ8K]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if active() >= Kernels::Avx2 && fast_q8k() {
+    if active() >= Kernels::Avx2 {
         #[allow(unsafe_code)]
         // SAFETY: the active variant implies AVX2; `x` holds 256 values for every block of `out` (the caller's).
         unsafe {
@@ -698,21 +592,6 @@ fn quantize_q8k_blocks(x: &[f32], out: &mut [BlockQ8K]) {
         return;
     }
     BlockQ8K::from_float(x, out)
-}
-
-static Q8K_AS_BEFORE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Lets [`quantize_q8k`] take the AVX2 variant's quantizer and share blocks of rows among the threads (`true`, the
-/// default) or quantize on the calling thread with candle's loop one value at a time (`false`, as before; the AVX-512
-/// variants keep their own quantizer either way), for benchmarks that time the two in one process (`engine-bench
-/// --ab-fast-q8k`); the same bits either way.
-pub fn set_fast_q8k(on: bool) {
-    Q8K_AS_BEFORE.store(!on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether [`set_fast_q8k`] left the faster quantization on.
-fn fast_q8k() -> bool {
-    !Q8K_AS_BEFORE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Whether a block of `m` rows goes to the AMX tiles (the active variant is AMX and the block is large enough).
@@ -731,28 +610,20 @@ pub fn use_amx(m: usize) -> bool {
 /// Whether a block of `m` rows of an `n` x `k` Q4_K matrix in the lanes layout goes to the AMX tiles
 /// ([`amx::q4k_lanes`]: `groups` in the pick) or to the row groups ([`groups::q4k_lanes`]: the pick's "panels"):
 /// never without the AMX variant, and with it by timing ([`choose`], under the format `Q4_K lanes: tiles or row
-/// groups`), or from the row count in `PARSE_CPU_AMX_LANES_MIN_ROWS` where it is set. The row groups read the
-/// layout as it lies; the tiles must scale every weight into a B operand first, whatever the rows (0.32-0.35 ms at 4
-/// rows against 0.59-0.60 at 16, below). On a 2-core AMX machine (`matmul-bench --formats q4k --shape 8960x1536 --rows
-/// 2,4,8,12,14,16 --reps 30`, alternating `PARSE_CPU_AMX_LANES_MIN_ROWS=1000` and `=2`) the row groups took
-/// 0.19-0.20 ms at 2 rows against 0.26-0.28, and the tiles 0.42 at 8 against 0.49-0.53, 0.59-0.60 at 16 against
-/// 0.88; the two were even at 5 rows.
+/// groups`). The row groups read the layout as it lies; the tiles must scale every weight into a B operand first,
+/// whatever the rows, so few rows favour the groups and many the tiles, with a crossing that differs by CPU.
 pub fn amx_lanes(n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     #[cfg(target_arch = "x86_64")]
     {
-        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
         if active() != Kernels::Amx {
             return choose::Pick::fixed(false);
         }
-        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_AMX_LANES_MIN_ROWS")) {
-            Some(min) => choose::Pick::fixed(m >= min),
-            None => choose::chooser().pick(choose::Key {
-                format: "Q4_K lanes: tiles or row groups",
-                n,
-                k,
-                m,
-            }),
-        }
+        choose::chooser().pick(choose::Key {
+            format: "Q4_K lanes: tiles or row groups",
+            n,
+            k,
+            m,
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -761,39 +632,22 @@ pub fn amx_lanes(n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     }
 }
 
-/// A row count from the environment variable `name` (benchmarks compare kernel thresholds in one build); `None`
-/// where unset, and where unreadable (logged).
-#[cfg(target_arch = "x86_64")]
-fn rows_from_env(name: &str) -> Option<usize> {
-    let v = std::env::var(name).ok()?;
-    v.trim()
-        .parse::<usize>()
-        .map_err(|e| tracing::warn!(value = %v, "{name}: {e}"))
-        .ok()
-}
-
-/// The fewest rows a block sends to the AMX tiles: [`amx::MIN_ROWS`], or `PARSE_CPU_AMX_MIN_ROWS`.
+/// The fewest rows a block sends to the AMX tiles.
 #[cfg(target_arch = "x86_64")]
 fn amx_min_rows() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| rows_from_env("PARSE_CPU_AMX_MIN_ROWS").unwrap_or(amx::MIN_ROWS))
+    amx::MIN_ROWS
 }
 
 /// The kernel for a block of `m` rows of a Q4_K or Q6_K matrix of `n` rows by `k` columns: the row groups of
 /// [`groups`] or the panels. Only with an AVX-512 VNNI variant active and where the block does not go to the AMX
-/// tiles; then by timing ([`choose`]), or from the row count in `PARSE_CPU_GROUPS_MIN_ROWS` where it is set.
-/// `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks compare the two).
+/// tiles; then by timing ([`choose`]).
 pub fn groups_k(format: &'static str, n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     #[cfg(target_arch = "x86_64")]
     {
-        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        if !row_groups_on() || active() < Kernels::Vnni || use_amx(m) {
+        if active() < Kernels::Vnni || use_amx(m) {
             return choose::Pick::fixed(false);
         }
-        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS_MIN_ROWS")) {
-            Some(min) => choose::Pick::fixed(m >= min),
-            None => choose::chooser().pick(choose::Key { format, n, k, m }),
-        }
+        choose::chooser().pick(choose::Key { format, n, k, m })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -802,27 +656,15 @@ pub fn groups_k(format: &'static str, n: usize, k: usize, m: usize) -> choose::P
     }
 }
 
-/// Whether the row-group switch is on: `PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels (benchmarks
-/// compare the two).
-#[cfg(target_arch = "x86_64")]
-fn row_groups_on() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("PARSE_CPU_ROW_GROUPS").is_ok_and(|v| v.trim() == "off"))
-}
-
 /// The kernel for a block of `m` rows of a Q5_0 or Q8_0 matrix ([`groups::q5_0_groups`], [`groups::q8_0_groups`]
-/// or the panels), as [`groups_k`] chooses, with `PARSE_CPU_GROUPS32_MIN_ROWS` fixing the threshold where set.
+/// or the panels), chosen by timing as [`groups_k`] chooses.
 pub fn groups_32(format: &'static str, n: usize, k: usize, m: usize) -> choose::Pick<'static> {
     #[cfg(target_arch = "x86_64")]
     {
-        static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-        if !row_groups_on() || active() < Kernels::Vnni {
+        if active() < Kernels::Vnni {
             return choose::Pick::fixed(false);
         }
-        match *MIN.get_or_init(|| rows_from_env("PARSE_CPU_GROUPS32_MIN_ROWS")) {
-            Some(min) => choose::Pick::fixed(m >= min),
-            None => choose::chooser().pick(choose::Key { format, n, k, m }),
-        }
+        choose::chooser().pick(choose::Key { format, n, k, m })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -1236,25 +1078,6 @@ mod tests {
             check_block("q4k lanes", &out, stride, m, cols, |r, c| {
                 q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
             });
-            // And the benchmarks' other sides (other tests running meanwhile get the same bits either way): row by
-            // row, one chain per sub-block (`set_interleaved_q4k`), and a chunk's words held in registers at every
-            // row count (`set_streamed_q4k`).
-            for (name, set) in [
-                ("q4k lanes, row by row", set_interleaved_q4k as fn(bool)),
-                ("q4k lanes, words held", set_streamed_q4k),
-            ] {
-                set(false);
-                let mut out = vec![f32::NAN; m * stride];
-                #[allow(unsafe_code)]
-                // SAFETY: as above.
-                unsafe {
-                    groups::q4k_lanes(&lanes, kb, &xs, &mut out, stride)
-                };
-                set(true);
-                check_block(name, &out, stride, m, cols, |r, c| {
-                    q4k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
-                });
-            }
             let mut out = vec![f32::NAN; m * stride];
             #[allow(unsafe_code)]
             // SAFETY: as above.
@@ -1377,8 +1200,7 @@ mod tests {
     }
 
     /// The AVX2 kernel of Q4_K in the lanes layout against the definition, at 1-17 activation rows (whole chunks of
-    /// four and every remainder) with the extremes of [`q4k_extremes`], with two-row chunks read in order and as
-    /// the compiler scheduled them ([`set_q4k_two_rows_in_order`]).
+    /// four and every remainder) with the extremes of [`q4k_extremes`].
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx2_q4k_lanes_kernel_equals_the_scalar_definition_bit_for_bit() {
@@ -1388,11 +1210,7 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(16);
         // Three super-blocks per row, and the default target's six.
-        for ((kb, cols), in_order) in [(3, 48), (6, 32)]
-            .into_iter()
-            .flat_map(|shape| [(shape, true), (shape, false)])
-        {
-            set_q4k_two_rows_in_order(in_order);
+        for (kb, cols) in [(3, 48), (6, 32)] {
             let k = kb * QK_K;
             let mut w = blocks::<BlockQ4K>(&random(&mut rng, cols * k, 1.0));
             q4k_extremes(&mut w, kb);
@@ -1416,7 +1234,6 @@ mod tests {
                 });
             }
         }
-        set_q4k_two_rows_in_order(true);
     }
 
     /// The CPU family read from CPUID is the one the kernel reports (`/proc/cpuinfo`'s `cpu family`), which the
@@ -1441,18 +1258,11 @@ mod tests {
         }
     }
 
-    /// The prefetch hint's switch: unset, the CPU's vendor decides (AMD: every level); set, it holds either way.
-    /// Prefetches leave the bits as they are, so the kernels' equality tests cover both hints alike.
+    /// The prefetch hint follows the CPU's vendor (AMD: every level).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_prefetch_hint_follows_the_vendor_until_set() {
-        let before = PREFETCH_HINT.swap_raw(0);
+    fn the_prefetch_hint_follows_the_vendor() {
         assert_eq!(prefetch_l1(), amd_cpu());
-        set_prefetch_l1(false);
-        assert!(!prefetch_l1());
-        set_prefetch_l1(true);
-        assert!(prefetch_l1());
-        PREFETCH_HINT.swap_raw(before);
     }
 
     /// The AVX2 Q6_K panel (two `maddubs` added as i16 before each `madd`, on activations laid out anew per call)
@@ -1483,17 +1293,13 @@ mod tests {
             }
         }
         let xs: Vec<&[BlockQ8K]> = xq.chunks(kb).collect();
-        // Both sides of the benchmarks' switch (other tests running meanwhile get the same bits either way).
-        for paired in [false, true] {
-            set_paired_q6k(paired);
-            for m in 1..=TILE_ROWS {
-                let stride = cols + 3;
-                let mut out = vec![f32::NAN; m * stride];
-                q6k_panel(Kernels::Avx2, &w, kb, &xs[..m], &mut out, stride);
-                check_block("q6k avx2", &out, stride, m, cols, |r, c| {
-                    q6k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
-                });
-            }
+        for m in 1..=TILE_ROWS {
+            let stride = cols + 3;
+            let mut out = vec![f32::NAN; m * stride];
+            q6k_panel(Kernels::Avx2, &w, kb, &xs[..m], &mut out, stride);
+            check_block("q6k avx2", &out, stride, m, cols, |r, c| {
+                q6k_dot_scalar(&w[c * kb..(c + 1) * kb], xs[r])
+            });
         }
     }
 
