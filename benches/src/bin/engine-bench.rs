@@ -38,6 +38,12 @@ struct Args {
     /// Write the JSON report here as well.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// Write the run as a result record (`parse-record/1`) here.
+    #[arg(long)]
+    record: Option<std::path::PathBuf>,
+    /// Mark the record's decode and 64-row block cells for the README's table.
+    #[arg(long, requires = "record")]
+    headline: bool,
     /// llama.cpp's `llama-bench` binary: measure it on the same files in the same run and print the ratios.
     #[arg(long)]
     llama_bench: Option<std::path::PathBuf>,
@@ -49,248 +55,10 @@ struct Args {
     /// Repetitions for llama-bench.
     #[arg(long, default_value_t = 3)]
     llama_reps: usize,
-    /// Instead of the report: load each model twice in this process, its Q4_K matrices in rows and in the lanes
-    /// layout (`quant::set_lanes`), and time the two pass by pass, alternating, so that the machine's drift falls
-    /// on both alike (one-token steps, then each of `--blocks` with logits at every row, `--reps` pairs each).
-    #[arg(long)]
-    ab_lanes: bool,
-    /// Instead of the report: as `--ab-lanes`, with Q4_K in the lanes layout on both sides and only the Q6_K
-    /// matrices in rows on one side and in lanes on the other (`quant::set_q6k_lanes`).
-    #[arg(long)]
-    ab_lanes_q6k: bool,
-    /// Instead of the report: as `--ab-lanes`, with the K-quants in the lanes layout on both sides and only the Q5_0
-    /// matrices (the draft's) in rows on one side and in lanes on the other (`quant::set_q5_0_lanes`).
-    #[arg(long)]
-    ab_lanes_q5_0: bool,
-    /// Instead of the report: time each model's passes without and with the attention's AVX-512 path, alternating
-    /// pass by pass in one process (`ops::set_wide_attention`; the same bits either way): one-token steps, then each
-    /// of `--blocks` with logits at every row, `--reps` pairs each, after `--context` tokens
-    #[arg(long)]
-    ab_attention: bool,
-    /// Instead of the report: time each model's passes with the attention's path without AVX-512 taking each row of
-    /// a block alone, key by key, and taking the rows together with keys scored 8 at a time, alternating pass by pass
-    /// in one process (`ops::set_rows_together`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_attention_rows: bool,
-    /// Instead of the report: time each model's passes with the attention's AVX-512 path reading its key and value
-    /// rows as it comes to them and prefetching them ahead, alternating pass by pass in one process
-    /// (`ops::set_attention_prefetch`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_attention_prefetch: bool,
-    /// Instead of the report: time each model's passes with the VNNI Q4_K kernel taking one activation row at a
-    /// time (one chain per sub-block) and up to four with their chains interleaved, alternating pass by pass in one
-    /// process (`kernels::set_interleaved_q4k`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_q4k_chains: bool,
-    /// Instead of the report: time each model's passes with the VNNI Q4_K lanes kernel holding a chunk's 16 words
-    /// in registers for every row and loading each as the rows use it (blocks of up to 16 rows), alternating pass by
-    /// pass in one process (`kernels::set_streamed_q4k`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_q4k_streamed: bool,
-    /// Instead of the report: time each model's passes with the row-group kernels prefetching the next group's
-    /// weights into L2 (`prefetcht1`) and into every level (`prefetcht0`), alternating pass by pass in one process
-    /// (`kernels::set_prefetch_l1`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_prefetch_l1: bool,
-    /// Instead of the report: time each model's passes with the K-quant (Q4_K, Q6_K) row-group matmuls split into
-    /// L2-sized items and into two runs of rows per thread, alternating pass by pass in one process
-    /// (`quant::set_long_chunks`; the same bits either way; Q5_0 and Q8_0 keep the L2-sized items on both sides), as
-    /// `--ab-attention` does
-    #[arg(long)]
-    ab_long_chunks: bool,
-    /// Instead of the report: time each model's passes with the AVX2 Q6_K panels taking a `madd` per `maddubs` and
-    /// adding two `maddubs` as i16 before each `madd` (on activations laid out for it), alternating pass by pass in
-    /// one process (`kernels::set_paired_q6k`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_q6k_pairs: bool,
-    /// Instead of the report: time each model's passes with the weighted sums of attention's path without AVX-512
-    /// taking each (row, head) over all its keys in one pass and going by runs of keys, every (row, head) over a
-    /// run's values before the next, alternating pass by pass in one process (`ops::set_values_by_runs`; the same
-    /// bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_values_by_runs: bool,
-    /// Instead of the report: time each model's passes with the AVX2 Q4_K lanes kernel's two-row blocks scheduled
-    /// as the compiler chose and with each sub-block's words read in order, alternating pass by pass in one process
-    /// (`kernels::set_q4k_two_rows_in_order`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_q4k_in_order: bool,
-    /// Instead of the report: time each model's passes with the activations quantized to Q8_K as before (on the
-    /// calling thread; by candle's loop one value at a time without AVX-512) and as now (blocks of rows shared among
-    /// the threads; the AVX2 variant's quantizer 8 values at a time), alternating pass by pass in one process
-    /// (`kernels::set_fast_q8k`; the same bits either way), as `--ab-attention` does
-    #[arg(long)]
-    ab_fast_q8k: bool,
-    /// Instead of the report: time each model's passes with the matmuls' chunk results of several rows zeroed in a
-    /// fresh buffer and laid out on the calling thread, and zeroed and laid out by the threads in a buffer kept
-    /// between calls, alternating pass by pass in one process (`quant::set_parallel_copy_out`; the same bits either
-    /// way), as `--ab-attention` does
-    #[arg(long)]
-    ab_parallel_copy_out: bool,
-    /// Instead of the report: load each model twice in this process, its weights on 4 KB pages and on 2 MB pages
-    /// (`alloc::set_huge_pages`), and time the two pass by pass, alternating, as `--ab-lanes` does
-    #[arg(long)]
-    ab_huge_pages: bool,
     /// Also time packed passes of n sessions, each holding `--context` tokens and bringing one decode row (the
-    /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows; with an
-    /// `--ab-*` switch of one model's engine, such passes with the switch off and on, alternating.
+    /// workers' continuous batching at n requests in `target` mode), beside one session's block of n rows.
     #[arg(long, value_delimiter = ',')]
     sessions: Vec<usize>,
-}
-
-/// A default model loaded for an A/B run, with `--context` tokens in a session "bench": (engine, those tokens, the
-/// session's length after them).
-fn loaded(name: &str, args: &Args) -> Result<(Engine, Vec<u32>, usize)> {
-    let path = model_dir().join(file_for(name)?);
-    let mut e = Engine::load(&config_for(name, &path))
-        .with_context(|| format!("loading {}", path.display()))?;
-    let ctx = context_tokens(&e, args.context)?;
-    e.open_session("bench")?;
-    e.forward_causal("bench", &ctx, &[ctx.len() - 1])?;
-    let base = e.session_len("bench")?;
-    Ok((e, ctx, base))
-}
-
-/// Medians (ms) of blocks of `n` rows (logits at every row) on two sides, 0 and 1 (`side(j)` sets side `j` up and
-/// returns the index of the engine it runs on), alternating pass by pass, which goes first alternating too, after
-/// untimed first passes (the kernel choice's trials, `kernels::choose`, and the caches); `--reps` pairs.
-fn ab_medians(
-    args: &Args,
-    n: usize,
-    mut side: impl FnMut(usize) -> usize,
-    engines: &mut [(Engine, Vec<u32>, usize)],
-) -> Result<[f64; 2]> {
-    let mut ms = [Vec::new(), Vec::new()];
-    for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
-        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-        for j in order {
-            let (e, ctx, base) = &mut engines[side(j)];
-            let tokens: Vec<u32> = (0..n).map(|t| ctx[(t * 7 + i) % ctx.len()]).collect();
-            let all: Vec<usize> = (0..n).collect();
-            let t = Instant::now();
-            e.forward_causal("bench", &tokens, &all)?;
-            if i >= 2 * choose::TRIALS as usize {
-                ms[j].push(t.elapsed().as_secs_f64() * 1e3);
-            }
-            e.truncate("bench", *base)?;
-        }
-    }
-    Ok(ms.map(median))
-}
-
-/// One-token steps, then each of `--blocks`.
-fn ab_sizes(args: &Args) -> Vec<usize> {
-    let mut sizes = vec![1];
-    sizes.extend(args.blocks.iter().copied().filter(|&n| n > 1));
-    sizes
-}
-
-/// Which matrices `--ab-lanes` and its variants switch between rows and lanes.
-#[derive(Clone, Copy)]
-enum LanesAb {
-    All,
-    Q6K,
-    Q5_0,
-}
-
-/// `--ab-lanes`, `--ab-lanes-q6k` or `--ab-lanes-q5-0`: medians of alternating passes of the same model loaded with
-/// and without the lanes layout (for every format, or for Q6_K or Q5_0 only).
-fn ab_lanes(name: &str, args: &Args, which: LanesAb) -> Result<()> {
-    let mut engines = Vec::new();
-    for on in [false, true] {
-        match which {
-            LanesAb::All => parse_engine::quant::set_lanes(on),
-            LanesAb::Q6K => {
-                parse_engine::quant::set_lanes(true);
-                parse_engine::quant::set_q6k_lanes(on);
-            }
-            LanesAb::Q5_0 => {
-                parse_engine::quant::set_lanes(true);
-                parse_engine::quant::set_q5_0_lanes(on);
-            }
-        }
-        engines.push(loaded(name, args)?);
-    }
-    let which = match which {
-        LanesAb::All => "rows",
-        LanesAb::Q6K => "Q6_K in rows",
-        LanesAb::Q5_0 => "Q5_0 in rows",
-    };
-    println!(
-        "\n### {name}: {which} against the lanes layout, alternating pass by pass (median ms)\n"
-    );
-    println!("| block | rows | lanes | lanes / rows |");
-    println!("|---:|---:|---:|---:|");
-    for n in ab_sizes(args) {
-        let [rows, lanes] = ab_medians(args, n, |j| j, &mut engines)?;
-        println!("| {n} | {rows:.1} | {lanes:.1} | {:.3} |", lanes / rows);
-    }
-    Ok(())
-}
-
-/// Medians of alternating passes of one model with a switch of the engine off and on (`set`; the same bits either
-/// way): `what` heads the table, `sides` names the two columns.
-fn ab_switch(name: &str, args: &Args, what: &str, sides: [&str; 2], set: fn(bool)) -> Result<()> {
-    let mut engines = vec![loaded(name, args)?];
-    println!(
-        "\n### {name}: {what}, alternating pass by pass (median ms, context {})\n",
-        args.context
-    );
-    let [off, on] = sides;
-    println!("| block | {off} | {on} | {on} / {off} |");
-    println!("|---:|---:|---:|---:|");
-    for n in ab_sizes(args) {
-        let side = |j: usize| {
-            set(j == 1);
-            0
-        };
-        let medians = ab_medians(args, n, side, &mut engines);
-        set(true);
-        let [a, b] = medians?;
-        println!("| {n} | {a:.1} | {b:.1} | {:.3} |", b / a);
-    }
-    if !args.sessions.is_empty() {
-        println!("\n| sessions, one row each | {off} | {on} | {on} / {off} |");
-        println!("|---:|---:|---:|---:|");
-    }
-    for &n in &args.sessions {
-        let medians = ab_packed_medians(args, n, set, &mut engines[0]);
-        set(true);
-        let [a, b] = medians?;
-        println!("| {n} | {a:.1} | {b:.1} | {:.3} |", b / a);
-    }
-    Ok(())
-}
-
-/// Medians (ms) of packed passes of `n` sessions, each holding the `--context` tokens and bringing one decode row
-/// (as `--sessions` times them), with `set(false)` and `set(true)`, alternating pass by pass as [`ab_medians`] does.
-fn ab_packed_medians(
-    args: &Args,
-    n: usize,
-    set: fn(bool),
-    (e, ctx, base): &mut (Engine, Vec<u32>, usize),
-) -> Result<[f64; 2]> {
-    let step = open_packed(e, ctx, *base, n)?;
-    let mut ms = [Vec::new(), Vec::new()];
-    for i in 0..2 * choose::TRIALS as usize + 2 * args.reps {
-        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-        for j in order {
-            set(j == 1);
-            let t = Instant::now();
-            for r in e.forward_batch(&step) {
-                r?;
-            }
-            if i >= 2 * choose::TRIALS as usize {
-                ms[j].push(t.elapsed().as_secs_f64() * 1e3);
-            }
-            for b in &step {
-                e.truncate(&b.session, *base)?;
-            }
-        }
-    }
-    for b in &step {
-        e.release(&b.session)?;
-    }
-    Ok(ms.map(median))
 }
 
 /// Opens `n` sessions "packed-i", each holding the `--context` tokens `ctx` (`base` long), and returns a packed
@@ -309,170 +77,6 @@ fn open_packed(e: &mut Engine, ctx: &[u32], base: usize, n: usize) -> Result<Vec
         ));
     }
     Ok(step)
-}
-
-/// `--ab-attention`: one model's passes with and without the attention's AVX-512 path (`ops::set_wide_attention`).
-fn ab_attention(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "attention without and with its AVX-512 path",
-        ["without", "with"],
-        parse_engine::ops::set_wide_attention,
-    )
-}
-
-/// `--ab-attention-rows`: one model's passes with the attention's rows alone and together
-/// (`ops::set_rows_together`).
-fn ab_attention_rows(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "attention without AVX-512, rows alone and together",
-        ["alone", "together"],
-        parse_engine::ops::set_rows_together,
-    )
-}
-
-/// `--ab-attention-prefetch`: one model's passes with the attention's AVX-512 path prefetching its rows or not
-/// (`ops::set_attention_prefetch`).
-fn ab_attention_prefetch(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "attention's AVX-512 path without and with prefetches",
-        ["without", "with"],
-        parse_engine::ops::set_attention_prefetch,
-    )
-}
-
-/// `--ab-q4k-chains`: one model's passes with the VNNI Q4_K kernel's rows one at a time and interleaved up to four
-/// (`kernels::set_interleaved_q4k`).
-fn ab_q4k_chains(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "Q4_K rows one at a time and interleaved",
-        ["one at a time", "interleaved"],
-        parse_engine::kernels::set_interleaved_q4k,
-    )
-}
-
-/// `--ab-q4k-streamed`: one model's passes with the VNNI Q4_K lanes kernel's words held in registers and streamed
-/// (`kernels::set_streamed_q4k`).
-fn ab_q4k_streamed(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "Q4_K words held in registers and streamed",
-        ["held", "streamed"],
-        parse_engine::kernels::set_streamed_q4k,
-    )
-}
-
-/// `--ab-prefetch-l1`: one model's passes with the row groups' prefetches into L2 and into every level
-/// (`kernels::set_prefetch_l1`).
-fn ab_prefetch_l1(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "row-group prefetches into L2 and into L1",
-        ["prefetcht1", "prefetcht0"],
-        parse_engine::kernels::set_prefetch_l1,
-    )
-}
-
-/// `--ab-long-chunks`: one model's passes with the K-quant row-group matmuls in L2-sized items and in long runs of
-/// rows (`quant::set_long_chunks`).
-fn ab_long_chunks(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "K-quant row-group matmuls in L2-sized items and in two runs a thread",
-        ["L2-sized", "long runs"],
-        parse_engine::quant::set_long_chunks,
-    )
-}
-
-/// `--ab-q6k-pairs`: one model's passes with the AVX2 Q6_K panels' products one `madd` each and in pairs
-/// (`kernels::set_paired_q6k`).
-fn ab_q6k_pairs(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "Q6_K products one madd each and in pairs",
-        ["one each", "pairs"],
-        parse_engine::kernels::set_paired_q6k,
-    )
-}
-
-/// `--ab-values-by-runs`: one model's passes with attention's weighted sums (without AVX-512) in one pass per (row,
-/// head) and by runs of keys (`ops::set_values_by_runs`).
-fn ab_values_by_runs(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "attention's weighted sums without AVX-512 in one pass per (row, head) and by runs of keys",
-        ["one pass", "by runs"],
-        parse_engine::ops::set_values_by_runs,
-    )
-}
-
-/// `--ab-q4k-in-order`: one model's passes with the AVX2 Q4_K lanes kernel's two-row blocks as the compiler scheduled
-/// them and with each sub-block's words read in order (`kernels::set_q4k_two_rows_in_order`).
-fn ab_q4k_in_order(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "Q4_K two-row blocks as scheduled and in order",
-        ["as scheduled", "in order"],
-        parse_engine::kernels::set_q4k_two_rows_in_order,
-    )
-}
-
-/// `--ab-fast-q8k`: one model's passes with the activations quantized to Q8_K as before and as now
-/// (`kernels::set_fast_q8k`).
-fn ab_fast_q8k(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "Q8_K activations quantized as before and shared among the threads, by AVX2 where that is the variant",
-        ["before", "now"],
-        parse_engine::kernels::set_fast_q8k,
-    )
-}
-
-/// `--ab-parallel-copy-out`: one model's passes with the matmuls' results laid out on the calling thread and by the
-/// threads (`quant::set_parallel_copy_out`).
-fn ab_parallel_copy_out(name: &str, args: &Args) -> Result<()> {
-    ab_switch(
-        name,
-        args,
-        "matmul results laid out on the calling thread and by the threads",
-        ["calling thread", "threads"],
-        parse_engine::quant::set_parallel_copy_out,
-    )
-}
-
-/// `--ab-huge-pages`: medians of alternating passes of the same model loaded with its weights on 4 KB pages and on
-/// 2 MB pages (`alloc::set_huge_pages`; the same bits either way).
-fn ab_huge_pages(name: &str, args: &Args) -> Result<()> {
-    let mut engines = Vec::new();
-    for on in [false, true] {
-        parse_engine::alloc::set_huge_pages(on);
-        engines.push(loaded(name, args)?);
-    }
-    println!(
-        "\n### {name}: weights on 4 KB pages and on 2 MB pages, alternating pass by pass (median ms, context {})\n",
-        args.context
-    );
-    println!("| block | 4 KB pages | 2 MB pages | 2 MB / 4 KB |");
-    println!("|---:|---:|---:|---:|");
-    for n in ab_sizes(args) {
-        let [small, huge] = ab_medians(args, n, |j| j, &mut engines)?;
-        println!("| {n} | {small:.1} | {huge:.1} | {:.3} |", huge / small);
-    }
-    Ok(())
 }
 
 /// llama.cpp's figures for one model: decode tok/s (`tg32` after `context` tokens) and 64-token prompt tok/s
@@ -773,97 +377,6 @@ fn agreement(n: usize) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if args.ab_lanes || args.ab_lanes_q6k || args.ab_lanes_q5_0 {
-        let which = if args.ab_lanes_q6k {
-            LanesAb::Q6K
-        } else if args.ab_lanes_q5_0 {
-            LanesAb::Q5_0
-        } else {
-            LanesAb::All
-        };
-        for m in &args.models {
-            ab_lanes(m, &args, which)?;
-        }
-        return Ok(());
-    }
-    if args.ab_attention {
-        for m in &args.models {
-            ab_attention(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_attention_rows {
-        for m in &args.models {
-            ab_attention_rows(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_attention_prefetch {
-        for m in &args.models {
-            ab_attention_prefetch(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_huge_pages {
-        for m in &args.models {
-            ab_huge_pages(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_q4k_streamed {
-        for m in &args.models {
-            ab_q4k_streamed(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_q4k_chains {
-        for m in &args.models {
-            ab_q4k_chains(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_prefetch_l1 {
-        for m in &args.models {
-            ab_prefetch_l1(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_long_chunks {
-        for m in &args.models {
-            ab_long_chunks(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_q6k_pairs {
-        for m in &args.models {
-            ab_q6k_pairs(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_values_by_runs {
-        for m in &args.models {
-            ab_values_by_runs(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_q4k_in_order {
-        for m in &args.models {
-            ab_q4k_in_order(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_fast_q8k {
-        for m in &args.models {
-            ab_fast_q8k(m, &args)?;
-        }
-        return Ok(());
-    }
-    if args.ab_parallel_copy_out {
-        for m in &args.models {
-            ab_parallel_copy_out(m, &args)?;
-        }
-        return Ok(());
-    }
     let mut reports = Vec::new();
     for m in &args.models {
         let r = bench_model(m, &args)?;
@@ -996,5 +509,74 @@ fn main() -> Result<()> {
     if let Some(out) = &args.out {
         std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
     }
+    if let Some(path) = &args.record {
+        result_record(&args, &report).write(path)?;
+    }
     Ok(())
+}
+
+/// The run as a result record: per model, the decode step, each block and each packed pass as cells, and llama.cpp's
+/// figures beside ours where it ran. The kernels compute the same bits at every block size and in every pass
+/// (batch invariance, tested), so the cells carry no quality of their own.
+fn result_record(args: &Args, report: &serde_json::Value) -> parse_record::Record {
+    use parse_record::Cell;
+    let mut record = parse_record::Record::new(
+        "engine-bench",
+        format!(
+            "Engine passes after {} tokens of context, kernels {}",
+            args.context,
+            report["kernels"].as_str().unwrap_or_default()
+        ),
+        json!({
+            "models": args.models, "context": args.context, "reps": args.reps, "blocks": args.blocks,
+            "sessions": args.sessions, "decode_steps": args.decode_steps, "kernels": report["kernels"],
+        }),
+    );
+    for m in report["models"].as_array().into_iter().flatten() {
+        let name = m["model"].as_str().unwrap_or_default();
+        let decode_ms = m["decode_ms_per_token"].as_f64().unwrap_or(f64::NAN);
+        let mut decode = Cell::new(format!("{name}: one-token decode step"))
+            .figure("ms", decode_ms)
+            .figure("tokens_per_s", m["decode_tokens_per_s"].clone());
+        if let Some(l) = m["llama_cpp"]["decode_tokens_per_s"].as_f64() {
+            decode = decode
+                .figure("llama_cpp_tokens_per_s", l)
+                .figure("x_llama_cpp", 1e3 / decode_ms / l);
+        }
+        if args.headline {
+            decode = decode.headline();
+        }
+        record.push(decode);
+        for b in m["blocks"].as_array().into_iter().flatten() {
+            let n = b["tokens"].as_u64().unwrap_or(0);
+            let ms = b["ms_readout_all"].as_f64().unwrap_or(f64::NAN);
+            let mut cell = Cell::new(format!("{name}: block of {n} rows, logits at every row"))
+                .figure("ms", ms)
+                .figure("x_decode_step", ms / decode_ms)
+                .figure("tokens_per_s", n as f64 * 1e3 / ms);
+            if n == 64 {
+                if let Some(l) = m["llama_cpp"]["pp64_tokens_per_s"].as_f64() {
+                    cell = cell
+                        .figure("llama_cpp_tokens_per_s", l)
+                        .figure("x_llama_cpp", 64e3 / ms / l);
+                }
+                if args.headline {
+                    cell = cell.headline();
+                }
+            }
+            record.push(cell);
+        }
+        for p in m["packed"].as_array().into_iter().flatten() {
+            let ms = p["ms"].as_f64().unwrap_or(f64::NAN);
+            record.push(
+                Cell::new(format!(
+                    "{name}: packed pass of {} sessions, one row each",
+                    p["sessions"]
+                ))
+                .figure("ms", ms)
+                .figure("x_decode_step", p["vs_decode"].clone()),
+            );
+        }
+    }
+    record
 }
