@@ -14,15 +14,13 @@ use parse_target_worker::{TargetWorker, TargetWorkerConfig};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
-pub fn shared_dir() -> PathBuf {
-    match std::env::var_os("PARSE_SHARED_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"),
-    }
+/// The reference Qwen2.5 tokenizer kept in the repository (`assets/tokenizer`).
+pub fn tokenizer_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/qwen2.5-tokenizer.json")
 }
 
 pub fn tokenizer() -> Tokenizer {
-    let p = shared_dir().join("models/qwen2.5-tokenizer.json");
+    let p = tokenizer_path();
     Tokenizer::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 

@@ -9,8 +9,6 @@ common words (about one token each), seeded. Prints one JSON line.
                                                                     # its 16 tokens, in seconds
     benches/scripts/long-prompt-latency.py entry --tokens 4000      # the default mode, 4 new tokens: time, output,
                                                                     # and the draft worker's prefill rows (catching up)
-
-docs/figures.md, "Long prompts", has what these measured on a 2-core Zen 4 EPYC.
 """
 
 import argparse

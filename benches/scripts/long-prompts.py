@@ -12,12 +12,14 @@ tokens with the chat layout. Needs `pip install tokenizers`.
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
 from tokenizers import Tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+EVAL = pathlib.Path(os.environ.get("PARSE_EVAL_DIR") or pathlib.Path.home() / ".cache" / "parse" / "eval")
 INSTRUCTION = (
     "Write a detailed report on the following news article: what happened, who is involved, and what may follow. "
     "Article: "
@@ -26,8 +28,8 @@ INSTRUCTION = (
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--eval", default=str(REPO.parent / "shared" / "eval" / "xsum-dev.jsonl"))
-    ap.add_argument("--tokenizer", default=str(REPO.parent / "shared" / "models" / "qwen2.5-tokenizer.json"))
+    ap.add_argument("--eval", default=str(EVAL / "xsum-dev.jsonl"))
+    ap.add_argument("--tokenizer", default=str(REPO / "assets" / "tokenizer" / "qwen2.5-tokenizer.json"))
     ap.add_argument("--n", type=int, default=24, help="prompts to write")
     ap.add_argument("--min-tokens", type=int, default=220)
     ap.add_argument("--max-tokens", type=int, default=380)

@@ -5,7 +5,7 @@ with a verification of r rows costing 1 + c * (r - 1) one-token steps, for sever
 lengths k. Prints the speed-up over the target alone (steps / speculative cost) for each, then how often the
 lookup's next token is the target's, by the size of the longest match (1 to 8 tokens) at each output position:
 the figures behind `CopyFirst`'s 5-token minimum. Needs `pip install tokenizers`; the prompt is rebuilt from
-shared/eval the way parse-bench builds it (XSum, HumanEval, ASDiv), inside a Qwen chat layout (the system line does
+the fetched development prompts (deploy/eval/fetch.py) the way parse-bench builds it (XSum, HumanEval, ASDiv), inside a Qwen chat layout (the system line does
 not change what matches in the prompt).
 
     benches/scripts/ngram-replay.py RUN_DIR [--suite xsum] [--n 20] [--row-cost 0.35]
@@ -23,12 +23,13 @@ and pauses: how far the run's rounds and pauses were from the best fixed rule at
 
 import argparse
 import json
+import os
 import pathlib
 
 from tokenizers import Tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
+EVAL = pathlib.Path(os.environ.get("PARSE_EVAL_DIR") or pathlib.Path.home() / ".cache" / "parse" / "eval")
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")
@@ -44,8 +45,8 @@ for c in args.row_cost:
     if not 0.0 <= c < float("inf"):
         ap.error(f"--row-cost {c}: a row's cost is a finite number of steps, 0 or more")
 
-tok = Tokenizer.from_file(str(SHARED / "models" / "qwen2.5-tokenizer.json"))
-recs = [json.loads(line) for line in open(SHARED / "eval" / f"{args.suite}-dev.jsonl") if line.strip()][: args.n]
+tok = Tokenizer.from_file(str(REPO / "assets" / "tokenizer" / "qwen2.5-tokenizer.json"))
+recs = [json.loads(line) for line in open(EVAL / f"{args.suite}-dev.jsonl") if line.strip()][: args.n]
 
 
 def user_text(r):

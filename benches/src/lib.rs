@@ -6,7 +6,7 @@ pub mod plot;
 
 /// The model cache directory: `$PARSE_MODEL_DIR`, else `~/.cache/parse/models`.
 pub fn model_dir() -> PathBuf {
-    match std::env::var_os("PARSE_MODEL_DIR") {
+    match std::env::var_os(parse_core::env::MODEL_DIR) {
         Some(d) => PathBuf::from(d),
         None => {
             PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/parse/models")
@@ -14,11 +14,37 @@ pub fn model_dir() -> PathBuf {
     }
 }
 
-/// The prompts of the first `n` HumanEval development records (`shared/eval/humaneval-dev.jsonl`).
+/// The development prompts' cache (`deploy/eval/fetch.py` fills it): `$PARSE_EVAL_DIR`, else `~/.cache/parse/eval`.
+pub fn eval_dir() -> PathBuf {
+    match std::env::var_os(parse_core::env::EVAL_DIR) {
+        Some(d) => PathBuf::from(d),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/parse/eval")
+        }
+    }
+}
+
+/// A suite's development prompts (`<suite>-dev.jsonl` in [`eval_dir`]); the error says how to fetch them.
+pub fn eval_file(suite: &str) -> anyhow::Result<PathBuf> {
+    let path = eval_dir().join(format!("{suite}-dev.jsonl"));
+    if !path.exists() {
+        anyhow::bail!(
+            "{} is missing: run deploy/eval/fetch.py (or set PARSE_EVAL_DIR)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The reference Qwen2.5 tokenizer kept in the repository (`assets/tokenizer`).
+pub fn reference_tokenizer_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/tokenizer/qwen2.5-tokenizer.json")
+}
+
+/// The prompts of the first `n` HumanEval development records.
 pub fn humaneval_prompts(n: usize) -> anyhow::Result<Vec<String>> {
     use anyhow::Context;
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/eval/humaneval-dev.jsonl");
+    let path = eval_file("humaneval")?;
     let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
     text.lines()
         .take(n)

@@ -76,7 +76,9 @@ if [ ! -f "$target_model" ] || [ ! -f "$draft_model" ]; then
   PARSE_MODEL_DIR="$model_dir" python3 "$repo/deploy/models/fetch.py"
 fi
 if [ "$build" = 1 ]; then
-  (cd "$repo" && cargo build --release -q -p parse-router -p parse-draft-worker -p parse-target-worker -p parsectl)
+  # cargo's own progress (a first build takes several minutes on a small machine).
+  echo "up.sh: building the router, both workers and parsectl (cargo build --release)" >&2
+  (cd "$repo" && cargo build --release -p parse-router -p parse-draft-worker -p parse-target-worker -p parsectl)
 fi
 
 fail() {
@@ -93,6 +95,7 @@ start() { # name, command...
 }
 
 wait_healthy() { # name, addr, [server name in its certificate]
+  echo "up.sh: waiting for $1 at $2 to report SERVING" >&2
   local name_args=()
   [ -n "${3:-}" ] && name_args=(--tls-server-name "$3")
   "$bin/parsectl" health "$2" "${name_args[@]}" --wait-s "${PARSE_UP_TIMEOUT_S:-180}" > /dev/null 2>&1 \

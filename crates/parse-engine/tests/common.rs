@@ -12,7 +12,7 @@ pub const TARGET_FILE: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 pub const DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 pub fn model_dir() -> PathBuf {
-    match std::env::var_os("PARSE_MODEL_DIR") {
+    match std::env::var_os(parse_core::env::MODEL_DIR) {
         Some(d) => PathBuf::from(d),
         None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
             .join(".cache/parse/models"),
@@ -30,11 +30,26 @@ pub fn model_path(file: &str) -> PathBuf {
     p
 }
 
-pub fn shared_dir() -> PathBuf {
-    match std::env::var_os("PARSE_SHARED_DIR") {
+/// The reference Qwen2.5 tokenizer kept in the repository (`assets/tokenizer`).
+pub fn tokenizer_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/qwen2.5-tokenizer.json")
+}
+
+/// The development prompts fetched by `deploy/eval/fetch.py`: `$PARSE_EVAL_DIR`, else `~/.cache/parse/eval`.
+pub fn eval_path(file: &str) -> PathBuf {
+    let dir = match std::env::var_os(parse_core::env::EVAL_DIR) {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
-    }
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/parse/eval")
+        }
+    };
+    let p = dir.join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: run deploy/eval/fetch.py (or set PARSE_EVAL_DIR) before the tests",
+        p.display()
+    );
+    p
 }
 
 fn load(file: &str) -> Mutex<Engine> {

@@ -322,11 +322,7 @@ fn broken_gguf_files_are_typed_errors() {
 fn sessions_over_capacity_fail_before_touching_the_cache() {
     let model = Model::random(tiny(Arch::Qwen2), 2).unwrap();
     let per_token = model.config().kv_bytes_per_token();
-    let tokenizer = parse_engine::Tokenizer::from_file(
-        &Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/models/qwen2.5-tokenizer.json"),
-    )
-    .unwrap();
+    let tokenizer = parse_engine::Tokenizer::from_file(&common::tokenizer_path()).unwrap();
     let mut e =
         parse_engine::Engine::from_parts(model, tokenizer, 10 * per_token, Path::new("tiny"));
     e.open_session("a").unwrap();

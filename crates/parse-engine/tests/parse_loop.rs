@@ -16,7 +16,7 @@ use parse_engine::{Engine, Message, Model, PlainRequest, Tokenizer};
 use rand::{Rng, SeedableRng};
 
 fn reference_tokenizer() -> Tokenizer {
-    Tokenizer::from_file(&common::shared_dir().join("models/qwen2.5-tokenizer.json")).unwrap()
+    Tokenizer::from_file(&common::tokenizer_path()).unwrap()
 }
 
 /// A tiny random qwen2-shaped model with the real vocabulary (so the real tokenizer and chat layout apply).

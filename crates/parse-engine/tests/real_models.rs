@@ -204,7 +204,6 @@ fn target_greedy_tokens_match_candle_transformers_quantized_qwen2() {
 }
 
 fn eval_texts() -> Vec<String> {
-    let dir = common::shared_dir().join("eval");
     let mut texts = Vec::new();
     for (file, fields) in [
         ("humaneval-dev.jsonl", &["prompt"][..]),
@@ -212,7 +211,7 @@ fn eval_texts() -> Vec<String> {
         ("xsum-dev.jsonl", &["document"][..]),
         ("mtbench-dev.jsonl", &["turns"][..]),
     ] {
-        let path = dir.join(file);
+        let path = common::eval_path(file);
         let data =
             std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         for line in data.lines().filter(|l| !l.trim().is_empty()) {
@@ -233,10 +232,8 @@ fn eval_texts() -> Vec<String> {
 
 #[test]
 fn gguf_tokenizer_matches_the_reference_tokenizer_json_on_every_eval_prompt() {
-    let reference = parse_engine::Tokenizer::from_file(
-        &common::shared_dir().join("models/qwen2.5-tokenizer.json"),
-    )
-    .expect("reference tokenizer loads");
+    let reference = parse_engine::Tokenizer::from_file(&common::tokenizer_path())
+        .expect("reference tokenizer loads");
     for file in [common::TARGET_FILE, common::DRAFT_FILE] {
         let mut f = std::fs::File::open(common::model_path(file)).unwrap();
         let content = gguf_file::Content::read(&mut f).unwrap();

@@ -21,7 +21,7 @@ use parse_engine::{
 };
 
 fn tokenizer() -> Tokenizer {
-    let p = common::shared_dir().join("models/qwen2.5-tokenizer.json");
+    let p = common::tokenizer_path();
     Tokenizer::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 

@@ -72,12 +72,9 @@ mod tests {
     use super::*;
 
     fn tokenizer() -> Arc<Tokenizer> {
-        // The shared folder beside the checkout, as the other tests find it.
-        let shared = match std::env::var_os("PARSE_SHARED_DIR") {
-            Some(d) => std::path::PathBuf::from(d),
-            None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
-        };
-        let p = shared.join("models/qwen2.5-tokenizer.json");
+        // The reference tokenizer kept in the repository.
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../assets/tokenizer/qwen2.5-tokenizer.json");
         Arc::new(Tokenizer::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
     }
 
