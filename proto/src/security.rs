@@ -64,25 +64,25 @@ impl std::fmt::Debug for Security {
 pub struct SecurityArgs {
     /// This process's certificate (PEM; with --tls-key and --tls-ca it turns mutual TLS on for every hop it
     /// serves and dials).
-    #[arg(long, env = "PARSE_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    #[arg(long, env = parse_core::env::TLS_CERT, requires_all = ["tls_key", "tls_ca"])]
     pub tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
-    #[arg(long, env = "PARSE_TLS_KEY", requires_all = ["tls_cert", "tls_ca"])]
+    #[arg(long, env = parse_core::env::TLS_KEY, requires_all = ["tls_cert", "tls_ca"])]
     pub tls_key: Option<PathBuf>,
     /// The cluster CA (PEM): servers accept only clients it signed, clients only servers it signed.
-    #[arg(long, env = "PARSE_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    #[arg(long, env = parse_core::env::TLS_CA, requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<PathBuf>,
     /// The name servers this process dials must carry in their certificate [default: the host dialled].
-    #[arg(long, env = "PARSE_TLS_SERVER_NAME")]
+    #[arg(long, env = parse_core::env::TLS_SERVER_NAME)]
     pub tls_server_name: Option<String>,
     /// The cluster's shared secret: workers refuse calls without it (health excepted), the router sends it, the
     /// tensor-parallel ring authenticates its peers with it.
-    #[arg(long, env = "PARSE_CLUSTER_TOKEN", hide_env_values = true)]
+    #[arg(long, env = parse_core::env::CLUSTER_TOKEN, hide_env_values = true)]
     pub cluster_token: Option<String>,
     /// A file holding the cluster token (surrounding whitespace ignored).
     #[arg(
         long,
-        env = "PARSE_CLUSTER_TOKEN_FILE",
+        env = parse_core::env::CLUSTER_TOKEN_FILE,
         conflicts_with = "cluster_token"
     )]
     pub cluster_token_file: Option<PathBuf>,

@@ -70,7 +70,7 @@ pub fn init(service: &str) -> Result<Telemetry, Box<dyn std::error::Error + Send
         .build();
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let tracer = provider.tracer(service.to_string());
-    let spans = tracing_subscriber::EnvFilter::try_from_env("PARSE_TRACE_FILTER")
+    let spans = tracing_subscriber::EnvFilter::try_from_env(parse_core::env::TRACE_FILTER)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::registry()
         .with(fmt)

@@ -4,6 +4,7 @@
 
 pub mod copy_first;
 pub mod driver;
+pub mod env;
 pub mod error;
 pub mod mask;
 pub mod ngram;

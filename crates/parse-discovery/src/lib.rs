@@ -31,19 +31,19 @@ pub struct EtcdAuth {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct EtcdAuthArgs {
     /// CA (PEM) etcd's server certificate must chain to; turns TLS to etcd on (endpoints become https).
-    #[arg(long, env = "PARSE_ETCD_CA")]
+    #[arg(long, env = parse_core::env::ETCD_CA)]
     pub etcd_ca: Option<std::path::PathBuf>,
     /// Client certificate (PEM) for etcd's client-certificate authentication (with --etcd-key).
-    #[arg(long, env = "PARSE_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    #[arg(long, env = parse_core::env::ETCD_CERT, requires_all = ["etcd_key", "etcd_ca"])]
     pub etcd_cert: Option<std::path::PathBuf>,
-    #[arg(long, env = "PARSE_ETCD_KEY", requires_all = ["etcd_cert", "etcd_ca"])]
+    #[arg(long, env = parse_core::env::ETCD_KEY, requires_all = ["etcd_cert", "etcd_ca"])]
     pub etcd_key: Option<std::path::PathBuf>,
     /// etcd user (etcd's own authentication; with --etcd-password).
-    #[arg(long, env = "PARSE_ETCD_USER", requires = "etcd_password")]
+    #[arg(long, env = parse_core::env::ETCD_USER, requires = "etcd_password")]
     pub etcd_user: Option<String>,
     #[arg(
         long,
-        env = "PARSE_ETCD_PASSWORD",
+        env = parse_core::env::ETCD_PASSWORD,
         hide_env_values = true,
         requires = "etcd_user"
     )]
@@ -717,13 +717,13 @@ pub struct Announce {
 #[derive(Debug, Clone, clap::Args)]
 pub struct AnnounceArgs {
     /// etcd endpoints (comma-separated): register this worker under /parse/v1/workers/ with a lease.
-    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',')]
+    #[arg(long, env = parse_core::env::ETCD, value_delimiter = ',')]
     pub etcd: Vec<String>,
     /// This worker's id in discovery (default: role-address).
-    #[arg(long, env = "PARSE_WORKER_ID")]
+    #[arg(long, env = parse_core::env::WORKER_ID)]
     pub worker_id: Option<String>,
     /// The address routers dial (default: --listen).
-    #[arg(long, env = "PARSE_ADVERTISE")]
+    #[arg(long, env = parse_core::env::ADVERTISE)]
     pub advertise: Option<String>,
     /// Lease time to live in seconds: a worker that dies disappears from discovery after this long.
     #[arg(long, default_value_t = 5)]

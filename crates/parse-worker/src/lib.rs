@@ -9,6 +9,7 @@
 //! ([`Shell::call`]). Work whose caller has gone (a cancelled request: the oneshot receiver dropped) is skipped or
 //! stopped at its next step.
 
+pub mod args;
 pub mod info;
 pub mod metrics;
 pub mod scheduler;

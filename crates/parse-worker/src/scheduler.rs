@@ -107,19 +107,8 @@ pub enum Charge {
     /// are charged what they add to the pass, so a round pays at a load where the tokens it keeps cost less than
     /// the rows it adds, as the pool's throughput has it. By rows until the line can be read.
     ///
-    /// The default. On a 2-core AMX Xeon, whose passes read about 54 ms fixed and 3.4 ms a row, the default `parse`
-    /// mode at 8 clients read 1.080x `target` over six repetitions charged this way against 0.985x by rows (every
-    /// repetition of the one above every one of the other), and even at 2 clients (1.376x and 1.398x); on a 2-core
-    /// Zen 5 EPYC (about 25 ms fixed, 4-5 ms a row) 1.028x against 0.998x at 8 clients and 1.017x against 0.977x at
-    /// 4 (docs/figures.md, "Each request charged what it adds to a pass" and "Prompt lookup on all 500 XSum
-    /// prompts"). On a 2-core AVX2-only Zen 3 EPYC (34-54 ms fixed, 10-15 ms a row) both splits let the target
-    /// write 84-94% of the output alone at 8 clients and could not be told apart ("The two splits at 8 clients
-    /// without AVX-512"). On a 2-core Zen 4 EPYC (41-54 ms fixed, 4.8-6.7 ms a row) 0.986x against 1.003x at 8
-    /// clients over fifteen repetitions each: charged this way prompt lookup's copy rounds went on, and at a row
-    /// costing half of what a token written alone does there they gained nothing ("The two splits at 8 clients on a
-    /// Zen 4 EPYC"). On a 2-core Intel Xeon with VNNI and no AMX (42-63 ms fixed, 8.1-11.6 ms a row) 1.002x against
-    /// 0.959x over nine repetitions each, not told apart either ("The two splits at 8 clients on an Intel CPU with
-    /// VNNI and no AMX").
+    /// The default: where a pass's fixed part is large next to a row, charging rows alone makes a speculative
+    /// round look dearer than what it adds to the pool's time. Where rows are dear the two splits decide alike.
     #[default]
     Marginal,
 }

@@ -7,7 +7,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PARSE_LOG")
+            tracing_subscriber::EnvFilter::try_from_env(parse_core::env::LOG)
                 .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)

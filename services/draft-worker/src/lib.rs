@@ -57,7 +57,7 @@ impl Default for DraftWorkerConfig {
             max_tokens_per_draft: 1024,
             security: Default::default(),
             max_sessions: 256,
-            step_rows: 128,
+            step_rows: parse_worker::args::DEFAULT_STEP_ROWS,
             charge: Default::default(),
         }
     }

@@ -67,10 +67,7 @@ impl Default for TargetWorkerConfig {
     }
 }
 
-/// Rows per packed pass by default: eight sessions' verification blocks of up to 16 rows, or a 128-token prefill
-/// chunk; on the CPUs measured a token costs about the same in a 64- or a 128-row block, and a larger step would
-/// hold decode steps of the other sessions longer behind a long prompt.
-pub const DEFAULT_STEP_ROWS: usize = 128;
+pub use parse_worker::args::DEFAULT_STEP_ROWS;
 
 /// What the target worker's scheduler drives: an engine, or a tensor-parallel leader.
 pub type TargetEngine = Box<dyn EngineOps + Send>;

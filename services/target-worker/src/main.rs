@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use clap::Parser;
 use parse_comm::{Comm, TcpComm, TcpConfig};
-use parse_discovery::{AnnounceArgs, Role, model_name};
+use parse_discovery::{Role, model_name};
+use parse_engine::Engine;
 use parse_engine::tp::{Layout, Member};
-use parse_engine::{Engine, EngineConfig};
 use parse_target_worker::{TargetEngine, TargetWorker, TargetWorkerConfig, serve};
+use parse_worker::args::WorkerArgs;
 
 #[derive(Parser)]
 #[command(
@@ -25,78 +26,43 @@ use parse_target_worker::{TargetEngine, TargetWorker, TargetWorkerConfig, serve}
 )]
 struct Args {
     /// The target model (GGUF, or a directory with safetensors and config.json).
-    #[arg(long, env = "PARSE_TARGET_MODEL")]
+    #[arg(long, env = parse_core::env::TARGET_MODEL)]
     model: PathBuf,
-    /// A tokenizer.json to use instead of the model's own.
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
-    #[arg(long, env = "PARSE_TARGET_LISTEN", default_value = "127.0.0.1:50071")]
+    #[arg(long, env = parse_core::env::TARGET_LISTEN, default_value = "127.0.0.1:50071")]
     listen: SocketAddr,
     /// Address of the Prometheus metrics endpoint (GET /metrics); none: no metrics listener.
-    #[arg(long, env = "PARSE_TARGET_METRICS_LISTEN")]
+    #[arg(long, env = parse_core::env::TARGET_METRICS_LISTEN)]
     metrics_listen: Option<SocketAddr>,
     /// Calls running or waiting at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// Sessions open at once; a new one beyond it is RESOURCE_EXHAUSTED (the router moves the request to another
-    /// worker).
-    #[arg(long, default_value_t = 256)]
-    max_sessions: usize,
-    /// Rows one packed forward pass holds at most: the steps of every running request share one pass (continuous
-    /// batching), and a prompt's prefill is cut to the room they leave. 0 is refused.
-    #[arg(long, default_value_t = parse_target_worker::DEFAULT_STEP_ROWS as u64, value_parser = clap::value_parser!(u64).range(1..=65536))]
-    step_rows: u64,
-    /// How a packed pass's time is split among the requests in it, which the router's pacing weighs at loads
-    /// above one request: `marginal` (the default: the pass's fixed part in equal shares, each row at what a row
-    /// adds, by a line fitted to recent passes) or `rows` (each request its rows' share).
-    #[arg(long, env = "PARSE_CHARGE", default_value = "marginal")]
-    charge: parse_worker::scheduler::Charge,
-    /// Seconds before an idle session is released.
-    #[arg(long, default_value_t = 300)]
-    session_ttl_s: u64,
-    /// The most of the KV cache budget one session (request) may hold, as a share of it (0 < share <= 1); beyond it
-    /// the request gets RESOURCE_EXHAUSTED rather than starving the others.
-    #[arg(long, default_value_t = 0.5)]
-    kv_session_share: f64,
-    /// KV cache budget in MiB (per rank in a tensor-parallel group: each holds its share of the KV heads).
-    #[arg(long, default_value_t = 4096)]
-    kv_mib: usize,
-    /// MiB of prompts' keys and values kept for later requests that begin the same way (a system prompt, an
-    /// instruction, a document asked about again): those requests take them instead of computing them, the same
-    /// bits, in their `cache_salt` namespace (on rank 0 alone: a tensor-parallel group reuses none, its ranks' caches are not copied). 0 keeps none.
-    #[arg(long, env = "PARSE_PREFIX_CACHE_MIB", default_value_t = 256)]
-    prefix_cache_mib: usize,
     #[command(flatten)]
-    compute: parse_engine::ComputeArgs,
-    #[command(flatten)]
-    discovery: AnnounceArgs,
-    #[command(flatten)]
-    security: parse_proto::security::SecurityArgs,
+    worker: WorkerArgs,
     /// Ranks of the tensor-parallel group.
-    #[arg(long, env = "PARSE_TP", default_value_t = 1)]
+    #[arg(long, env = parse_core::env::TP, default_value_t = 1)]
     tp: usize,
     /// This process's rank (0 serves gRPC).
-    #[arg(long, env = "PARSE_TP_RANK", default_value_t = 0)]
+    #[arg(long, env = parse_core::env::TP_RANK, default_value_t = 0)]
     rank: usize,
     /// Every rank's group address (host:port), in rank order, comma-separated (static rendezvous).
-    #[arg(long, env = "PARSE_TP_ADDRS", value_delimiter = ',')]
+    #[arg(long, env = parse_core::env::TP_ADDRS, value_delimiter = ',')]
     tp_addrs: Vec<String>,
     /// Rendezvous through etcd instead (with --etcd): the group's name, shared by its ranks.
-    #[arg(long, env = "PARSE_TP_GROUP")]
+    #[arg(long, env = parse_core::env::TP_GROUP)]
     tp_group: Option<String>,
     /// With --tp-group: this rank's group address (host:port, reachable by the other ranks), published in etcd.
-    #[arg(long, env = "PARSE_TP_LISTEN")]
+    #[arg(long, env = parse_core::env::TP_LISTEN)]
     tp_listen: Option<String>,
     /// Seconds one collective may wait for a peer before the group counts as broken.
     #[arg(long, default_value_t = 10)]
     tp_timeout_s: u64,
     /// How o and down are split: `exact` (outputs bitwise equal to one process) or `megatron` (row-parallel with
     /// an all-reduce: fewer collectives, results within rounding; see parse_engine::tp).
-    #[arg(long, env = "PARSE_TP_LAYOUT", default_value = "exact")]
+    #[arg(long, env = parse_core::env::TP_LAYOUT, default_value = "exact")]
     tp_layout: String,
     /// Collectives over `tcp` (any host, CPU) or `nccl` (GPUs; a build with the `nccl` feature). With NCCL the
     /// TCP group still forms first, to hand rank 0's NCCL unique id to the others.
-    #[arg(long, env = "PARSE_TP_BACKEND", default_value = "tcp")]
+    #[arg(long, env = parse_core::env::TP_BACKEND, default_value = "tcp")]
     tp_backend: String,
     /// CUDA device of this rank for NCCL (default: the rank).
     #[arg(long)]
@@ -123,7 +89,7 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.tp_backend
         );
     }
-    if args.tp > 1 && !args.compute.compute()?.is_kernels() {
+    if args.tp > 1 && !args.worker.compute.compute()?.is_kernels() {
         anyhow::bail!(
             "--tp {} runs on the kernels backend (the candle backend runs a whole model on one device): drop \
              --backend candle / --device cuda:N, or use --tp 1",
@@ -137,7 +103,9 @@ fn check(args: &Args) -> anyhow::Result<()> {
     }
     let via_etcd = args.tp_group.is_some();
     if via_etcd
-        && (args.discovery.etcd.is_empty() || args.tp_listen.is_none() || !args.tp_addrs.is_empty())
+        && (args.worker.discovery.etcd.is_empty()
+            || args.tp_listen.is_none()
+            || !args.tp_addrs.is_empty())
     {
         anyhow::bail!("--tp-group needs --etcd and --tp-listen, and no --tp-addrs");
     }
@@ -182,15 +150,10 @@ async fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("telemetry: {e}"))?;
     let args = Args::parse();
     check(&args)?;
-    let security = args.security.load()?;
-    args.discovery.etcd_auth.install()?;
+    let security = args.worker.security.load()?;
+    args.worker.discovery.etcd_auth.install()?;
     let layout: Layout = args.tp_layout.parse()?;
-    let mut cfg = EngineConfig::new(&args.model);
-    cfg.tokenizer = args.tokenizer.clone();
-    cfg.kv_capacity_bytes = args.kv_mib << 20;
-    cfg.kv_session_share = args.kv_session_share;
-    cfg.prefix_cache_bytes = args.prefix_cache_mib.saturating_mul(1 << 20);
-    cfg.compute = args.compute.compute()?;
+    let cfg = args.worker.engine_config(&args.model)?;
     tracing::info!(compute = %cfg.compute, "loading the model");
     let engine = tokio::task::spawn_blocking(move || Engine::load(&cfg)).await??;
     let member = if args.tp > 1 {
@@ -202,7 +165,7 @@ async fn main() -> anyhow::Result<()> {
                     "tensor-parallel rendezvous through etcd"
                 );
                 parse_discovery::rendezvous(
-                    &args.discovery.etcd,
+                    &args.worker.discovery.etcd,
                     group,
                     args.rank,
                     args.tp,
@@ -277,10 +240,10 @@ async fn main() -> anyhow::Result<()> {
         engine,
         TargetWorkerConfig {
             max_queue: args.max_queue,
-            session_ttl: Duration::from_secs(args.session_ttl_s),
-            max_sessions: args.max_sessions.max(1),
-            step_rows: args.step_rows as usize,
-            charge: args.charge,
+            session_ttl: Duration::from_secs(args.worker.session_ttl_s),
+            max_sessions: args.worker.max_sessions.max(1),
+            step_rows: args.worker.step_rows as usize,
+            charge: args.worker.charge,
             security: security.clone(),
             ..Default::default()
         },
@@ -290,7 +253,7 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(%addr, model = %args.model.display(), tp = args.tp, "target worker serving");
     let metrics = parse_worker::spawn_metrics(worker.metrics(), args.metrics_listen).await?;
     // Only the leader of a group registers: it is the group's one address.
-    let registration = args.discovery.announce().register(
+    let registration = args.worker.discovery.announce().register(
         Role::Target,
         addr,
         &model_name(&args.model),

@@ -135,10 +135,10 @@ impl fmt::Display for Compute {
 pub struct ComputeArgs {
     /// Model implementation: `kernels` (the engine's CPU kernels; the CPU default) or `candle` (candle tensors, on
     /// the CPU or a GPU) [default: kernels on the CPU, candle on a GPU].
-    #[arg(long, env = "PARSE_BACKEND", value_parser = parse_backend)]
+    #[arg(long, env = parse_core::env::BACKEND, value_parser = parse_backend)]
     pub backend: Option<Backend>,
     /// Where the model computes: `cpu` or `cuda:N` (N the GPU's ordinal; implies --backend candle).
-    #[arg(long, env = "PARSE_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, env = parse_core::env::DEVICE, default_value = "cpu", value_parser = parse_device)]
     pub device: DeviceSpec,
 }
 

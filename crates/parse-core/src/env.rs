@@ -1,0 +1,59 @@
+//! The names of the environment variables the project reads, in one place. Command-line flags that take their
+//! value from the environment name theirs here too (`#[arg(env = env::ROUTER_LISTEN)]`), so an operator can find
+//! every variable by reading this module, and a rename cannot miss a reader.
+//!
+//! `parse-record` (benchmark records) reads `PARSE_COMMIT` itself: it depends on nothing of the project.
+
+pub const ADMIN_ADDR: &str = "PARSE_ADMIN_ADDR";
+pub const ADMIN_LISTEN: &str = "PARSE_ADMIN_LISTEN";
+pub const ADMIN_TOKEN: &str = "PARSE_ADMIN_TOKEN";
+pub const ADVERTISE: &str = "PARSE_ADVERTISE";
+pub const BACKEND: &str = "PARSE_BACKEND";
+pub const CHARGE: &str = "PARSE_CHARGE";
+pub const CLUSTER_TOKEN: &str = "PARSE_CLUSTER_TOKEN";
+pub const CLUSTER_TOKEN_FILE: &str = "PARSE_CLUSTER_TOKEN_FILE";
+pub const COMMIT: &str = "PARSE_COMMIT";
+pub const CPU_KERNELS: &str = "PARSE_CPU_KERNELS";
+pub const DEFAULT_DRAFTER: &str = "PARSE_DEFAULT_DRAFTER";
+pub const DEVICE: &str = "PARSE_DEVICE";
+pub const DRAFT_LISTEN: &str = "PARSE_DRAFT_LISTEN";
+pub const DRAFT_METRICS_LISTEN: &str = "PARSE_DRAFT_METRICS_LISTEN";
+pub const DRAFT_MODEL: &str = "PARSE_DRAFT_MODEL";
+pub const DRAFT_PREFILL: &str = "PARSE_DRAFT_PREFILL";
+pub const DRAFT_WORKERS: &str = "PARSE_DRAFT_WORKERS";
+pub const ETCD: &str = "PARSE_ETCD";
+pub const ETCD_CA: &str = "PARSE_ETCD_CA";
+pub const ETCD_CERT: &str = "PARSE_ETCD_CERT";
+pub const ETCD_KEY: &str = "PARSE_ETCD_KEY";
+pub const ETCD_PASSWORD: &str = "PARSE_ETCD_PASSWORD";
+pub const ETCD_USER: &str = "PARSE_ETCD_USER";
+pub const EVAL_DIR: &str = "PARSE_EVAL_DIR";
+pub const LOG: &str = "PARSE_LOG";
+pub const MODEL_DIR: &str = "PARSE_MODEL_DIR";
+pub const OPENAI_API_KEY: &str = "PARSE_OPENAI_API_KEY";
+pub const OPENAI_API_KEY_FILE: &str = "PARSE_OPENAI_API_KEY_FILE";
+pub const OPENAI_LISTEN: &str = "PARSE_OPENAI_LISTEN";
+pub const OPENAI_TLS: &str = "PARSE_OPENAI_TLS";
+pub const PREFIX_CACHE_MIB: &str = "PARSE_PREFIX_CACHE_MIB";
+pub const ROUTER: &str = "PARSE_ROUTER";
+pub const ROUTER_ADDR: &str = "PARSE_ROUTER_ADDR";
+pub const ROUTER_LISTEN: &str = "PARSE_ROUTER_LISTEN";
+pub const SERVED_MODEL_NAME: &str = "PARSE_SERVED_MODEL_NAME";
+pub const SPECULATION_OFF_AT: &str = "PARSE_SPECULATION_OFF_AT";
+pub const TARGET_LISTEN: &str = "PARSE_TARGET_LISTEN";
+pub const TARGET_METRICS_LISTEN: &str = "PARSE_TARGET_METRICS_LISTEN";
+pub const TARGET_MODEL: &str = "PARSE_TARGET_MODEL";
+pub const TARGET_WORKERS: &str = "PARSE_TARGET_WORKERS";
+pub const TLS_CA: &str = "PARSE_TLS_CA";
+pub const TLS_CERT: &str = "PARSE_TLS_CERT";
+pub const TLS_KEY: &str = "PARSE_TLS_KEY";
+pub const TLS_SERVER_NAME: &str = "PARSE_TLS_SERVER_NAME";
+pub const TP: &str = "PARSE_TP";
+pub const TP_ADDRS: &str = "PARSE_TP_ADDRS";
+pub const TP_BACKEND: &str = "PARSE_TP_BACKEND";
+pub const TP_GROUP: &str = "PARSE_TP_GROUP";
+pub const TP_LAYOUT: &str = "PARSE_TP_LAYOUT";
+pub const TP_LISTEN: &str = "PARSE_TP_LISTEN";
+pub const TP_RANK: &str = "PARSE_TP_RANK";
+pub const TRACE_FILTER: &str = "PARSE_TRACE_FILTER";
+pub const WORKER_ID: &str = "PARSE_WORKER_ID";
