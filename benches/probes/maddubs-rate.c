@@ -2,7 +2,7 @@
 // the `vpaddw` that adds it as i16 (as the Q4_K lanes kernel does), with the activation word broadcast from memory as
 // well, and `vpmaddwd` alone; then the clock from a chain of dependent adds. Written in inline assembly, so the loops
 // hold these instructions and the loop counter's alone (eight or four independent destinations, no copies). A probe
-// of the CPU, not of the engine (docs/figures.md, "Issue 15 on a Zen 2 EPYC").
+// of the CPU, not of the engine.
 //
 //   gcc -O2 -mavx2 benches/probes/maddubs-rate.c -o /tmp/maddubs-rate && /tmp/maddubs-rate
 #include <stdio.h>

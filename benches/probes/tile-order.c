@@ -1,8 +1,7 @@
 // How fast one core streams a large matrix of 3,360-byte tiles (a Q6_K lanes-layout tile: 16 rows x 210 bytes) from
-// memory, reading each tile's 64-byte vectors front to back, or in the order the VNNI Q6_K row groups took them
-// before their word runs were laid out in that order (the group scales near the tile's end first, then three runs a
-// kilobyte apart by turns, the rows' d last). A probe of the CPU's prefetchers, not of the engine (docs/figures.md,
-// "Q6_K tiles in the order they are read").
+// memory, reading each tile's 64-byte vectors front to back, or in the order the VNNI Q6_K row groups would take them
+// were the word runs laid out in the block's order (the group scales near the tile's end first, then three runs a
+// kilobyte apart by turns, the rows' d last). A probe of the CPU's prefetchers, not of the engine.
 //
 //   gcc -O2 -mavx512f benches/probes/tile-order.c -o /tmp/tile-order && taskset -c 1 /tmp/tile-order
 #include <immintrin.h>

@@ -1,7 +1,6 @@
 // How fast one core runs `vpdpbusd` on 512-bit registers: with every operand in a register, with the activation
 // word broadcast from memory (as the VNNI row-group kernels take it), with one broadcast serving two weight vectors,
-// and `vpmulld` for comparison. Eight independent chains each. A probe of the CPU, not of the engine (docs/figures.md,
-// "Two groups to a broadcast, tried").
+// and `vpmulld` for comparison. Eight independent chains each. A probe of the CPU, not of the engine.
 // gcc's code for these loops carries register-to-register copies beside the `vpdpbusd` (objdump shows them), so
 // the rates are lower bounds and move from run to run.
 //

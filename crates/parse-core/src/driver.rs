@@ -25,10 +25,7 @@ use crate::speculative::{self, SampleCheck};
 /// Under load (more than one request), a copy round in a pause of the draft model starts only where the context's
 /// last this many tokens occurred earlier: the draft's own copies' minimum ([`crate::copy_first::CopyConfig`]).
 /// There every verification row is paid for in a batched pass, so copies of a phrase met again, cut short after a few
-/// tokens, cost more rows than they save: with 2-4-token matches the default wrote 0.83-1.02x `target`'s aggregate
-/// on 24 HumanEval prompts at 8 clients through the local cluster on an AMX Xeon (eight runs, mean 0.90x; copy rounds
-/// at 1.3-2.4x the target's ms per token at loads of 2-4), with this 0.93-1.12x (five runs, mean 1.02x;
-/// docs/figures.md, "Copies in the model's pauses under load"). At one request rows are cheap next to a step, and the short matches stay.
+/// tokens, cost more rows than they save. At one request rows are cheap next to a step, and the short matches stay.
 pub const LOADED_COPY_MATCH: usize = 5;
 
 /// Sampling settings of a request.
@@ -107,6 +104,11 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The project's default mode, wherever a request leaves the mode out (the router, the OpenAI API, `parsectl
+    /// generate`): PARSE with token-level speculation in its extend steps, which keeps the target's quality on the
+    /// development sets and writes faster than the target alone on code (docs/decisions/default-mode.md).
+    pub const DEFAULT: Mode = Mode::ParseTokenSpec;
+
     pub fn as_str(&self) -> &'static str {
         match self {
             Mode::Target => "target",
@@ -715,9 +717,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// text back until a draft was written and verified (and, in process, until the draft's prefill), where
     /// `target` mode sends it after one step. The drafter then begins from the context that ends with it. Its time
     /// is no figure of the pace, as in `target` mode (the first step runs with the prefills of the requests that
-    /// arrived with this one). With the draft worker on a core of its own, the first tokens came 1.0-1.1 s after
-    /// `target`'s on 10 HumanEval prompts, and 0.0-0.3 s after with this (docs/figures.md, "The first token by the
-    /// target").
+    /// arrived with this one). So the first token comes as soon as it would in `target` mode.
     fn first_token(&mut self) -> Result<()> {
         if self.finished.is_none() && self.out.is_empty() {
             self.extend(1, None)?;
@@ -1202,9 +1202,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             if adaptive && let Advice::Alone(n) = self.advise() {
                 // The target writes alone, 16 tokens per call, and in the pause's last call to the end of the
                 // current segment at most, so that the next PARSE round drafts from a segment's start. (Stopping at
-                // every segment's end cost a call per line of code, each call a chance to miss a batched pass; at 8
-                // clients on 24 HumanEval prompts this went from 0.76x to 0.80x `target` on a fresh router and from
-                // 0.80x to 0.83x warm: docs/figures.md, "Speculation that adapts to load".)
+                // every segment's end would cost a call per line of code, each call a chance to miss a batched pass.)
                 // Once the last call stops at a segment's end, the pause is over, whatever of its length is left:
                 // going on to the end of the next segment, and the next, took a call per line of code again.
                 // While the model rests, copy rounds (`copy_round`: prompt lookup, the draft's and its extension's,

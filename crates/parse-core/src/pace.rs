@@ -56,12 +56,10 @@ impl Rounds {
 
 /// What speculation of a kind must beat: the target writing alone (`alone`), or where the kind's drafter copies as
 /// well and its copy rounds (`copies`) write faster than that, those. A draft model that is cheaper than the target
-/// alone and dearer than copying rests, and its requests copy. On an AVX-512 VNNI machine where a draft-model token
-/// cost half a target step, the model's rounds of `model+ngram` wrote no faster than the target alone and its copy
-/// rounds faster; with this, copy rounds that go on as the `ngram` drafter's do, and rounds of copies alone judged as
-/// copies ([`Pace::copies_only`]), the default went from 1.18x to 1.35x `target` on 10 HumanEval prompts
-/// (docs/figures.md, "Copies in place of a model that does not pay"). Where the kind's pauses have a figure of their
-/// own, that stands for the copies ([`Costs::pauses_ms`]).
+/// alone and dearer than copying rests, and its requests copy (where a draft-model token costs a large share of a
+/// target step, the model's rounds can lose to the target while copy rounds win). Rounds of copies alone are judged
+/// as copies ([`Pace::copies_only`]). Where the kind's pauses have a figure of their own, that stands for the copies
+/// ([`Costs::pauses_ms`]).
 fn rival(alone: Option<f64>, copies: Option<f64>) -> Option<f64> {
     match (alone, copies) {
         (Some(a), Some(c)) => Some(a.min(c)),
@@ -297,8 +295,7 @@ impl Level {
     /// copies in its pauses: what those pauses wrote per token as a whole (the copy rounds, those that found nothing
     /// to copy, and the target's calls alone), once a pause has measured it. Not the copy rounds' own figure, which
     /// counts only rounds that found a copy (and speculative rounds that drew their whole draft from copies): set
-    /// against it, a model whose rounds wrote at 24-40 ms a token on a draft worker of its own rested for pauses that
-    /// wrote at 60-68 (docs/figures.md, "PARSE rounds or token-level rounds, by measured cost").
+    /// against that, a model would rest for pauses that write more slowly than its own rounds.
     fn pauses_ms(&self, kind: &str) -> Option<f64> {
         let rate = |k: String| self.spec.get(&k).and_then(|s| s.rate.get());
         rate(copy_kind(kind)).and(rate(pause_kind(kind)))
@@ -340,11 +337,10 @@ impl Costs {
     pub const MAX_GAP: usize = 4096;
     /// After a losing probe, the next waits at least this many times the tokens the target alone would have written
     /// in the time the probe lost, its setup included (the draft's prefill of a request that had not drafted yet): a
-    /// probe of a speculation that loses by far then costs at most a 33rd of the time between probes. Doubling from
-    /// 16 tokens alone let such probes write a third of a loaded pool's output; at 8 times the loss (a loss that left
-    /// the draft's prefill out) the probes of a warm router at 8 clients took twice the draft worker's time they take
-    /// now (docs/figures.md, "Speculation that adapts to load"). The price is a slower return to speculating where it
-    /// starts to pay at that load: up to 4096 tokens written alone at that load by the requests of that kind.
+    /// probe of a speculation that loses by far then costs at most a 33rd of the time between probes (gaps that only
+    /// double let losing probes write a large share of a loaded pool's output). The price is a slower return to
+    /// speculating where it starts to pay at that load: up to 4096 tokens written alone at that load by the requests
+    /// of that kind.
     pub const PROBE_SHARE: f64 = 32.0;
     /// A drafted token that costs less than this share of a verification row counts as free
     /// ([`Costs::free_rounds_pay`]).
@@ -415,10 +411,9 @@ impl Costs {
     /// What `kind`'s drafter costs per context token it catches up on, at `level` or where it has not been measured
     /// there, at the nearest level that has it, one request's wall time (level 0) and charged time alike: it is the
     /// drafter's prefill, whose price does not follow the target's load the way the target's figures do. Without a
-    /// price from other levels, the last request of a run on a router at 8 clients, alone at last and hundreds of
-    /// tokens in, could make the first round at one request with its whole context to prefill on the draft worker
-    /// (nothing to judge the catching up by: 791 prefill rows on the draft worker in such a run, 297 without that
-    /// round; docs/figures.md, "Copies in the model's pauses under load").
+    /// price from other levels, the last request of a loaded run, alone at last and hundreds of tokens in, could make
+    /// the first round at one request with its whole context to prefill on the draft worker, with nothing to judge
+    /// the catching up by.
     pub fn entry_ms(&self, kind: &str, level: u32) -> Option<f64> {
         self.near(level, true, |l| {
             l.spec.get(kind).and_then(|s| s.entry.get())
@@ -513,10 +508,7 @@ impl Costs {
     /// Where workers share their cores (a draft worker beside the target worker on one host), a step written beside
     /// others' drafting takes longer, in wall time and in the time charged to it, and the longer the more requests
     /// draft: a figure of the target taken then makes speculation look cheaper by comparison, more requests
-    /// speculate, and the target looks dearer still. On a fresh router at 8 clients on two cores, rounds judged
-    /// against such a figure (the target at 48-105 ms per token beside the drafting against 26-31 on its own) kept
-    /// most requests speculating to the end, at 0.65-0.70x `target`'s throughput (docs/figures.md, "A fresh
-    /// router").
+    /// speculate, and the target looks dearer still: a feedback loop that keeps requests speculating where it loses.
     fn add_alone(&self, kind: Option<&str>, level: u32, ms: f64, tokens: usize, beside: bool) {
         if tokens == 0 {
             return;
@@ -723,9 +715,8 @@ impl Costs {
     /// its first `j` accepted; the 1 is the target's own token after them) in the time of a verification of `k + 1`
     /// rows and `k` drafted tokens.
     ///
-    /// A row's cost is the multi-row kernels' price and differs by machine and load (a 7-row verification cost
-    /// 4-5 one-token steps with the AVX2 kernels and about 1.9 with the AMX tiles: docs/figures.md), and how far a
-    /// drafter is right differs by task (prompt lookup copying a quote, then nothing), so neither is a constant here.
+    /// A row's cost is the multi-row kernels' price and differs several-fold by machine and load (AVX2 kernels
+    /// against AMX tiles), and how far a drafter is right differs by task (prompt lookup copying a quote, then nothing), so neither is a constant here.
     /// `max` where nothing is measured yet; while the rows have no spread and the target's step is not known, every
     /// [`Passes::SPREAD_EVERY`]th round drafts half as far, which gives the line its second point.
     pub fn draft_length(&self, kind: &str, level: u32, max: usize) -> usize {
@@ -803,11 +794,8 @@ impl Costs {
     /// a task where they start to pay is seen.
     ///
     /// Prompt lookup drafts from matches of two tokens or more: what a one-token match proposes is kept about half
-    /// as often (XSum's first 20 development prompts: 0.51 at two tokens, 0.23 at one), and the tokens after it,
-    /// each kept only with all before it, do not pay. One token alone does, wherever more of them are kept than a
-    /// row costs in steps: on an AMX Xeon (a row 0.126 of a step, 0.30 of the guesses kept), prompt lookup on the
-    /// first 100 XSum prompts went from 1.27x to 1.29x `target` with the same output, 1.28x to 1.30x priced at each
-    /// run's own step and row (docs/figures.md, "One-token guesses for prompt lookup").
+    /// as often, and the tokens after it, each kept only with all before it, do not pay. One token alone does,
+    /// wherever more of them are kept than a row costs in steps.
     ///
     /// [`Drafter::guess_lookup`]: crate::driver::Drafter::guess_lookup
     pub fn guess_pays(&self, kind: &str, level: u32) -> bool {
@@ -1100,12 +1088,10 @@ impl Pace {
     /// first. A request that writes alone leaves its drafter behind, and its first round makes the drafter process
     /// every token since (a whole context where it never drafted), at the drafter's prefill price per token
     /// ([`Costs::entry_ms`]); the gain comes only over the tokens still to be written ([`Costs::expected_left`]).
-    /// On a router at 8 clients this was most of what speculation cost once it paused: the load falls as the run's
-    /// requests end, speculation paid per token at one request (it lost 4-5x at 2-8), and the last requests,
-    /// hundreds of tokens in, had the draft worker prefill their whole context (at about the target's price per
-    /// token: a 64-token block costs the 0.5B draft 0.7-1.1 s, the 1.5B target 0.8 s) for a few dozen tokens left
-    /// (docs/figures.md, "Speculation that pays for its entry"). Only checked where the request is not speculating
-    /// already.
+    /// Under load this is most of what speculation costs once it has paused: as a run's requests end the load falls
+    /// until speculation pays per token, and the last requests, hundreds of tokens in, would have the draft worker
+    /// prefill their whole context (at about the target's price per token) for a few dozen tokens left. Only checked
+    /// where the request is not speculating already.
     fn entry_pays(&self, spec: f64, alone: f64) -> bool {
         if self.lag == 0 || !(self.alone_last || self.rounds == 0) {
             return true;
@@ -1122,11 +1108,9 @@ impl Pace {
     /// expected to write still ([`Costs::expected_left`]), where no drafter's prefill has been priced in the pool
     /// yet ([`Costs::entry_ms`]: [`Pace::entry_pays`] has nothing to judge by). Speculation saves less than the
     /// target's step per token written, and a drafter's prefill is taken to cost at least a 32nd of that step per
-    /// token it catches up on (the shipped 0.5B draft's costs about a third of the 1.5B target's step,
-    /// docs/figures.md, "Speculation that pays for its entry"), so such an entry loses whatever it accepts. The first
-    /// request of a fresh router, with a prompt of 16,000 tokens and 4 to write, made the draft worker prefill all of
-    /// them after the target had, none of the 4 drafted; with 4,000 tokens it took 52.7 s against 34.0 without the
-    /// catching up (docs/figures.md, "Long prompts").
+    /// token it catches up on (the default draft's costs about a third of the target's step), so such an entry loses
+    /// whatever it accepts: without this rule the first request of a fresh router with a long prompt and a few
+    /// tokens to write would have the draft worker prefill the whole prompt after the target had.
     fn entry_unpriced_and_far(&self) -> bool {
         let costs = &self.pacing.costs;
         self.lag > 0
@@ -1228,10 +1212,8 @@ impl Pace {
         {
             // Speculation beats the cheapest verification the request has seen, which is only an upper bound of
             // the target's step: a PARSE round's verification is a block of up to 128 rows, which costs several
-            // steps where rows are dear. A short pause measures the target itself before the request goes on. Judged
-            // against its blocks, the default at one request in process never paused and wrote 0.76-0.78x
-            // `target`'s tokens per second on ASDiv and MT-bench on an AVX-512 VNNI machine (docs/figures.md,
-            // "Speculation judged against the target's own step").
+            // steps where rows are dear. A short pause measures the target itself before the request goes on;
+            // judged against its blocks alone, a request would never pause where speculation loses.
             return self.pause(Self::FIRST_PAUSE, "speculation beats only the cheapest verification seen: a short pause measures the target");
         }
         if estimate.is_none()
@@ -1242,10 +1224,8 @@ impl Pace {
             // target's own step at this load was never measured (nothing to judge the round by but the cheapest
             // verification, only an upper bound of a step) or its rounds so far lose to that step by far. A short
             // pause measures the target; the rounds' figure, reported to the shared costs, is the prior after it.
-            // Without it the request went on for [`Pace::PROBE`] rounds before it was judged: on MT-Bench, where
-            // the draft model's rounds wrote at a third of the target's speed, the first request of a fresh process
-            // wrote its first 56 tokens that way and took twice `target`'s time (docs/figures.md, "A first round
-            // judged before the next").
+            // Without it the request would go on for [`Pace::PROBE`] rounds before it was judged, however far its
+            // rounds lose.
             return self.pause(
                 Self::FIRST_PAUSE,
                 "the first rounds here lose by far, or the target's step is not known",
@@ -1285,10 +1265,8 @@ impl Pace {
         let speculate = match (estimate, alone) {
             (Some(spec), Some(alone)) => spec <= alone,
             // Nothing to judge by: a round measures. One request at a time makes the first round of a kind at a
-            // level with no figure; the others write alone (the short first pause) until its figure is in. On a
-            // fresh router at 8 clients every request made its first round, each opening a draft session; with one
-            // measuring, the draft worker drafted half as much in a cold run, at the same throughput within the
-            // runs' spread (docs/figures.md, "A draft head in Q5_0; one request measures a fresh load").
+            // level with no figure; the others write alone (the short first pause) until its figure is in, so that a
+            // fresh loaded router does not open a draft session for every request to measure the same thing.
             (None, _) if self.rounds == 0 && self.measuring.is_none() => {
                 let mine = costs.take_measuring(kind, self.level);
                 if mine {
@@ -1320,9 +1298,7 @@ impl Pace {
     /// kind's drafts cost nothing and the round they would make is expected to write faster than the target alone
     /// ([`Costs::free_rounds_pay`]), it speculates without judging the request's own last rounds, and ends a pause:
     /// such a round loses at most its rows, and only where the lookup found something to copy, while a pause loses
-    /// every copy it would have made. Prompt lookup on 20 XSum prompts, three pairs of runs on an AMX Xeon: before,
-    /// 133-180 of its 586 tokens in pauses and 1.08-1.20x `target`; after, 1.16-1.22x, the same output
-    /// (docs/figures.md, "Prompt lookup that does not pause").
+    /// every copy it would have made.
     /// Not at higher loads, where pauses are what keeps speculation from losing to a batched target.
     pub fn advise_token_round(&mut self, max: usize) -> Advice {
         let costs = &self.pacing.costs;
@@ -1403,9 +1379,7 @@ impl Pace {
     /// After advice to speculate, in a mode that may make either: whether the round should be a PARSE round or a
     /// token-level one, by what each wrote per millisecond at this load ([`Costs::choose_rounds`]); the round's cost
     /// then goes to that sort's figure as well as the kind's. Where a verification row is dear and the draft has a
-    /// core of its own, token-level rounds write faster: on an AVX-512 VNNI EPYC with the draft worker and the target
-    /// worker on a core each, `token-spec` ran 1.73-1.79x `target` on 10 HumanEval prompts where PARSE rounds ran
-    /// 1.46x (docs/figures.md, "PARSE rounds or token-level rounds, by measured cost").
+    /// core of its own, token-level rounds write faster; where rows are cheap, PARSE rounds do.
     ///
     /// A request keeps the sort it chose for [`Pace::STREAK`] tokens, and the first round after a switch (or after a
     /// pause) goes to no sort's figure: it pays for the switch (a draft read ahead for the other sort thrown away, the
@@ -1473,12 +1447,9 @@ impl Pace {
     /// The target wrote `tokens` alone for `spent` (in a pause). Its figures go to the load when the call ended, as
     /// [`Pace::target_wrote`]'s do, not to the load of the advice that began the pause: a pause runs for up to
     /// [`Pace::MAX_PAUSE`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
-    /// charged more (at 8 clients the target's row cost 21 ms a token at 5-8 requests, 29 at 3-4, 61 at 2). Charged to
-    /// the advice's load, the pauses at the end of a run at 8 clients with speculation off read 48.5 ms a token at 5-8
-    /// requests, against 21.4 for the target alone there, and the figure of the target alone, which the pauses report
-    /// to as well, rose with them: speculation was set against a target dearer than it was (docs/figures.md, "The
-    /// 8-client cell repeated in alternation"). The tokens count towards the next probe at the advice's load, where
-    /// the probe will be made.
+    /// charged more. Charged to the advice's load, the pauses at the end of a run would raise the figure of the target
+    /// alone at the higher load, and speculation would be set against a target dearer than it is. The tokens count
+    /// towards the next probe at the advice's load, where the probe will be made.
     pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
         let now = load_level((self.pacing.load)());
         let ms = spent.at(now);
@@ -1503,9 +1474,8 @@ impl Pace {
     /// Whether a copy round may be made now, in a pause ([`Pace::copied`]): copy rounds are judged as a kind of
     /// speculation of their own, against the target alone at the same load. While they lose, only a due probe is
     /// made (the same gaps as the model's probes, [`Costs::record_spec`]). Copies that lose cost a verification for
-    /// little: on ASDiv's worked answers, copy rounds made whenever two tokens matched took `model+ngram` from 0.96x
-    /// to 0.88x `target`, while on HumanEval they took it from 1.02x to 1.24x (docs/figures.md, "Speculation judged
-    /// against the target's own step").
+    /// little: they pay on replies that quote their prompt (code edits) and lose on replies that only share short
+    /// phrases with it (worked answers).
     pub fn copies_pay(&mut self) -> bool {
         if self.pacing.off() {
             return false;

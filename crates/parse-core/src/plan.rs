@@ -43,10 +43,8 @@ pub struct VerifyPlan {
 /// Which rows of a verification the verifier scores (probabilities and entropy, [`RowScore`]) beyond their greedy
 /// token. A score is a pass over the row's whole vocabulary (a softmax in `f64`: about 0.7 ms for the default
 /// pair's 152k logits on one core), which a verdict reads only where it needs it: token-level rounds read none
-/// (exact agreement), `relative` and `entropy` only the rows whose greedy token differs from the draft's. Scoring
-/// every row, a 7-row prompt-lookup verification took 116 ms on a 2-core AMX machine where its pass takes 110; 105
-/// scoring none (docs/figures.md, "Verification that scores only the rows its verdict reads"). Rows left unscored
-/// carry NaN. What is scored never changes a score, so the verdicts are the same bits whatever is asked.
+/// (exact agreement), `relative` and `entropy` only the rows whose greedy token differs from the draft's, so a
+/// short verification does not pay a vocabulary pass per row. Rows left unscored carry NaN. What is scored never changes a score, so the verdicts are the same bits whatever is asked.
 ///
 /// [`RowScore`]: crate::policy::RowScore
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

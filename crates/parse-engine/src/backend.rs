@@ -72,10 +72,9 @@ const MIN_CONTEXT_CHUNK: usize = 8;
 
 /// The most rows a prefill chunk of at most `rows` takes after `base` cached tokens: all of them at the prompt's
 /// start, fewer as the keys each row reads add up, so that a pass holding a chunk of a long prompt costs about what
-/// it does at the start and the other sessions' steps packed with it are not held for seconds. With 128-row chunks
-/// throughout, the passes of a 16,000-token prompt took 2.5 s on average (a request arriving meanwhile waited 12 s
-/// for its first token and wrote 12 tokens in 48 s), and beside an 8,000-token prompt a request wrote 16 tokens in
-/// 29-31 s, 9-11 s with these chunks, while the prompt took 6-7% longer (docs/figures.md, "Long prompts").
+/// it does at the start and the other sessions' steps packed with it are not held for seconds. Fixed-size chunks
+/// would let a long prompt's late passes (each row reading thousands of keys) stall every request that shares them;
+/// the prompt itself takes a little longer this way.
 fn context_chunk(base: usize, rows: usize) -> usize {
     (rows * CHUNK_CONTEXT / (base + CHUNK_CONTEXT)).max(MIN_CONTEXT_CHUNK.min(rows))
 }

@@ -49,9 +49,9 @@ impl LoadOptions {
     /// and a draft step about 3% faster (less than the bytes suggest: the step reads its weights below the memory's
     /// speed).
     /// A draft only proposes tokens: where the target verifies them token by token (greedy `token-spec`) the output
-    /// is the target's whatever the head, and in the PARSE modes the verdict decides which drafted tokens stay. The
-    /// greedy agreement with the target was the same with either head; docs/figures.md ("A draft head in Q5_0; one
-    /// request measures a fresh load").
+    /// is the target's whatever the head, and in the PARSE modes the verdict decides which drafted tokens stay; the
+    /// draft's greedy agreement with the target is the same with either head (`engine-bench --agreement` measures
+    /// it).
     pub fn draft() -> Self {
         LoadOptions {
             head_format: Some(GgmlDType::Q5_0),

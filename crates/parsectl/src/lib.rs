@@ -21,7 +21,7 @@ pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_FAILURE: u8 = 1;
 
 /// Environment variable naming the model cache directory.
-pub const ENV_MODEL_DIR: &str = "PARSE_MODEL_DIR";
+pub const ENV_MODEL_DIR: &str = parse_core::env::MODEL_DIR;
 /// File names of the default pair inside the model cache (see `deploy/models/fetch.py`).
 pub const DEFAULT_TARGET_FILE: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 pub const DEFAULT_DRAFT_FILE: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
@@ -77,16 +77,16 @@ pub struct Cli {
 #[derive(Debug, Clone, Default, Args)]
 pub struct TlsArgs {
     /// This client's certificate (PEM), signed by the cluster CA; with --tls-key and --tls-ca.
-    #[arg(long, global = true, env = "PARSE_TLS_CERT")]
+    #[arg(long, global = true, env = parse_core::env::TLS_CERT)]
     pub tls_cert: Option<PathBuf>,
     /// The key of --tls-cert (PEM).
-    #[arg(long, global = true, env = "PARSE_TLS_KEY")]
+    #[arg(long, global = true, env = parse_core::env::TLS_KEY)]
     pub tls_key: Option<PathBuf>,
     /// The cluster CA (PEM) the server's certificate must chain to.
-    #[arg(long, global = true, env = "PARSE_TLS_CA")]
+    #[arg(long, global = true, env = parse_core::env::TLS_CA)]
     pub tls_ca: Option<PathBuf>,
     /// The name the server's certificate must carry [default: the host dialled].
-    #[arg(long, global = true, env = "PARSE_TLS_SERVER_NAME")]
+    #[arg(long, global = true, env = parse_core::env::TLS_SERVER_NAME)]
     pub tls_server_name: Option<String>,
 }
 
@@ -156,10 +156,10 @@ pub struct HealthArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Target model: a .gguf file or a safetensors directory [default: the default pair's target in the cache].
-    #[arg(long, env = "PARSE_TARGET_MODEL")]
+    #[arg(long, env = parse_core::env::TARGET_MODEL)]
     pub target_model: Option<PathBuf>,
     /// Draft model [default: the default pair's draft in the cache].
-    #[arg(long, env = "PARSE_DRAFT_MODEL")]
+    #[arg(long, env = parse_core::env::DRAFT_MODEL)]
     pub draft_model: Option<PathBuf>,
     /// A tokenizer.json to use instead of the one the model brings.
     #[arg(long)]
@@ -209,7 +209,7 @@ pub struct GenerateArgs {
     #[arg(long, conflicts_with = "router", required_unless_present = "router")]
     pub local: bool,
     /// Ask a PARSE router at host:port instead.
-    #[arg(long, env = "PARSE_ROUTER")]
+    #[arg(long, env = parse_core::env::ROUTER)]
     pub router: Option<String>,
     /// Where the models compute (--local only).
     #[command(flatten)]
@@ -217,8 +217,9 @@ pub struct GenerateArgs {
     /// Seconds the cluster may take (sent as the gRPC deadline; --router only).
     #[arg(long)]
     pub timeout_s: Option<f64>,
-    #[arg(long, value_enum, default_value_t = Mode::Target)]
-    pub mode: Mode,
+    /// Generation mode [default: the project's default, parse+token-spec; through a router: the router's default].
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// 0 is greedy.
@@ -306,9 +307,9 @@ fn generate(args: &GenerateArgs, sec: &Security) -> Result<(), CliError> {
     if let Some(addr) = &args.router {
         return generate_remote(addr, args, sec);
     }
-    let mode = args.mode;
-    let uses_target = args.mode != Mode::Draft;
-    let uses_draft = args.mode != Mode::Target;
+    let mode = args.mode.unwrap_or(Mode::DEFAULT);
+    let uses_target = mode != Mode::Draft;
+    let uses_draft = mode != Mode::Target;
     let mut target = match uses_target {
         true => Some(load(
             args.models.path_for(Mode::Target)?,
@@ -462,7 +463,11 @@ fn generate_remote(addr: &str, args: &GenerateArgs, sec: &Security) -> Result<()
         Some(t) => Some(std::time::Duration::from_secs_f64(t)),
         None => None,
     };
-    let mode = args.mode.as_str().to_string();
+    // Left out, the router's default.
+    let mode = args
+        .mode
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_default();
     let req = parse_client::GenerateRequest {
         prompt: args.prompt.clone(),
         system: args.system.clone().unwrap_or_default(),

@@ -46,10 +46,8 @@ use crate::remote::{CallCtx, PrefillBeside, RemoteDrafter, RemoteVerifier, host_
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftPrefill {
     /// Beside the target's prefill where the draft worker's host is not a target worker's host (by address), after
-    /// it where it is. Two prefills at once on one host's cores take turns and both end later: through a router on
-    /// one 2-core machine the default's first tokens on 10 HumanEval prompts came at 1.92 s beside against 1.68-1.75 s
-    /// after, with no gain in rate; with the draft worker on a core of its own, at 1.99-2.24 s against 2.75-2.76 s
-    /// (docs/figures.md, "The draft's prefill beside the target's").
+    /// it where it is: two prefills at once on one host's cores take turns and both end later, while on hosts of
+    /// their own they overlap.
     Auto,
     /// Always beside the target's prefill (a draft worker on its own device or cores under the same address).
     Alongside,
@@ -82,8 +80,8 @@ pub struct RouterConfig {
     pub served_model_name: Option<String>,
     /// Drafter of requests that name none: `model+ngram` unless set (copies of long prompt-lookup matches, the draft
     /// workers for the rest, copy rounds of shorter matches while the draft model rests), except in `draft` mode,
-    /// which is the draft model's own answer. Faster than `model` on HumanEval, within the runs' spread of it on ASDiv
-    /// and MT-Bench, the same outputs (docs/figures.md, "The default drafter").
+    /// which is the draft model's own answer. Copies pay on replies that quote their prompt and cost little
+    /// elsewhere, since their rounds are judged by what they write (`Pace`).
     pub default_drafter: DrafterKind,
     /// Let the target write alone where speculation does not pay at the current load, for requests that do not say
     /// (`DraftWindow::adaptive`; judged on the figures in `Router::costs`).
@@ -117,7 +115,7 @@ impl Default for RouterConfig {
             targets: Vec::new(),
             max_in_flight: 64,
             max_new_tokens_limit: 4096,
-            default_mode: Mode::ParseTokenSpec,
+            default_mode: Mode::DEFAULT,
             default_policy: AcceptPolicy::default(),
             connect_timeout: Duration::from_secs(2),
             probe_every: Duration::from_secs(1),
@@ -786,11 +784,9 @@ impl Router {
             // The loop is over: the request adds no more rows to the workers' passes, so it leaves the load that the
             // other requests' pace reads (and the gauge) now, not once its sessions are released and its reply sent.
             // A client that stops reading when its answer is over (a stop rule of its own) sends its next request at
-            // once, while the old one's sessions are still being released: at 8 such clients the gauge read 9 in 19
-            // of 560 samples of a run, and requests that read it then were judged by the figures of 9-16 requests;
-            // with this, 7 and 9 of about 620. What is left is the time the loop takes to see its client went away
-            // (docs/figures.md, "Long runs of rows on a Zen 4 EPYC"); that time is now left out too (the watcher
-            // above).
+            // once, while the old one's sessions are still being released, and the other requests would read a load
+            // above the clients' count. The time the loop takes to see its client went away is left out too (the
+            // watcher above).
             running.lock().unwrap_or_else(|e| e.into_inner()).take();
             metrics.pace_costs(&pacing.costs.snapshot());
             let mut used: Vec<(&str, String)> = Vec::new();

@@ -13,21 +13,21 @@ use parse_router::{Router, RouterConfig, serve};
     about = "PARSE router: parse.v1.Generation in front of draft and target workers"
 )]
 struct Args {
-    #[arg(long, env = "PARSE_ROUTER_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(long, env = parse_core::env::ROUTER_LISTEN, default_value = "127.0.0.1:50051")]
     listen: SocketAddr,
     /// Draft worker addresses (host:port), repeatable or comma-separated.
-    #[arg(long = "draft", env = "PARSE_DRAFT_WORKERS", value_delimiter = ',')]
+    #[arg(long = "draft", env = parse_core::env::DRAFT_WORKERS, value_delimiter = ',')]
     drafts: Vec<String>,
     /// Target worker addresses (host:port), repeatable or comma-separated.
     #[arg(
         long = "target",
-        env = "PARSE_TARGET_WORKERS",
+        env = parse_core::env::TARGET_WORKERS,
         value_delimiter = ',',
         required_unless_present = "etcd"
     )]
     targets: Vec<String>,
     /// etcd endpoints (comma-separated): follow the workers registered under /parse/v1/workers/ instead of flags.
-    #[arg(long, env = "PARSE_ETCD", value_delimiter = ',', conflicts_with_all = ["drafts", "targets"])]
+    #[arg(long, env = parse_core::env::ETCD, value_delimiter = ',', conflicts_with_all = ["drafts", "targets"])]
     etcd: Vec<String>,
     /// Requests running at once before RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 64)]
@@ -44,33 +44,33 @@ struct Args {
     #[arg(long, value_enum)]
     default_verdict: Option<Verdict>,
     /// Address of the admin API (parse.v1.Admin).
-    #[arg(long, env = "PARSE_ADMIN_LISTEN", default_value = "127.0.0.1:50052")]
+    #[arg(long, env = parse_core::env::ADMIN_LISTEN, default_value = "127.0.0.1:50052")]
     admin_listen: SocketAddr,
     /// Bearer token of the admin API; without one the admin API is off.
-    #[arg(long, env = "PARSE_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(long, env = parse_core::env::ADMIN_TOKEN, hide_env_values = true)]
     admin_token: Option<String>,
     /// Address of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health).
-    #[arg(long, env = "PARSE_OPENAI_LISTEN", default_value = "127.0.0.1:8000")]
+    #[arg(long, env = parse_core::env::OPENAI_LISTEN, default_value = "127.0.0.1:8000")]
     openai_listen: SocketAddr,
     /// The key OpenAI API clients must send as `Authorization: Bearer <key>` (or a file holding it:
     /// --openai-api-key-file); without one the API is open to whoever reaches its port.
-    #[arg(long, env = "PARSE_OPENAI_API_KEY", hide_env_values = true)]
+    #[arg(long, env = parse_core::env::OPENAI_API_KEY, hide_env_values = true)]
     openai_api_key: Option<String>,
     #[arg(
         long,
-        env = "PARSE_OPENAI_API_KEY_FILE",
+        env = parse_core::env::OPENAI_API_KEY_FILE,
         conflicts_with = "openai_api_key"
     )]
     openai_api_key_file: Option<std::path::PathBuf>,
     /// HTTPS on the OpenAI API with the router's certificate (--tls-cert/--tls-key); clients need none of their
     /// own. Off: plain HTTP (loopback, or TLS ended at an ingress).
-    #[arg(long, env = "PARSE_OPENAI_TLS")]
+    #[arg(long, env = parse_core::env::OPENAI_TLS)]
     openai_tls: bool,
     /// Serve no OpenAI-compatible HTTP API.
     #[arg(long)]
     no_openai: bool,
     /// Model id of the OpenAI API [default: the target worker's model name].
-    #[arg(long, env = "PARSE_SERVED_MODEL_NAME")]
+    #[arg(long, env = parse_core::env::SERVED_MODEL_NAME)]
     served_model_name: Option<String>,
     /// Do not let draft workers write the next draft while the target verifies (for a draft and a target that
     /// share one device).
@@ -80,13 +80,13 @@ struct Args {
     /// (after), or beside it where the draft worker's host (by address) is no target worker's (auto: two prefills
     /// on one host's cores take turns and both end later). Where it is beside, the draft worker also drafts the
     /// next token-level round while the target verifies this one, guessing the target's next token.
-    #[arg(long, env = "PARSE_DRAFT_PREFILL", value_enum, default_value = "auto")]
+    #[arg(long, env = parse_core::env::DRAFT_PREFILL, value_enum, default_value = "auto")]
     draft_prefill: parse_router::DraftPrefill,
     /// Drafter of requests that name none: model (the draft workers), ngram (prompt lookup in the router; with it
     /// no draft worker is needed) or model+ngram (copies of long prompt-lookup matches, the draft workers for the
-    /// rest; the default: faster than `model` on code that repeats its prompt, level with it elsewhere,
-    /// docs/figures.md, "The default drafter"). `draft` mode always writes with the draft model alone.
-    #[arg(long, env = "PARSE_DEFAULT_DRAFTER", default_value = "model+ngram")]
+    /// rest; the default: faster than `model` on code that repeats its prompt, level with it elsewhere). `draft` mode
+    /// always writes with the draft model alone.
+    #[arg(long, env = parse_core::env::DEFAULT_DRAFTER, default_value = "model+ngram")]
     default_drafter: parse_core::DrafterKind,
     /// Keep speculating even where it writes more slowly than the target alone at the current load (by default the
     /// target then writes alone for a while: greedy token-spec gives the same tokens either way; in the PARSE modes
@@ -97,7 +97,7 @@ struct Args {
     /// requests that adapt (no draft, no copies), whatever the measured figures say [default: none, the figures
     /// decide]. For fleets where speculation is known to stop paying at some batch size; requests that turn
     /// adaptation off still speculate.
-    #[arg(long, env = "PARSE_SPECULATION_OFF_AT", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = parse_core::env::SPECULATION_OFF_AT, value_parser = clap::value_parser!(u64).range(1..))]
     speculation_off_at: Option<u64>,
     /// The most bytes of prompt text (prompt, system and messages together) a request may carry.
     #[arg(long, default_value_t = 1 << 20)]
