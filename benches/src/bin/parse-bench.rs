@@ -58,7 +58,7 @@ struct Args {
     /// humaneval, asdiv, mtbench or xsum.
     #[arg(long)]
     suite: String,
-    /// A JSONL file in the format of shared/eval [default: shared/eval/<suite>-dev.jsonl].
+    /// A JSONL file of records in a suite's format [default: <suite>-dev.jsonl from deploy/eval/fetch.py's cache].
     #[arg(long)]
     prompts: Option<PathBuf>,
     /// Records used (the first N).
@@ -79,6 +79,12 @@ struct Args {
     max_new_tokens: Option<usize>,
     #[arg(long, default_value = "bench-results")]
     out_dir: PathBuf,
+    /// Where to write the run's result record [default: <out-dir>/<suite>.record.json].
+    #[arg(long)]
+    record: Option<PathBuf>,
+    /// Mark the record's cells other than the first (the reference) for the README's table.
+    #[arg(long)]
+    headline: bool,
     /// Seconds a HumanEval test may run.
     #[arg(long, default_value_t = 10)]
     test_timeout: u64,
@@ -119,9 +125,7 @@ struct Args {
     /// and after each cell. The sum of their `process_cpu_seconds_total` over a cell is its CPU time, reported per
     /// output token and, with --repeat, as each repetition's `target` figure over the configuration's (above 1: fewer
     /// CPU seconds per token than `target`). CPU time does not count the time a virtual machine's host takes the
-    /// cores away (steal): in four repetitions at 8 clients on a 2-core machine the `target` cells read 31.9-41.6
-    /// tok/s and 39.4-43.1 CPU ms a token, and the default's ratios by repetition spread 0.95-1.29 by tok/s and
-    /// 0.96-1.05 by CPU (docs/figures.md, "CPU time per token").
+    /// cores away (steal), so it spreads far less than tokens per second on a shared machine.
     #[arg(long, value_delimiter = ',')]
     cpu_metrics: Vec<String>,
 }
@@ -131,15 +135,11 @@ struct Record {
     raw: Value,
 }
 
-fn shared_eval(suite: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("../../shared/eval/{suite}-dev.jsonl"))
-}
-
 fn records(args: &Args) -> Result<Vec<Record>> {
-    let path = args
-        .prompts
-        .clone()
-        .unwrap_or_else(|| shared_eval(&args.suite));
+    let path = match &args.prompts {
+        Some(p) => p.clone(),
+        None => parse_bench::eval_file(&args.suite)?,
+    };
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
@@ -697,8 +697,7 @@ fn main() -> Result<()> {
     let tok = match &engines {
         Some((target, _)) => target.tokenizer().clone(),
         None => Arc::new(Tokenizer::from_file(
-            &PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/models/qwen2.5-tokenizer.json"),
+            &parse_bench::reference_tokenizer_path(),
         )?),
     };
     let prompts: Vec<Vec<u32>> = recs
@@ -1065,10 +1064,67 @@ fn main() -> Result<()> {
         serde_json::to_string_pretty(&report)?,
     )?;
     std::fs::write(args.out_dir.join(format!("{}.md", args.suite)), &md)?;
+    let record = result_record(&args, quality_name, budget, prompts.len(), &rows);
+    let record_path = args
+        .record
+        .clone()
+        .unwrap_or_else(|| args.out_dir.join(format!("{}.record.json", args.suite)));
+    record.write(&record_path)?;
     let svg = args.out_dir.join(format!("{}.svg", args.suite));
     plot(&svg, &args.suite, quality_name, &rows, base_q)?;
     println!("{md}");
     Ok(())
+}
+
+/// The run as a result record: a cell per configuration with its speed, its work per token and, beside them, the
+/// quality of its outputs against the first configuration's (the reference, `target` by default) on the same
+/// prompts.
+fn result_record(
+    args: &Args,
+    quality_name: &str,
+    budget: usize,
+    prompts: usize,
+    rows: &[Value],
+) -> parse_record::Record {
+    let where_ = match &args.router {
+        Some(_) => format!("through the router, {} client(s)", args.clients),
+        None => "in process, one request at a time".to_string(),
+    };
+    let mut record = parse_record::Record::new(
+        "parse-bench",
+        format!("{}: {prompts} prompts, {where_}", args.suite),
+        json!({
+            "suite": args.suite, "prompts": prompts, "skip": args.skip, "max_new_tokens": budget,
+            "router": args.router, "clients": args.clients, "repeat": args.repeat,
+        }),
+    );
+    let reference = rows.first().and_then(|r| r["quality"].as_f64());
+    for (i, r) in rows.iter().enumerate() {
+        let figure = |k: &str| r[k].clone();
+        let mut cell = parse_record::Cell::new(r["run"].as_str().unwrap_or_default())
+            .figure("tokens_per_s", figure("tokens_per_s"))
+            .figure("x_target", figure("speedup_vs_target"))
+            .figure("target_passes_per_token", figure("target_passes_per_token"))
+            .figure("draft_share", figure("draft_share"));
+        if r["speedup_mean"].is_number() {
+            cell = cell
+                .figure("x_target_mean", figure("speedup_mean"))
+                .figure("x_target_ci95", figure("speedup_ci95"));
+        }
+        if let Some(q) = r["quality"].as_f64() {
+            cell = cell.quality(parse_record::Quality {
+                metric: quality_name.to_string(),
+                value: q,
+                reference: if i == 0 { None } else { reference },
+                n: prompts,
+            });
+        }
+        if args.headline && i > 0 {
+            cell = cell.headline();
+        }
+        record.push(cell);
+    }
+    record
 }
 
 /// The CPU seconds of the processes whose `/metrics` are at `addrs`, summed (`process_cpu_seconds_total`).
@@ -1231,15 +1287,14 @@ fn plot(
 mod tests {
     use super::*;
 
-    fn shared_tokenizer() -> Tokenizer {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/models/qwen2.5-tokenizer.json");
-        Tokenizer::from_file(&path).expect("the shared reference tokenizer")
+    fn reference_tokenizer() -> Tokenizer {
+        Tokenizer::from_file(&parse_bench::reference_tokenizer_path())
+            .expect("the reference tokenizer (assets/tokenizer)")
     }
 
     #[test]
     fn humaneval_output_is_kept_up_to_the_close_of_the_first_code_block() {
-        let tok = shared_tokenizer();
+        let tok = reference_tokenizer();
         let head = tok.encode("```python\ndef f(x):\n    return x\n").unwrap();
         let close = tok.encode("```").unwrap();
         let prose = tok

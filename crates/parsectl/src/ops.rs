@@ -21,10 +21,10 @@ use crate::CliError;
 #[derive(Debug, Clone, Args)]
 pub struct AdminArgs {
     /// The router's admin address.
-    #[arg(long, env = "PARSE_ADMIN_ADDR", default_value = "127.0.0.1:50052")]
+    #[arg(long, env = parse_core::env::ADMIN_ADDR, default_value = "127.0.0.1:50052")]
     pub admin: String,
     /// Bearer token (or PARSE_ADMIN_TOKEN).
-    #[arg(long, env = "PARSE_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(long, env = parse_core::env::ADMIN_TOKEN, hide_env_values = true)]
     pub token: Option<String>,
     /// Print JSON.
     #[arg(long)]
@@ -68,7 +68,7 @@ pub struct PolicySetArgs {
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// The router's Generation address.
-    #[arg(long, env = "PARSE_ROUTER_ADDR", default_value = "127.0.0.1:50051")]
+    #[arg(long, env = parse_core::env::ROUTER_ADDR, default_value = "127.0.0.1:50051")]
     pub router: String,
     /// Requests per cell (one cell per mode and concurrency).
     #[arg(short = 'n', long, default_value_t = 16)]
@@ -100,6 +100,13 @@ pub struct BenchArgs {
     pub timeout_s: f64,
     #[arg(long)]
     pub json: bool,
+    /// Also write the run as a result record (JSON, `parse-record/1`) to this file. With `target` among the
+    /// modes, each other cell's record carries the share of its replies equal to `target`'s for the same prompt.
+    #[arg(long)]
+    pub record: Option<std::path::PathBuf>,
+    /// Mark the record's cells for the README's table (the docs' headline figures).
+    #[arg(long, requires = "record")]
+    pub headline: bool,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -341,6 +348,10 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
 
 /// What one request of a bench cell gave.
 struct Sample {
+    /// The prompt's index in the run's prompts.
+    prompt: usize,
+    /// The reply's text.
+    text: String,
     latency_ms: f64,
     /// Time to the first output text.
     ttft_ms: Option<f64>,
@@ -405,21 +416,30 @@ impl Cell {
 }
 
 /// One streamed request: its latency, time to first text and final stats.
-async fn timed(mut c: Client, req: GenerateRequest, timeout: Duration) -> Result<Sample, String> {
+async fn timed(
+    mut c: Client,
+    prompt: usize,
+    req: GenerateRequest,
+    timeout: Duration,
+) -> Result<Sample, String> {
     use tokio_stream::StreamExt;
     let t = Instant::now();
     let run = async {
         let mut stream = c.generate_stream(req).await.map_err(|e| e.to_string())?;
         let mut ttft = None;
+        let mut text = String::new();
         while let Some(ev) = stream.next().await {
             match ev.map_err(|e| e.to_string())? {
                 parse_client::Event::Delta(d) => {
                     if ttft.is_none() && !d.text.is_empty() {
                         ttft = Some(t.elapsed().as_secs_f64() * 1e3);
                     }
+                    text.push_str(&d.text);
                 }
                 parse_client::Event::Finished(f) => {
                     return Ok(Sample {
+                        prompt,
+                        text,
                         latency_ms: t.elapsed().as_secs_f64() * 1e3,
                         ttft_ms: ttft,
                         stats: f.stats.unwrap_or_default(),
@@ -472,6 +492,7 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
         },
     ))?;
     let total = (modes.len() * b.concurrency.len() * b.requests) as u64;
+    let prompts_len = prompts.len();
     // On stderr, and hidden where stderr is not a terminal (indicatif's default).
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
@@ -510,7 +531,7 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
                     let timeout = Duration::from_secs_f64(b.timeout_s);
                     tokio::spawn(async move {
                         let _permit = sem.acquire_owned().await;
-                        let _ = tx.send(timed(c, req, timeout).await).await;
+                        let _ = tx.send(timed(c, i % prompts_len, req, timeout).await).await;
                     });
                 }
                 drop(tx);
@@ -584,12 +605,87 @@ pub fn bench(b: &BenchArgs, sec: &Security) -> Result<(), CliError> {
             out(format!("error: {e}"));
         }
     }
+    if let Some(path) = &b.record {
+        bench_record(b, &cells, &summaries)
+            .write(path)
+            .map_err(|e| CliError::Usage(format!("cannot write the record: {e}")))?;
+    }
     if failed > 0 {
         return Err(CliError::Unhealthy(format!(
             "{failed} of {total} requests failed"
         )));
     }
     Ok(())
+}
+
+/// The run as a result record: a cell per mode and concurrency. Replies are greedy, so `target`'s reply to a prompt
+/// is its reference; each other cell's quality is the share of its replies equal to that reference.
+fn bench_record(
+    b: &BenchArgs,
+    cells: &[Cell],
+    summaries: &[serde_json::Value],
+) -> parse_record::Record {
+    let mut record = parse_record::Record::new(
+        "parsectl bench",
+        format!(
+            "{} requests per cell through the router, up to {} new tokens",
+            b.requests, b.max_new_tokens
+        ),
+        json!({
+            "requests": b.requests, "concurrency": b.concurrency, "max_new_tokens": b.max_new_tokens,
+            "modes": b.mode, "drafter": b.drafter, "adaptive": b.adaptive,
+            "prompts": b.prompts.as_ref().map(|p| p.display().to_string()),
+        }),
+    );
+    let reference: std::collections::HashMap<usize, &str> = cells
+        .iter()
+        .filter(|c| c.mode == "target")
+        .flat_map(|c| c.samples.iter().map(|s| (s.prompt, s.text.as_str())))
+        .collect();
+    let target_rate = |concurrency: usize| {
+        summaries
+            .iter()
+            .find(|s| s["mode"] == "target" && s["concurrency"] == concurrency)
+            .and_then(|s| s["tokens_per_s"].as_f64())
+    };
+    for (c, s) in cells.iter().zip(summaries) {
+        let mut cell = parse_record::Cell::new(format!("{}, {} clients", c.mode, c.concurrency));
+        for k in [
+            "tokens_per_s",
+            "ttft_p50_ms",
+            "latency_p50_ms",
+            "acceptance",
+            "target_passes_per_token",
+        ] {
+            cell = cell.figure(k, s[k].clone());
+        }
+        cell = cell
+            .figure("ok", s["ok"].clone())
+            .figure("failed", s["failed"].clone());
+        if let (Some(t), Some(x)) = (target_rate(c.concurrency), s["tokens_per_s"].as_f64())
+            && c.mode != "target"
+        {
+            cell = cell.figure("x_target", x / t);
+        }
+        if c.mode != "target" && !reference.is_empty() {
+            let scored: Vec<bool> = c
+                .samples
+                .iter()
+                .filter_map(|s| reference.get(&s.prompt).map(|r| *r == s.text))
+                .collect();
+            cell = cell.quality(parse_record::Quality {
+                metric: "replies equal to target's".into(),
+                value: scored.iter().filter(|e| **e).count() as f64 / scored.len().max(1) as f64,
+                reference: Some(1.0),
+                n: scored.len(),
+            });
+        }
+        if b.headline {
+            cell = cell.headline();
+        }
+        record.push(cell);
+    }
+    record
 }
 
 fn display_mode(mode: &str) -> &str {
