@@ -6,6 +6,7 @@ pub mod copy_first;
 pub mod driver;
 pub mod env;
 pub mod error;
+pub mod lookup;
 pub mod mask;
 pub mod ngram;
 pub mod pace;

@@ -7,11 +7,13 @@
 
 pub mod alloc;
 pub mod backend;
+mod block;
 pub mod candle;
 pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kernels;
+mod layout;
 pub mod load;
 pub mod model;
 pub mod net;

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use crate::engine::Block;
+use crate::block::Block;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Packed};
 use crate::net::{Net, SessionCache};

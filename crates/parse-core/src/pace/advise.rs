@@ -1,0 +1,605 @@
+//! The decision before each round: speculate, probe, or let the target write alone for a while, and the
+//! bookkeeping of what each round and pause cost.
+
+use super::*;
+
+impl Pace {
+    /// Rounds of its own after which a request is judged on them alone.
+    pub const PROBE: usize = 3;
+    /// Context tokens a drafter may catch up on per token left to write, where no drafter's prefill is priced yet
+    /// ([`Pace::entry_unpriced_and_far`]).
+    pub const UNPRICED_ENTRY: usize = 32;
+    /// The first pause where the target's speed at this load is not known yet.
+    pub const FIRST_PAUSE: usize = 4;
+    /// Tokens a request writes by the sort of rounds it chose before it chooses again ([`Pace::choose_rounds`]).
+    pub const STREAK: usize = 32;
+    /// The longest pause before the figures are read again (the load may have moved).
+    pub(super) const MAX_PAUSE: usize = 64;
+    /// A request measuring the first rounds of its kind at a load stops before [`Pace::PROBE`] rounds where its
+    /// rounds so far cost more than this many times the target's step per token: two more rounds do not turn such a
+    /// loss (the default's rounds on HumanEval wrote at about 0.7 of a step on average, 1.43-1.46x `target`; its
+    /// first rounds on MT-Bench at about 3 steps).
+    pub(super) const FAR_BEHIND: f64 = 2.0;
+
+    pub fn new(pacing: Pacing) -> Self {
+        Pace {
+            pacing,
+            own: Rate::default(),
+            rounds: 0,
+            prior: None,
+            reported: 0,
+            alone_last: false,
+            cheapest_verify_ms: None,
+            paused: 0,
+            level: 0,
+            probing: false,
+            in_round: false,
+            round_ended: None,
+            measuring: None,
+            written: 0,
+            left: 0,
+            lag: 0,
+            pauses: 0,
+            paused_tokens: 0,
+            entries_declined: 0,
+            probing_copies: false,
+            held: Vec::new(),
+            rounds_of: None,
+            streak: None,
+        }
+    }
+
+    /// Where the request stands before the next advice: it has written `written` tokens, may write `left` more, and
+    /// its drafter has `lag` context tokens to process before it can draft (its whole context, where it never drafted;
+    /// what the target wrote alone since its last round).
+    pub fn position(&mut self, written: usize, left: usize, lag: usize) {
+        (self.written, self.left, self.lag) = (written, left, lag);
+    }
+
+    /// Whether starting to speculate, where it pays `alone - spec` ms per token, pays for the drafter's catching up
+    /// first. A request that writes alone leaves its drafter behind, and its first round makes the drafter process
+    /// every token since (a whole context where it never drafted), at the drafter's prefill price per token
+    /// ([`Costs::entry_ms`]); the gain comes only over the tokens still to be written ([`Costs::expected_left`]).
+    /// Under load this is most of what speculation costs once it has paused: as a run's requests end the load falls
+    /// until speculation pays per token, and the last requests, hundreds of tokens in, would have the draft worker
+    /// prefill their whole context (at about the target's price per token) for a few dozen tokens left. Only checked
+    /// where the request is not speculating already.
+    pub(super) fn entry_pays(&self, spec: f64, alone: f64) -> bool {
+        if self.lag == 0 || !(self.alone_last || self.rounds == 0) {
+            return true;
+        }
+        let costs = &self.pacing.costs;
+        let Some(row) = costs.entry_ms(&self.pacing.kind, self.level) else {
+            return true;
+        };
+        let horizon = costs.expected_left(self.written, self.left);
+        (alone - spec) * horizon as f64 >= row * self.lag as f64
+    }
+
+    /// Whether the drafter has more to catch up on than [`Pace::UNPRICED_ENTRY`] tokens for each token the request is
+    /// expected to write still ([`Costs::expected_left`]), where no drafter's prefill has been priced in the pool
+    /// yet ([`Costs::entry_ms`]: [`Pace::entry_pays`] has nothing to judge by). Speculation saves less than the
+    /// target's step per token written, and a drafter's prefill is taken to cost at least a 32nd of that step per
+    /// token it catches up on (the default draft's costs about a third of the target's step), so such an entry loses
+    /// whatever it accepts: without this rule the first request of a fresh router with a long prompt and a few
+    /// tokens to write would have the draft worker prefill the whole prompt after the target had.
+    pub(super) fn entry_unpriced_and_far(&self) -> bool {
+        let costs = &self.pacing.costs;
+        self.lag > 0
+            && (self.alone_last || self.rounds == 0)
+            && costs.entry_ms(&self.pacing.kind, self.level).is_none()
+            && self.lag > Self::UNPRICED_ENTRY * costs.expected_left(self.written, self.left).max(1)
+    }
+
+    /// The drafter's first prefill, of `rows` context tokens, cost `spent` ([`Costs::record_entry`]).
+    pub fn draft_opened(&self, spent: Spent, rows: usize) {
+        if rows > 0 {
+            self.pacing.costs.record_entry(
+                &self.pacing.kind,
+                self.level,
+                spent.at(self.level),
+                rows,
+            );
+        }
+    }
+
+    /// Whether the shared figures at the current load say this request's speculation pays (its kind's ms per token
+    /// at most the target's alone, or its copy rounds' where those are faster), or have no figure of its kind there
+    /// yet (a first round would measure it). No side effect: the advice itself comes from [`Pace::advise`]. Read
+    /// before the target's prefill, to let the drafter process the prompt beside it ([`Drafter::warm`]).
+    ///
+    /// [`Drafter::warm`]: crate::driver::Drafter::warm
+    pub fn leans_to_speculate(&self) -> bool {
+        if self.pacing.off() {
+            return false;
+        }
+        let costs = &self.pacing.costs;
+        let level = load_level((self.pacing.load)());
+        let Some(spec) = costs.best_spec_ms(&self.pacing.kind, level) else {
+            return true;
+        };
+        let alone = costs.alone_ms(level).or_else(|| costs.alone_near(level));
+        let copies = costs.pauses_ms(&self.pacing.kind, level);
+        rival(alone, copies).is_none_or(|a| spec <= a)
+    }
+
+    /// The request finished with `tokens` of output ([`Costs::record_length`]).
+    pub fn finished(&self, tokens: usize) {
+        self.pacing.costs.record_length(tokens);
+    }
+
+    pub(super) fn estimate(&self) -> Option<f64> {
+        match (self.own.get(), self.prior) {
+            (Some(o), _) if self.rounds >= Self::PROBE => Some(o),
+            (Some(o), Some(s)) => {
+                let w = self.rounds as f64 / Self::PROBE as f64;
+                Some(w * o + (1.0 - w) * s)
+            }
+            (None, Some(s)) => Some(s),
+            (_, None) => None,
+        }
+    }
+
+    /// Speculate or write alone, now.
+    pub fn advise(&mut self) -> Advice {
+        self.end_round();
+        self.give_back_probes();
+        self.rounds_of = None;
+        if self.paused > 0 {
+            return Advice::Alone(self.paused);
+        }
+        let (costs, kind) = (&self.pacing.costs, self.pacing.kind.as_str());
+        self.level = load_level((self.pacing.load)());
+        self.probing = false;
+        if self.pacing.off() {
+            // The operator's setting, whatever the figures say: the longest pause, after which the load is read again.
+            return self.pause(
+                Self::MAX_PAUSE,
+                "speculation is off at this load (the router's --speculation-off-at)",
+            );
+        }
+        if self.rounds == 0 {
+            self.prior = costs.best_spec_ms(kind, self.level);
+        } else if self.prior.is_none() {
+            // Rounds made with no figure to lean on. Where others reported rounds at this load meanwhile (requests
+            // that began together on a router that had not measured this load), their figure counts as if it had
+            // been there: each request is then judged after its first round, not its first PROBE rounds (on a
+            // fresh router at 8 clients those rounds wrote a third of the output, as whole PARSE rounds, at a loss).
+            // The figure holds this request's own rounds too, weighed once more: a small bias towards them.
+            let (figure, reports) = costs.spec_figure(kind, self.level);
+            if reports > self.reported {
+                self.prior = figure.and(costs.best_spec_ms(kind, self.level));
+            }
+        }
+        let known_alone = costs.alone_ms(self.level);
+        let step = known_alone
+            .or_else(|| costs.alone_near(self.level))
+            .or_else(|| costs.one_row_ms(kind, self.level));
+        let alone = step.or(self.cheapest_verify_ms);
+        let estimate = self.estimate();
+        let copies = costs.pauses_ms(kind, self.level);
+        if step.is_none()
+            && let (Some(spec), Some(alone)) = (estimate, alone)
+            && spec <= alone
+        {
+            // Speculation beats the cheapest verification the request has seen, which is only an upper bound of
+            // the target's step: a PARSE round's verification is a block of up to 128 rows, which costs several
+            // steps where rows are dear. A short pause measures the target itself before the request goes on;
+            // judged against its blocks alone, a request would never pause where speculation loses.
+            return self.pause(Self::FIRST_PAUSE, "speculation beats only the cheapest verification seen: a short pause measures the target");
+        }
+        if estimate.is_none()
+            && self.rounds > 0
+            && step.is_none_or(|s| self.own.get().is_some_and(|own| own > Self::FAR_BEHIND * s))
+        {
+            // This request measures the first rounds of its kind here (no figure before them), and either the
+            // target's own step at this load was never measured (nothing to judge the round by but the cheapest
+            // verification, only an upper bound of a step) or its rounds so far lose to that step by far. A short
+            // pause measures the target; the rounds' figure, reported to the shared costs, is the prior after it.
+            // Without it the request would go on for [`Pace::PROBE`] rounds before it was judged, however far its
+            // rounds lose.
+            return self.pause(
+                Self::FIRST_PAUSE,
+                "the first rounds here lose by far, or the target's step is not known",
+            );
+        }
+        let catch_up = self.catch_up_tokens(alone);
+        if estimate.is_none()
+            && self.rounds == 0
+            && self.measuring.is_none()
+            && costs.since(kind, self.level) < (Costs::PROBE_SHARE * catch_up as f64) as usize
+        {
+            // No figure here yet, and this request's drafter has more to catch up on than the tokens written alone
+            // here so far pay for, as a probe's would ([`Costs::take_probe`]): the first round is left to another
+            // request, or to this one later. At the end of a run on a router at 8 clients, each load the falling
+            // count of requests reached was first measured by a request hundreds of tokens in.
+            self.entries_declined += 1;
+            return self.pause(Self::MAX_PAUSE, "no figure here yet, and its drafter has more to catch up on than a first round is worth");
+        }
+        if self.entry_unpriced_and_far() {
+            self.entries_declined += 1;
+            return self.pause(
+                Self::MAX_PAUSE,
+                "its drafter's catching up is not priced yet and is many times the tokens left to write",
+            );
+        }
+        // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
+        let alone = rival(alone, copies);
+        if let (Some(spec), Some(alone)) = (estimate, alone)
+            && spec <= alone
+            && !self.entry_pays(spec, alone)
+        {
+            // Speculation pays per token, not for its entry: a full pause, after which the figures are read again
+            // (the lag will be longer and the tokens left fewer, unless the load has fallen).
+            self.entries_declined += 1;
+            return self.pause(Self::MAX_PAUSE, "speculation does not pay for catching up");
+        }
+        let speculate = match (estimate, alone) {
+            (Some(spec), Some(alone)) => spec <= alone,
+            // Nothing to judge by: a round measures. One request at a time makes the first round of a kind at a
+            // level with no figure; the others write alone (the short first pause) until its figure is in, so that a
+            // fresh loaded router does not open a draft session for every request to measure the same thing.
+            (None, _) if self.rounds == 0 && self.measuring.is_none() => {
+                let mine = costs.take_measuring(kind, self.level);
+                if mine {
+                    self.measuring = Some(self.level);
+                }
+                mine
+            }
+            _ => true,
+        };
+        // A probe measures a speculation that loses, never one with no figure yet (one request is measuring it).
+        let probe = || estimate.is_some() && costs.take_probe(kind, self.level, catch_up);
+        if speculate || (self.rounds == 0 && probe()) {
+            if !speculate {
+                self.held.push((kind.to_string(), self.level));
+            }
+            return self.begin_round(!speculate);
+        }
+        let pause = if known_alone.is_none() || estimate.is_none() {
+            Self::FIRST_PAUSE
+        } else {
+            costs
+                .until_probe(kind, self.level)
+                .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
+        };
+        self.pause(pause, "speculation loses to the target alone")
+    }
+
+    /// [`Pace::advise`] before a token-level round that may draft up to `max` tokens. At one request, where the
+    /// kind's drafts cost nothing and the round they would make is expected to write faster than the target alone
+    /// ([`Costs::free_rounds_pay`]), it speculates without judging the request's own last rounds, and ends a pause:
+    /// such a round loses at most its rows, and only where the lookup found something to copy, while a pause loses
+    /// every copy it would have made.
+    /// Not at higher loads, where pauses are what keeps speculation from losing to a batched target.
+    pub fn advise_token_round(&mut self, max: usize) -> Advice {
+        let costs = &self.pacing.costs;
+        if load_level((self.pacing.load)()) == 0
+            && !self.pacing.off()
+            && costs.free_rounds_pay(&self.pacing.kind, 0, max)
+        {
+            self.end_round();
+            self.give_back_probes();
+            self.level = 0;
+            self.paused = 0;
+            return self.begin_round(false);
+        }
+        self.advise()
+    }
+
+    /// Advice to speculate, with the bookkeeping of a round that begins (`probing`: a probe of a speculation that
+    /// was losing).
+    pub(super) fn begin_round(&mut self, probing: bool) -> Advice {
+        self.probing = probing;
+        self.alone_last = false;
+        self.in_round = true;
+        self.pacing.costs.round_begins();
+        Advice::Speculate
+    }
+
+    /// What the drafter's catching up before a round would cost (its lag at its measured prefill price per context
+    /// token, [`Costs::entry_ms`]) in tokens the target writes alone meanwhile (`alone`: its ms per token); 0 where
+    /// either is not known.
+    pub(super) fn catch_up_tokens(&self, alone: Option<f64>) -> usize {
+        match (
+            self.pacing.costs.entry_ms(&self.pacing.kind, self.level),
+            alone,
+        ) {
+            (Some(row), Some(a)) if a > 0.0 => (row * self.lag as f64 / a).ceil() as usize,
+            _ => 0,
+        }
+    }
+
+    /// Gives back the probes this request took ([`Costs::probe_back`]): their rounds are over.
+    pub(super) fn give_back_probes(&mut self) {
+        for (kind, level) in std::mem::take(&mut self.held) {
+            self.pacing.costs.probe_back(&kind, level);
+        }
+    }
+
+    /// Advice to write `tokens` alone, with the bookkeeping of a pause; `why` and the figures it was judged by go to
+    /// the log at debug level (`RUST_LOG=parse_core::pace=debug`), for an operator asking why a request stopped
+    /// speculating.
+    pub(super) fn pause(&mut self, tokens: usize, why: &'static str) -> Advice {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let costs = &self.pacing.costs;
+            tracing::debug!(
+                kind = %self.pacing.kind,
+                level = self.level,
+                tokens,
+                written = self.written,
+                rounds = self.rounds,
+                own_ms_per_token = ?self.own.get(),
+                estimate_ms_per_token = ?self.estimate(),
+                shared_ms_per_token = ?costs.spec_ms(&self.pacing.kind, self.level),
+                alone_ms_per_token = ?costs.alone_ms(self.level).or_else(|| costs.alone_near(self.level)),
+                "pace: the target writes alone: {why}"
+            );
+        }
+        self.paused = tokens;
+        self.streak = None;
+        if !self.alone_last {
+            self.pauses += 1;
+        }
+        self.alone_last = true;
+        self.own = Rate::default();
+        self.rounds = 0;
+        self.reported = 0;
+        Advice::Alone(self.paused)
+    }
+
+    /// After advice to speculate, in a mode that may make either: whether the round should be a PARSE round or a
+    /// token-level one, by what each wrote per millisecond at this load ([`Costs::choose_rounds`]); the round's cost
+    /// then goes to that sort's figure as well as the kind's. Where a verification row is dear and the draft has a
+    /// core of its own, token-level rounds write faster; where rows are cheap, PARSE rounds do.
+    ///
+    /// A request keeps the sort it chose for [`Pace::STREAK`] tokens, and the first round after a switch (or after a
+    /// pause) goes to no sort's figure: it pays for the switch (a draft read ahead for the other sort thrown away, the
+    /// draft catching up), and judged by such rounds alone, the sort that was not running looked 2-3 times dearer
+    /// than it wrote once it ran.
+    pub fn choose_rounds(&mut self) -> Rounds {
+        let rounds = match self.streak {
+            Some((sort, tokens, _)) if tokens < Self::STREAK => sort,
+            last => {
+                let sort = self
+                    .pacing
+                    .costs
+                    .choose_rounds(&self.pacing.kind, self.level);
+                let switch = last.is_none_or(|(s, _, first)| s != sort || first);
+                self.streak = Some((sort, 0, switch));
+                sort
+            }
+        };
+        self.rounds_of = Some(rounds);
+        rounds
+    }
+
+    /// The load level of the last advice.
+    pub fn level(&self) -> u32 {
+        self.level
+    }
+
+    /// Whether the last advice to speculate was a probe of a speculation that was losing (the round will most
+    /// likely be followed by a pause, so nothing should be drafted ahead for the round after it).
+    pub fn probing(&self) -> bool {
+        self.probing
+    }
+
+    /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs and what it spent on
+    /// setting up (the draft's first prefill, left out of `spent`; it counts only towards a probe's loss).
+    pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent], setup: Spent) {
+        self.end_round();
+        let ms = spent.at(self.level);
+        for v in verify {
+            let v = v.at(self.level);
+            self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
+        }
+        if tokens > 0 {
+            self.own.add(ms, tokens);
+            self.rounds += 1;
+        }
+        self.report_rounds(ms, tokens);
+        self.reported += 1;
+        let measured = self.measuring.take();
+        // A first round at a load is judged as a probe is: where it loses, the next waits by what it lost.
+        let probe = std::mem::take(&mut self.probing) || measured.is_some();
+        self.pacing.costs.record_spec(
+            &self.pacing.kind,
+            self.level,
+            ms,
+            tokens,
+            probe.then(|| setup.at(self.level)),
+        );
+        if let Some(level) = measured {
+            self.pacing.costs.measured(&self.pacing.kind, level);
+        }
+        self.give_back_probes();
+    }
+
+    /// The target wrote `tokens` alone for `spent` (in a pause). Its figures go to the load when the call ended, as
+    /// [`Pace::target_wrote`]'s do, not to the load of the advice that began the pause: a pause runs for up to
+    /// [`Pace::MAX_PAUSE`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
+    /// charged more. Charged to the advice's load, the pauses at the end of a run would raise the figure of the target
+    /// alone at the higher load, and speculation would be set against a target dearer than it is. The tokens count
+    /// towards the next probe at the advice's load, where the probe will be made.
+    pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
+        let now = load_level((self.pacing.load)());
+        let ms = spent.at(now);
+        let beside = self.beside_speculation(spent);
+        let costs = &self.pacing.costs;
+        costs.add_alone(None, now, ms, tokens, beside);
+        costs.add_rested(&self.pacing.kind, self.level, tokens);
+        costs.record_paused(&self.pacing.kind, now, ms, tokens);
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        self.paused_tokens += tokens;
+        // Towards the next probe of copy rounds too, where they lose.
+        self.pacing
+            .costs
+            .add_rested(&self.copy_kind(), self.level, tokens);
+    }
+
+    /// The kind under which copy rounds made while the model rests are judged: `<kind> copies`.
+    pub(super) fn copy_kind(&self) -> String {
+        copy_kind(&self.pacing.kind)
+    }
+
+    /// Whether a copy round may be made now, in a pause ([`Pace::copied`]): copy rounds are judged as a kind of
+    /// speculation of their own, against the target alone at the same load. While they lose, only a due probe is
+    /// made (the same gaps as the model's probes, [`Costs::record_spec`]). Copies that lose cost a verification for
+    /// little: they pay on replies that quote their prompt (code edits) and lose on replies that only share short
+    /// phrases with it (worked answers).
+    pub fn copies_pay(&mut self) -> bool {
+        if self.pacing.off() {
+            return false;
+        }
+        let (costs, kind) = (&self.pacing.costs, self.copy_kind());
+        let alone = costs
+            .alone_ms(self.level)
+            .or_else(|| costs.alone_near(self.level));
+        self.probing_copies = matches!(
+            (costs.spec_ms(&kind, self.level), alone),
+            (Some(c), Some(a)) if c > a
+        );
+        if !self.probing_copies {
+            return true;
+        }
+        let taken = costs.take_probe(&kind, self.level, 0);
+        if taken {
+            self.held.push((kind, self.level));
+        }
+        taken
+    }
+
+    /// In a pause, a copy round found nothing to copy and the target wrote `tokens` to its segment's end for `spent`
+    /// (its steps measured as the target's, [`Pace::target_wrote`]): they use up the pause, count towards the model's
+    /// next probe and go to the pauses' figure.
+    pub fn copied_nothing(&mut self, spent: Spent, tokens: usize) {
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        self.paused_tokens += tokens;
+        self.probing_copies = false;
+        let costs = &self.pacing.costs;
+        costs.add_rested(&self.pacing.kind, self.level, tokens);
+        costs.record_paused(&self.pacing.kind, self.level, spent.at(self.level), tokens);
+        self.give_back_probes();
+    }
+
+    /// In a pause, a copy round wrote `tokens` for `spent`: they use up the pause as the target's would, count
+    /// towards the model's next probe, and go to the copies' own figure, not the target's.
+    pub fn copied(&mut self, spent: Spent, tokens: usize) {
+        self.paused = self.paused.saturating_sub(tokens.max(1));
+        let costs = &self.pacing.costs;
+        costs.add_rested(&self.pacing.kind, self.level, tokens);
+        let probe = std::mem::take(&mut self.probing_copies).then_some(0.0);
+        let ms = spent.at(self.level);
+        costs.record_spec(&self.copy_kind(), self.level, ms, tokens, probe);
+        costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
+        self.give_back_probes();
+    }
+
+    /// A round advised as speculation drew its whole draft from copies ([`Drafter::model_tokens_drafted`]): it wrote
+    /// `tokens` for `spent`, which goes to the copies' figure, not the model's. (Judged as the model's, rounds of long
+    /// copies, a verification for dozens of tokens, made a model that lost to them look cheap, and each request began
+    /// with a model round that paid for the draft's prefill of its prompt.)
+    ///
+    /// [`Drafter::model_tokens_drafted`]: crate::driver::Drafter::model_tokens_drafted
+    pub fn copies_only(&mut self, spent: Spent, tokens: usize) {
+        self.end_round();
+        self.probing = false;
+        let ms = spent.at(self.level);
+        self.pacing
+            .costs
+            .record_spec(&self.copy_kind(), self.level, ms, tokens, None);
+        self.report_rounds(ms, tokens);
+        self.give_back_probes();
+    }
+
+    /// The round chosen by [`Pace::choose_rounds`] wrote `tokens` in `ms` ([`Costs::record_rounds`]).
+    pub(super) fn report_rounds(&mut self, ms: f64, tokens: usize) {
+        let Some(rounds) = self.rounds_of.take() else {
+            return;
+        };
+        let measured = match self.streak.as_mut() {
+            Some((_, written, first)) => {
+                *written += tokens;
+                !std::mem::take(first)
+            }
+            None => true,
+        };
+        self.pacing.costs.record_rounds(
+            &self.pacing.kind,
+            rounds,
+            self.level,
+            measured.then_some(ms),
+            tokens,
+        );
+    }
+
+    pub(super) fn end_round(&mut self) {
+        if std::mem::take(&mut self.in_round) {
+            self.round_ended = Some(self.pacing.costs.round_ends());
+        }
+    }
+
+    /// Whether another request's speculative round ran while the target wrote for `spent` (the last to end being
+    /// this request's own, the others' are taken to have ended before it).
+    pub(super) fn beside_speculation(&self, spent: Spent) -> bool {
+        let costs = &self.pacing.costs;
+        costs.activity(|a| {
+            a.running > usize::from(self.in_round)
+                || a.last_end.is_some_and(|t| {
+                    Some(t) != self.round_ended && t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms
+                })
+        })
+    }
+
+    /// Ends the current pause before its length is used up: the target stopped at a segment's end, where the pause
+    /// was to end anyway, and what was left of it would go on one segment per call. The next advice reads the figures
+    /// again (most likely a pause of whole 16-token calls).
+    pub fn end_pause(&mut self) {
+        self.paused = 0;
+    }
+
+    /// How many tokens this request's next token-level round should draft, at most `max` ([`Costs::draft_length`],
+    /// at the load of the last advice).
+    pub fn draft_length(&self, max: usize) -> usize {
+        self.pacing
+            .costs
+            .draft_length(&self.pacing.kind, self.level, max)
+    }
+
+    /// A token-level round drafted `drafted` tokens for `draft` and the target kept `accepted` of them, verifying
+    /// for `verify` ([`Costs::record_token_round`]).
+    pub fn token_round(&self, drafted: usize, accepted: usize, verify: Spent, draft: Spent) {
+        self.pacing.costs.record_token_round(
+            &self.pacing.kind,
+            self.level,
+            drafted,
+            accepted,
+            verify.at(self.level),
+            draft.at(self.level),
+        );
+    }
+
+    /// Whether a one-token guess pays at the load of the last advice ([`Costs::guess_pays`]).
+    pub fn guess_pays(&self) -> bool {
+        !self.pacing.off() && self.pacing.costs.guess_pays(&self.pacing.kind, self.level)
+    }
+
+    /// A one-token guess was verified for `verify`; the target kept it (`right`) or not ([`Costs::record_guess`]).
+    pub fn guessed(&self, verify: Spent, right: bool) {
+        let level = self.level;
+        self.pacing
+            .costs
+            .record_guess(&self.pacing.kind, level, verify.at(level), right);
+    }
+
+    /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
+    /// propose): its speed at the current load, for the others.
+    pub fn target_wrote(&self, spent: Spent, tokens: usize) {
+        let level = load_level((self.pacing.load)());
+        let beside = self.beside_speculation(spent);
+        self.pacing
+            .costs
+            .add_alone(None, level, spent.at(level), tokens, beside);
+    }
+}

@@ -1,0 +1,488 @@
+//! Whether speculation pays, judged on measured times: by each request, with what the requests sharing its workers
+//! have measured at the same load.
+//!
+//! A speculative round costs its drafting and its verification and writes the tokens it keeps; the target writing
+//! alone costs one step per token. Which is cheaper depends on the request (how much of its drafts the target keeps)
+//! and on the load (a step shared by 8 requests costs more than a step alone, and a verification block more again,
+//! so speculation that pays at one request can lose at eight). [`Costs`] keeps, per load level, the target's
+//! milliseconds per token when it writes alone and each kind of speculation's milliseconds per output token, as
+//! moving averages weighted by tokens over the requests that report to it: the router keeps one for its worker
+//! pools, an in-process request one of its own. [`Pace`] is one request's use of it: before each round it asks
+//! whether to speculate or to let the target write alone for a while, and reports what the round cost.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The kind under which the copy rounds of a request of `kind` are judged ([`Pace::copied`], [`Pace::copies_only`]):
+/// `<kind> copies`.
+fn copy_kind(kind: &str) -> String {
+    format!("{kind} copies")
+}
+
+/// The figure of everything the pauses of a request of `kind` wrote ([`Pace::wrote_alone`], [`Pace::copied`],
+/// [`Pace::copied_nothing`]): `<kind> pauses`.
+fn pause_kind(kind: &str) -> String {
+    format!("{kind} pauses")
+}
+
+/// The rounds a `parse+token-spec` request speculates with, chosen round by round by what each writes per millisecond
+/// at the current load ([`Pace::choose_rounds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rounds {
+    /// PARSE rounds: a window of whole segments verified in one pass, and after a cut, token-level rounds to the
+    /// segment's end.
+    Segments,
+    /// A token-level round of the length [`Costs::draft_length`] chooses, as `token-spec` makes them.
+    Tokens,
+}
+
+impl Rounds {
+    /// The figure under which a request of `kind` reports its rounds of this sort: `<kind> segments`, `<kind>
+    /// tokens`.
+    fn figure(self, kind: &str) -> String {
+        match self {
+            Rounds::Segments => format!("{kind} segments"),
+            Rounds::Tokens => format!("{kind} tokens"),
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            Rounds::Segments => Rounds::Tokens,
+            Rounds::Tokens => Rounds::Segments,
+        }
+    }
+}
+
+/// What speculation of a kind must beat: the target writing alone (`alone`), or where the kind's drafter copies as
+/// well and its copy rounds (`copies`) write faster than that, those. A draft model that is cheaper than the target
+/// alone and dearer than copying rests, and its requests copy (where a draft-model token costs a large share of a
+/// target step, the model's rounds can lose to the target while copy rounds win). Rounds of copies alone are judged
+/// as copies ([`Pace::copies_only`]). Where the kind's pauses have a figure of their own, that stands for the copies
+/// ([`Costs::pauses_ms`]).
+fn rival(alone: Option<f64>, copies: Option<f64>) -> Option<f64> {
+    match (alone, copies) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, _) => a,
+    }
+}
+
+/// The load level a figure belongs to: requests at once per target worker, in powers of two (level 0: 1 request,
+/// 1: 2, 2: 3-4, 3: 5-8, ...).
+pub fn load_level(requests: usize) -> u32 {
+    usize::BITS - requests.max(1).saturating_sub(1).leading_zeros()
+}
+
+/// The requests a load level stands for, as text (`1`, `2`, `3-4`, `5-8`, ...).
+pub fn level_label(level: u32) -> String {
+    match level {
+        0 => "1".into(),
+        1 => "2".into(),
+        l => format!("{}-{}", (1usize << (l - 1)) + 1, 1usize << l),
+    }
+}
+
+/// Milliseconds per token over recent samples, each weighted by its tokens: a sample of [`Rate::SPAN`] tokens moves
+/// the figure as far as one step of a moving average with weight 0.4 would, a one-token sample about a sixteenth as far
+/// (so that one slow step, say the first after a wave of prefills, does not stand for the whole rate).
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    ms: f64,
+    tokens: f64,
+}
+
+impl Rate {
+    const SPAN: f64 = 16.0;
+    const KEEP: f64 = 0.6;
+
+    fn add(&mut self, ms: f64, tokens: usize) {
+        if tokens == 0 {
+            return;
+        }
+        let keep = Self::KEEP.powf(tokens as f64 / Self::SPAN);
+        self.ms = self.ms * keep + ms;
+        self.tokens = self.tokens * keep + tokens as f64;
+    }
+
+    fn get(&self) -> Option<f64> {
+        (self.tokens > 0.0).then(|| self.ms / self.tokens)
+    }
+}
+
+/// One kind of speculation at one load level.
+#[derive(Debug, Clone)]
+struct SpecFigure {
+    rate: Rate,
+    /// Tokens written alone by requests of this kind since its last speculative round here.
+    since: usize,
+    /// Tokens written alone between two probe rounds while speculation loses: doubled after each probe that still
+    /// loses, back to the least after one that wins.
+    gap: usize,
+    /// Rounds reported here, by all requests.
+    reports: usize,
+    /// A request is making a first round here with no figure to judge it by (see [`Pace::advise`]).
+    measuring: bool,
+    /// A request took a probe here and has not asked for advice since ([`Costs::take_probe`]).
+    probe_out: bool,
+    /// What token-level rounds' verifications and drafts cost here ([`Costs::draft_length`]).
+    passes: Passes,
+    /// What the drafter's prefill costs here per context token (its first prefill of a request's context): the price
+    /// of the tokens a request's draft has to catch up on before speculating again ([`Pace::position`]).
+    entry: Rate,
+}
+
+/// Token-level rounds at one load: their verification passes (milliseconds against rows, rows being the pending token
+/// and the drafted ones) and their drafting (milliseconds and tokens drafted), as sums that fade by [`Passes::KEEP`]
+/// per round.
+#[derive(Debug, Clone, Copy, Default)]
+struct Passes {
+    weight: f64,
+    rows: f64,
+    rows2: f64,
+    verify_ms: f64,
+    rows_ms: f64,
+    draft_ms: f64,
+    drafted: f64,
+    /// Rounds reported (unfaded): every [`Passes::SPREAD_EVERY`]th drafts half as far while the rows have no spread.
+    rounds: usize,
+}
+
+impl Passes {
+    const KEEP: f64 = 0.9;
+    const SPREAD_EVERY: usize = 4;
+
+    fn add(&mut self, verify_ms: f64, rows: usize, draft_ms: f64, drafted: usize) {
+        let (k, r) = (Self::KEEP, rows as f64);
+        self.weight = self.weight * k + 1.0;
+        self.rows = self.rows * k + r;
+        self.rows2 = self.rows2 * k + r * r;
+        self.verify_ms = self.verify_ms * k + verify_ms;
+        self.rows_ms = self.rows_ms * k + r * verify_ms;
+        self.draft_ms = self.draft_ms * k + draft_ms;
+        self.drafted = self.drafted * k + drafted as f64;
+        self.rounds += 1;
+    }
+
+    /// A verification's time as a line in its rows, fitted by least squares: (fixed ms, ms per row). `None` while
+    /// the rows spread less than half a row either way (a line through one point).
+    fn line(&self) -> Option<(f64, f64)> {
+        let w = self.weight;
+        let spread = w * self.rows2 - self.rows * self.rows;
+        if w <= 0.0 || spread < 0.25 * w * w {
+            return None;
+        }
+        let per_row = ((w * self.rows_ms - self.rows * self.verify_ms) / spread).max(0.0);
+        Some((
+            ((self.verify_ms - per_row * self.rows) / w).max(0.0),
+            per_row,
+        ))
+    }
+
+    /// Milliseconds per drafted token.
+    fn ms_per_drafted(&self) -> f64 {
+        if self.drafted > 0.0 {
+            (self.draft_ms / self.drafted).max(0.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// How often each position of a kind's token-level drafts is accepted, given the ones before it were: per position,
+/// the drafts that reached it with every earlier token accepted, and those of them whose token was accepted, as sums
+/// that fade by [`Reach::KEEP`] per round (at every position, so that a position the drafts no longer reach drifts
+/// back to the prior and gets tried again).
+#[derive(Debug, Clone, Default)]
+struct Reach {
+    offered: Vec<f64>,
+    accepted: Vec<f64>,
+}
+
+impl Reach {
+    const KEEP: f64 = 0.97;
+    /// Weight of the prior of a position's rate: the rate of the position before it (the first position's, 1: a
+    /// kind with no rounds yet drafts as far as it may, which measures it).
+    const PRIOR: f64 = 2.0;
+
+    fn add(&mut self, drafted: usize, accepted: usize) {
+        if self.offered.len() < drafted {
+            self.offered.resize(drafted, 0.0);
+            self.accepted.resize(drafted, 0.0);
+        }
+        for j in 0..self.offered.len() {
+            self.offered[j] *= Self::KEEP;
+            self.accepted[j] *= Self::KEEP;
+            if j < drafted && j <= accepted {
+                self.offered[j] += 1.0;
+                if j < accepted {
+                    self.accepted[j] += 1.0;
+                }
+            }
+        }
+    }
+
+    /// The chance that a draft's token at each position up to `max` is accepted with every one before it.
+    fn reach(&self, max: usize) -> Vec<f64> {
+        let (mut prior, mut all) = (1.0, 1.0);
+        (0..max)
+            .map(|j| {
+                let (o, a) = (
+                    self.offered.get(j).copied().unwrap_or(0.0),
+                    self.accepted.get(j).copied().unwrap_or(0.0),
+                );
+                let p = (a + Self::PRIOR * prior) / (o + Self::PRIOR);
+                prior = p;
+                all *= p;
+                all
+            })
+            .collect()
+    }
+}
+
+/// A kind's one-token guesses ([`Costs::guess_pays`]): how many were made and how many the target kept (both decayed
+/// by [`Guesses::KEEP`] per guess), and the guesses left out since the last one made while they lose.
+#[derive(Debug, Default)]
+struct Guesses {
+    made: f64,
+    right: f64,
+    skipped: usize,
+}
+
+impl Guesses {
+    /// About the last hundred guesses count.
+    const KEEP: f64 = 0.99;
+
+    /// The share of guesses the target keeps, with one kept and one not as the prior (a kind with no guesses yet
+    /// guesses, which measures it).
+    fn rate(&self) -> f64 {
+        (self.right + 1.0) / (self.made + 2.0)
+    }
+}
+
+/// The token-level round [`Costs::draft_length`] chooses: its draft length and the ms per output token it expects,
+/// with the row and drafted-token prices it was judged by.
+#[derive(Debug, Clone, Copy)]
+struct BestRound {
+    tokens: usize,
+    ms_per_token: f64,
+    per_row: f64,
+    draft_ms: f64,
+}
+
+impl Default for SpecFigure {
+    fn default() -> Self {
+        SpecFigure {
+            rate: Rate::default(),
+            since: 0,
+            gap: Costs::MIN_GAP,
+            reports: 0,
+            measuring: false,
+            probe_out: false,
+            passes: Passes::default(),
+            entry: Rate::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Level {
+    alone: Rate,
+    spec: HashMap<String, SpecFigure>,
+}
+
+impl Level {
+    /// What speculation of `kind` is set against besides the target alone ([`rival`]), where the kind's drafter
+    /// copies in its pauses: what those pauses wrote per token as a whole (the copy rounds, those that found nothing
+    /// to copy, and the target's calls alone), once a pause has measured it. Not the copy rounds' own figure, which
+    /// counts only rounds that found a copy (and speculative rounds that drew their whole draft from copies): set
+    /// against that, a model would rest for pauses that write more slowly than its own rounds.
+    fn pauses_ms(&self, kind: &str) -> Option<f64> {
+        let rate = |k: String| self.spec.get(&k).and_then(|s| s.rate.get());
+        rate(copy_kind(kind)).and(rate(pause_kind(kind)))
+    }
+}
+
+/// One figure of [`Costs::snapshot`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostFigure {
+    pub level: u32,
+    /// `alone` (the target writing alone) or a kind of speculation.
+    pub path: String,
+    pub ms_per_token: f64,
+}
+
+/// Milliseconds per output token, per load level: the target writing alone and each kind of speculation (a mode and
+/// its drafter, say `parse+token-spec/model`). Shared by the requests of one pool of workers.
+#[derive(Debug, Default)]
+pub struct Costs {
+    levels: Mutex<HashMap<u32, Level>>,
+    activity: Mutex<Activity>,
+    reach: Mutex<HashMap<String, Reach>>,
+    /// Per kind, its one-token guesses ([`Costs::guess_pays`]).
+    guesses: Mutex<HashMap<String, Guesses>>,
+    /// Output lengths of the pool's last [`Costs::LENGTHS`] finished requests, newest last.
+    lengths: Mutex<std::collections::VecDeque<usize>>,
+}
+
+/// The speculative rounds of a pool's requests: how many run now, and when the last ended.
+#[derive(Debug, Default)]
+struct Activity {
+    running: usize,
+    last_end: Option<std::time::Instant>,
+}
+
+/// Where a request's pace reports: the shared figures, the request's kind of speculation, how to read the
+/// current load (requests at once per target worker), and the load from which the operator turned speculation off.
+#[derive(Clone)]
+pub struct Pacing {
+    pub costs: Arc<Costs>,
+    pub kind: String,
+    pub load: Arc<dyn Fn() -> usize + Send + Sync>,
+    /// Where the load is at least this, the target writes alone, as in `target` mode: no draft, no copies, no
+    /// guesses, whatever the figures say (the router's `--speculation-off-at`; vLLM's
+    /// `speculative_disable_by_batch_size` is the same setting). `None`: the figures alone decide.
+    pub off_at: Option<usize>,
+}
+
+impl Pacing {
+    /// Figures of one request's own, at a load of one.
+    pub fn alone(kind: &str) -> Self {
+        Pacing {
+            costs: Arc::new(Costs::default()),
+            kind: kind.to_string(),
+            load: Arc::new(|| 1),
+            off_at: None,
+        }
+    }
+
+    /// Whether the operator turned speculation off at the current load ([`Pacing::off_at`]).
+    pub fn off(&self) -> bool {
+        self.off_at.is_some_and(|n| (self.load)() >= n)
+    }
+}
+
+impl std::fmt::Debug for Pacing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pacing")
+            .field("kind", &self.kind)
+            .field("load", &(self.load)())
+            .field("off_at", &self.off_at)
+            .finish()
+    }
+}
+
+/// What a round or a run of steps cost: its wall time and, where the workers measure it, the worker time charged to
+/// it ([`crate::Verifier::charged_ms`]: each pass's time split among the requests in it by rows).
+///
+/// With one request per worker the wall time is the cost: it is the request's latency, round trips included, and
+/// nobody else could have used the gaps. With more, it is not: a step that shares its pass with other requests'
+/// verification blocks and prefills takes as long as the whole pass, so the target writing alone looks dearer the
+/// more the others speculate, while what a request takes from the pool is its rows' share of the passes. Figures at
+/// those levels are charged times where the workers report them: summed over the requests they are the pool's busy
+/// time, and a request that takes the cheaper path per token raises the pool's throughput.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spent {
+    pub wall_ms: f64,
+    pub charged_ms: Option<f64>,
+}
+
+impl Spent {
+    /// Wall time alone (no worker reports a charge: in process).
+    pub fn wall(ms: f64) -> Self {
+        Spent {
+            wall_ms: ms,
+            charged_ms: None,
+        }
+    }
+
+    /// The figure that counts at `level`.
+    pub fn at(&self, level: u32) -> f64 {
+        match self.charged_ms {
+            Some(c) if level > 0 => c,
+            _ => self.wall_ms,
+        }
+    }
+}
+
+/// What a request does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Advice {
+    Speculate,
+    /// Let the target write up to this many tokens alone.
+    Alone(usize),
+}
+
+/// One request's pace. Speculation goes on while it writes tokens at least as fast as the target alone, judged on
+/// an estimate of its milliseconds per token: the request's own recent rounds, leaning on the shared figure of its
+/// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, it leans on
+/// the first that other requests report while its rounds go on, and with none, those rounds are made before it is
+/// judged). While it loses, the target writes alone, and every so many tokens written
+/// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
+/// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
+/// which measures it again. Before the target's own speed at a load is known, a one-row pass by the line fitted to
+/// token-level verifications of its kind ([`Costs::one_row_ms`]) stands in for it, or where there is none, the
+/// cheapest verification the request has seen (a one-token step costs no more), and the first pause is short, which
+/// measures it. Where no request has reported a round of its kind at its load yet, one request at a time makes the
+/// first, and the others write alone in short pauses until its figure is in.
+/// Greedy only: a pause in a sampled request would change which random draws it uses.
+#[derive(Debug)]
+pub struct Pace {
+    pacing: Pacing,
+    /// This request's ms per token since its last pause, and its rounds there.
+    own: Rate,
+    rounds: usize,
+    /// The shared figure when those rounds began (before they were reported to it), or where there was none, the
+    /// first that others reported to while they went on.
+    prior: Option<f64>,
+    /// Rounds this request reported since it last paused.
+    reported: usize,
+    /// The last advice was to write alone.
+    alone_last: bool,
+    cheapest_verify_ms: Option<f64>,
+    /// Tokens still to write alone in the current pause.
+    paused: usize,
+    /// The level of the last advice, which the next report belongs to.
+    level: u32,
+    probing: bool,
+    /// A speculative round of this request is running (counted in the pool's [`Activity`]).
+    in_round: bool,
+    /// When this request's last round ended (a round that ends at the next advice ends after that advice's mark).
+    round_ended: Option<std::time::Instant>,
+    /// The level where this request makes the first round of its kind, with no figure there yet.
+    measuring: Option<u32>,
+    /// Where the request is ([`Pace::position`]): tokens written, tokens it may still write, and context tokens its
+    /// drafter has not processed yet.
+    written: usize,
+    left: usize,
+    lag: usize,
+    /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
+    pub pauses: usize,
+    pub paused_tokens: usize,
+    /// Times speculation would have paid per token but not for what its drafter had to catch up on first, and times
+    /// a first round at a load with no figure yet was left to a request whose drafter had less to catch up on.
+    pub entries_declined: usize,
+    /// The copy round about to be made is a probe of copies that lose ([`Pace::copies_pay`]).
+    probing_copies: bool,
+    /// Probes this request took and has not given back yet ([`Costs::probe_back`]: at its next advice, or its end).
+    held: Vec<(String, u32)>,
+    /// The sort of the speculative round in progress, where it was chosen ([`Pace::choose_rounds`]).
+    rounds_of: Option<Rounds>,
+    /// The sort of this request's rounds since its last choice, the tokens they wrote, and whether the first of them
+    /// is still to report (it pays for the switch, and goes to no sort's figure).
+    streak: Option<(Rounds, usize, bool)>,
+}
+
+impl Drop for Pace {
+    fn drop(&mut self) {
+        self.end_round();
+        self.give_back_probes();
+        if let Some(level) = self.measuring.take() {
+            self.pacing.costs.measured(&self.pacing.kind, level);
+        }
+    }
+}
+
+mod advise;
+mod costs;
+#[cfg(test)]
+mod tests;
