@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 /// The reference Qwen2.5 tokenizer kept in the repository (`assets/tokenizer`).
 pub fn tokenizer_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/qwen2.5-tokenizer.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../assets/tokenizer/qwen2.5-tokenizer.json")
 }
 
 pub fn tokenizer() -> Tokenizer {

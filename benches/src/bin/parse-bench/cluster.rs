@@ -55,7 +55,7 @@ pub(super) fn through_router(
                 next.clone(),
                 base.clone(),
             );
-            let (tok, suite) = (tok.clone(), args.suite.clone());
+            let (tok, cut) = (tok.clone(), args.cuts_at_code_block());
             tasks.spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -71,7 +71,7 @@ pub(super) fn through_router(
                         .generate_stream(req)
                         .await
                         .map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
-                    let mut end = AnswerEnd::new(&tok, &suite);
+                    let mut end = AnswerEnd::new(&tok, cut);
                     let mut stats = Stats::default();
                     let mut first = None;
                     while let Some(event) = stream.next().await {

@@ -11,11 +11,12 @@
 //! per mode and verdict over the tau sweep, target mode as the cross-hair) and `<out-dir>/<suite>-work.svg` (the
 //! target's forward passes per output token against quality, likewise).
 //!
-//! HumanEval replies are scored on their first code block, so generation stops once that block is closed (as
-//! HumanEval harnesses stop at the end of the function) instead of writing prose to the budget; the loop hands
-//! output over in chunks, so the harness keeps tokens only up to the closing fence and counts, per prompt, how many
-//! of the kept tokens the draft wrote. Output tokens, per-token figures, tok/s and the draft share use the kept
-//! tokens; the time of the whole run (overshoot of the last chunk included) stays in.
+//! Replies are measured whole, as a user receives them (up to the budget). HumanEval replies are scored on their
+//! first code block; with `--cut-at-code-block` generation stops once that block is closed (as HumanEval harnesses
+//! stop at the end of the function): the loop hands output over in chunks, so the harness keeps tokens only up to
+//! the closing fence and counts, per prompt, how many of the kept tokens the draft wrote. Output tokens, per-token
+//! figures, tok/s and the draft share then use the kept tokens; the time of the whole run (overshoot of the last
+//! chunk included) stays in.
 //!
 //! With `--router ADDR --clients N` the requests go through a running cluster instead, N at a time (prompts taken
 //! in order), each reply streamed and dropped once its answer is over (the router then stops it); tok/s is then the
@@ -88,6 +89,10 @@ struct Args {
     max_new_tokens: Option<usize>,
     #[arg(long, default_value = "bench-results")]
     out_dir: PathBuf,
+    /// HumanEval: stop each reply at the close of its first code block (the part that is scored) instead of
+    /// measuring the whole reply.
+    #[arg(long)]
+    cut_at_code_block: bool,
     /// Where to write the run's result record [default: <out-dir>/<suite>.record.json].
     #[arg(long)]
     record: Option<PathBuf>,
@@ -142,6 +147,13 @@ struct Args {
 struct Record {
     prompt: String,
     raw: Value,
+}
+
+impl Args {
+    /// Whether replies stop at the close of their first code block (`--cut-at-code-block`, HumanEval only).
+    fn cuts_at_code_block(&self) -> bool {
+        self.cut_at_code_block && self.suite == "humaneval"
+    }
 }
 
 fn records(args: &Args) -> Result<Vec<Record>> {
@@ -222,7 +234,7 @@ struct Saved {
     first: Option<(f64, usize)>,
 }
 
-/// Keeps output up to the end of a suite's answer: for HumanEval, the close of the reply's first code block.
+/// Keeps output up to the end of the answer: with `closes_code_block`, the close of the reply's first code block.
 struct AnswerEnd<'a> {
     tokenizer: &'a Tokenizer,
     closes_code_block: bool,
@@ -234,10 +246,10 @@ struct AnswerEnd<'a> {
 }
 
 impl<'a> AnswerEnd<'a> {
-    fn new(tokenizer: &'a Tokenizer, suite: &str) -> Self {
+    fn new(tokenizer: &'a Tokenizer, closes_code_block: bool) -> Self {
         AnswerEnd {
             tokenizer,
-            closes_code_block: suite == "humaneval",
+            closes_code_block,
             decoder: StreamDecoder::new(),
             text: String::new(),
             kept: Vec::new(),
@@ -376,7 +388,7 @@ fn run_in_process(
             tok.eos_ids().to_vec(),
         )?),
     };
-    let mut end = AnswerEnd::new(tok, &args.suite);
+    let mut end = AnswerEnd::new(tok, args.cuts_at_code_block());
     let o = parse_core::generate_paced(
         d.as_mut(),
         &mut v,
@@ -511,9 +523,14 @@ fn main() -> Result<()> {
     let runs_dir = args.out_dir.join(format!("{}-runs", args.suite));
     let run_dir = |cfg: &RunCfg| {
         runs_dir.join(format!(
-            "{}-b{budget}-la{}-{RESULTS_FORMAT}",
+            "{}-b{budget}-la{}{}-{RESULTS_FORMAT}",
             label(cfg).replace([' ', '=', '+'], "_"),
-            args.lookahead
+            args.lookahead,
+            if args.cuts_at_code_block() {
+                "-cut"
+            } else {
+                ""
+            }
         ))
     };
     for cfg in &runs {

@@ -18,9 +18,18 @@ pub(super) fn result_record(
     };
     let mut record = parse_record::Record::new(
         "parse-bench",
-        format!("{}: {prompts} prompts, {where_}", args.suite),
+        format!(
+            "{}: {prompts} prompts, {where_}, {}",
+            args.suite,
+            if args.cuts_at_code_block() {
+                "replies cut at the code block's close"
+            } else {
+                "whole replies"
+            }
+        ),
         json!({
             "suite": args.suite, "prompts": prompts, "skip": args.skip, "max_new_tokens": budget,
+            "cut_at_code_block": args.cuts_at_code_block(),
             "router": args.router, "clients": args.clients, "repeat": args.repeat,
         }),
     );

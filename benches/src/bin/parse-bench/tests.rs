@@ -13,7 +13,7 @@ fn humaneval_output_is_kept_up_to_the_close_of_the_first_code_block() {
     let prose = tok
         .encode("\n\nThis function returns its argument.")
         .unwrap();
-    let mut end = AnswerEnd::new(&tok, "humaneval");
+    let mut end = AnswerEnd::new(&tok, true);
     // The draft writes the head, the target the fence and, in the same chunk, prose that must not count.
     assert!(end.push(&head, Source::Draft));
     let tail: Vec<u32> = close.iter().chain(&prose).copied().collect();
@@ -29,7 +29,7 @@ fn humaneval_output_is_kept_up_to_the_close_of_the_first_code_block() {
     assert_eq!(code, "\ndef f(x):\n    return x\n");
 
     // Other suites keep everything the loop emits.
-    let mut all = AnswerEnd::new(&tok, "asdiv");
+    let mut all = AnswerEnd::new(&tok, false);
     assert!(all.push(&tail, Source::Draft));
     assert_eq!((all.kept.len(), all.from_draft), (tail.len(), tail.len()));
 }
