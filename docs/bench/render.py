@@ -21,6 +21,8 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
 SCHEMA = "parse-record/1"
 README_ROWS = 10
+# The figures a README row shows (every figure of a cell is in docs/performance.md).
+README_FIGURES = ["tokens_per_s", "x_target", "ms", "x_decode_step", "x_llama_cpp"]
 
 
 class RecordError(Exception):
@@ -126,15 +128,32 @@ def performance(records):
     return "\n".join(out).rstrip() + "\n"
 
 
+def short_command(command):
+    """The command without the options that only say where its output goes."""
+    out, words = [], command.split()
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+            continue
+        if w in ("--record", "--out-dir", "--out"):
+            skip = True
+            continue
+        if w == "--headline":
+            continue
+        out.append(w)
+    return " ".join(out)
+
+
 def readme_table(records):
     rows = []
     for r in records:
         for c in r["cells"]:
             if c.get("headline"):
-                figures = ", ".join(f"{k} {num(v)}" for k, v in c["figures"].items())
+                figures = ", ".join(f"{k} {num(c['figures'][k])}" for k in README_FIGURES if k in c["figures"])
                 rows.append(
-                    f"| {r['title']}: {c['label']} | {figures} | {quality(c.get('quality'))} | "
-                    f"{r['host']['cpu']} | `{r['commit'][:10]}` | `{r['command']}` |"
+                    f"| {c['label']} | {figures} | {quality(c.get('quality'))} | "
+                    f"{r['host']['cpu']} | `{r['commit'][:8]}` | `{short_command(r['command'])}` |"
                 )
     if len(rows) > README_ROWS:
         raise RecordError(f"{len(rows)} headline cells; the README's table holds at most {README_ROWS}")

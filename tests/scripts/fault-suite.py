@@ -19,7 +19,7 @@ and, at the end, sessions still open on every worker (must be 0), and prints a M
 The default models are the draft model for both roles: this exercises the cluster's fault handling, not quality, and
 keeps a 2-core machine's benches short; --target-model names another.
 
-  tests/scripts/fault-suite.py [--tls] [--requests 32] [--concurrency 16] [--out FILE.json]
+  tests/scripts/fault-suite.py [--tls] [--requests 32] [--concurrency 16] [--out FILE.json: a result record]
 
 A network partition is not played here (it needs network namespaces); the compose cluster test plays one.
 Exit status 0 when nothing was lost and no session was left open.
@@ -315,8 +315,18 @@ try:
         for e in r["errors"]:
             print(f"  error ({r['phase']} {r['fault']}): {e}")
     if args.out:
+        # A result record (parse-record/1): a cell per bench and fault, and the suite's totals.
+        import parse_record
+        cells = [{"label": f"{r['phase']}: {r['fault']}",
+                  "figures": {"ok": r["ok"], "lost": r["failed"], "draft_failovers": r["draft_failovers"],
+                              "target_failovers": r["target_failovers"], "latency_p50_ms": r["p50_ms"],
+                              "latency_p99_ms": r["p99_ms"]}} for r in rows]
+        cells.append({"label": "whole suite", "figures": {"lost": lost, "sessions_open_after": left}})
+        rec = parse_record.record("fault-suite", f"Load and faults: {args.concurrency} streams, "
+                                  f"{args.requests} requests per bench{', mutual TLS' if args.tls else ''}",
+                                  vars(args), cells)
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "sessions_after": sessions, "lost": lost, "args": vars(args)}, f, indent=1)
+            json.dump(rec, f, indent=2)
     ok = lost == 0 and left == 0 and all(isinstance(v, int) for v in sessions.values())
     print("fault suite:", "ok" if ok else "FAILED")
     sys.exit(0 if ok else 1)
