@@ -12,7 +12,7 @@ use parse_core::{
 use parse_discovery::Role;
 use parse_draft_worker::DraftWorkerConfig;
 use parse_engine::Message;
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_router::RouterConfig;
 use parse_target_worker::TargetWorkerConfig;
 use parse_tests::*;

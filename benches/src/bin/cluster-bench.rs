@@ -15,7 +15,7 @@ use parse_bench::{humaneval_prompts, model_dir};
 use parse_client::{Client, GenerateRequest};
 use parse_core::{AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig};
 use parse_draft_worker::{DraftWorker, DraftWorkerConfig};
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message};
 use parse_router::{Router, RouterConfig};
 use parse_target_worker::{TargetWorker, TargetWorkerConfig};

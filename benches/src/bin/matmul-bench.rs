@@ -7,7 +7,7 @@
 //! `--shape 71680x1536` (62 MB in Q4_K) against `--shape 8960x1536` (8 MB) on a CPU with 32 MB of L3.
 //!
 //! `cargo run --release -p parse-bench --bin matmul-bench -- --formats q4k,q6k --shape 71680x1536 --rows 1,8,16`
-//! (`PARSE_CPU_ROW_GROUPS=off` keeps every block on the panels, `PARSE_CPU_KERNELS` forces a kernel variant.)
+//! (`PARSE_CPU_KERNELS` forces a kernel variant.)
 
 use std::time::Instant;
 

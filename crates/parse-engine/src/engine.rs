@@ -6,11 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::any_model::Net;
 use crate::candle::Compute;
 use crate::error::{Error, Result};
 use crate::load::{self, GgufFile, LoadOptions};
 use crate::model::{Logits, Model, ModelConfig};
-use crate::net::Net;
 use crate::session::SessionStore;
 use parse_core::mask::BlockMask;
 use parse_text::Tokenizer;

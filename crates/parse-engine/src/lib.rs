@@ -6,9 +6,10 @@
 //! `quant` and `ops`); the exact limits of PARSE and lossless token-level speculation rest on it.
 
 pub mod alloc;
-pub mod backend;
+pub mod any_model;
 mod block;
 pub mod candle;
+pub mod drafter_verifier;
 pub mod engine;
 pub mod error;
 pub mod generate;
@@ -16,7 +17,6 @@ pub mod kernels;
 mod layout;
 pub mod load;
 pub mod model;
-pub mod net;
 pub mod ops;
 pub mod parallel;
 pub mod quant;
@@ -27,6 +27,7 @@ pub use parse_text::tokenizer;
 pub mod tp;
 pub mod vexp;
 
+pub use any_model::{Net, SessionCache};
 #[cfg(feature = "clap")]
 pub use candle::ComputeArgs;
 pub use candle::{Backend, CandleModel, Compute, DeviceSpec};
@@ -35,7 +36,6 @@ pub use error::{Error, Result};
 pub use generate::{PlainOutput, PlainRequest, PlainStats, generate_plain};
 pub use load::LoadOptions;
 pub use model::{Arch, KvCache, Logits, Model, ModelConfig};
-pub use net::{Net, SessionCache};
 pub use parse_core::FinishReason;
 pub use parse_core::mask::{self, BlockMask, MaskRow};
 pub use parse_text::{ChatRole, ChatTemplate, Message, Tokenizer};

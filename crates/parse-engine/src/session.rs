@@ -5,10 +5,10 @@
 
 use std::collections::HashMap;
 
+use crate::any_model::{Net, SessionCache};
 use crate::block::Block;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Packed};
-use crate::net::{Net, SessionCache};
 use parse_core::mask::BlockMask;
 
 /// The sessions of one model.

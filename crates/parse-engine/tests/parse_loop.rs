@@ -9,7 +9,7 @@ use std::path::Path;
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, Mode, SegmenterConfig, Verdict, VerifyPlan,
 };
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_engine::model::{Arch, ModelConfig};
 use parse_engine::ops::RopeStyle;
 use parse_engine::{Engine, Message, Model, PlainRequest, Tokenizer};
@@ -350,7 +350,7 @@ fn a_verification_scores_only_the_rows_asked_for_and_those_with_the_same_bits() 
 fn a_prompt_that_begins_as_a_kept_one_reuses_its_rows_with_the_same_bits() {
     use parse_core::SamplingParams;
     use parse_core::driver::Drafter;
-    use parse_engine::backend::OpenSteps;
+    use parse_engine::drafter_verifier::OpenSteps;
     use parse_engine::steps::run_alone;
     let mut rng = rand::rngs::StdRng::seed_from_u64(17);
     let mut tokens =

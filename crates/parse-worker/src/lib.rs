@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use parse_core::Error as CoreError;
 use parse_engine::EngineOps;
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_engine::steps::{Forward, Next, Steps};
 use parse_engine::{Block, Logits};
 use parse_proto::v1::GetModelInfoResponse;

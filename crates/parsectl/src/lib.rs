@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use parse_core::{Mode, Verdict};
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message, SamplingParams};
 use parse_proto::security::Security;
 use parse_text::TextSink;

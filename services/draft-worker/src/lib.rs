@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use parse_core::{Drafter as _, Error as CoreError};
 use parse_engine::Engine;
-use parse_engine::backend::{BeginSteps, DraftSteps, EngineDrafter};
+use parse_engine::drafter_verifier::{BeginSteps, DraftSteps, EngineDrafter};
 use parse_proto::v1::drafter_server::{Drafter, DrafterServer};
 use parse_proto::v1::{
     DistributionRequest, DistributionResponse, DraftRequest, DraftResponse, DrainRequest,

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use parse_core::{Error as CoreError, SegmenterConfig, Verifier as _, VerifyPlan};
 use parse_engine::EngineOps;
-use parse_engine::backend::{EngineVerifier, ExtendSteps, OpenSteps, VerifySteps};
+use parse_engine::drafter_verifier::{EngineVerifier, ExtendSteps, OpenSteps, VerifySteps};
 use parse_engine::steps::Steps;
 use parse_proto::v1::verifier_server::{Verifier, VerifierServer};
 use parse_proto::v1::{

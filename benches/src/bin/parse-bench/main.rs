@@ -49,7 +49,7 @@ use parse_core::{
     AcceptPolicy, CopyConfig, CopyFirst, DraftWindow, DrafterKind, GenerationRequest, Mode,
     NgramConfig, NgramDrafter, SegmenterConfig, Source, Stats, Verdict,
 };
-use parse_engine::backend::{EngineDrafter, EngineVerifier};
+use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_engine::{Engine, EngineConfig, Message};
 use parse_text::{StreamDecoder, Tokenizer};
 use serde_json::{Value, json};

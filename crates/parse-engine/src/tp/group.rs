@@ -13,10 +13,10 @@ use parse_comm::{Comm, CommError, CommErrorKind};
 use parse_core::mask::{BlockMask, MaskRow};
 use prost::Message;
 
+use crate::any_model::Net;
 use crate::engine::{Block, Engine, EngineOps};
 use crate::error::{Error, Result};
 use crate::model::Logits;
-use crate::net::Net;
 use crate::parallel::Layout;
 use crate::session::SessionStore;
 
