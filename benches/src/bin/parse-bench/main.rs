@@ -131,8 +131,8 @@ struct Args {
     /// With --router: run every configuration this many times, each repetition in the reverse order of the last
     /// (A B, B A, A B, ...), so that a drift of the machine's speed meets every configuration alike. tok/s is then
     /// over all the cells of a configuration, and each repetition's ratio to the `target` cell of the same
-    /// repetition is reported, with their mean and its 95% interval: at 8 clients on a 2-core machine one cell's
-    /// ratio spread from 0.88x to 1.09x over seven clusters, too wide for one cell to tell a few points from noise.
+    /// repetition is reported, with their mean and its 95% interval: under load one cell's ratio spreads too widely
+    /// from cluster to cluster to tell a few points from noise.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
     /// With --router: the cluster's `/metrics` addresses (`host:port`: the router's and every worker's), read before

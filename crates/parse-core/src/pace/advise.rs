@@ -16,9 +16,8 @@ impl Pace {
     /// The longest pause before the figures are read again (the load may have moved).
     pub(super) const MAX_PAUSE: usize = 64;
     /// A request measuring the first rounds of its kind at a load stops before [`Pace::PROBE`] rounds where its
-    /// rounds so far cost more than this many times the target's step per token: two more rounds do not turn such a
-    /// loss (the default's rounds on HumanEval wrote at about 0.7 of a step on average, 1.43-1.46x `target`; its
-    /// first rounds on MT-Bench at about 3 steps).
+    /// rounds so far cost more than this many times the target's step per token: rounds that pay cost well under a
+    /// step, and two more rounds do not turn a loss of this size.
     pub(super) const FAR_BEHIND: f64 = 2.0;
 
     pub fn new(pacing: Pacing) -> Self {

@@ -9,9 +9,8 @@ use super::*;
 pub(super) const Q5_0_TILE8: usize = 8 * std::mem::size_of::<RawQ5_0>();
 
 /// How far ahead of the tile being computed [`q5_0_lanes8`] prefetches, in bytes (about 23 tiles). The tiles are
-/// one stream, yet on a 2-core AVX2-only EPYC (12 GB/s read by one core) the hardware prefetchers left the draft's
-/// 93.6 MB head at 10.9-12.0 ms for one activation row; with this 7.4-8.0 ms, and the draft's one-token step
-/// 41-45 -> 35-36 ms (`matmul-bench --formats q5_0`, `engine-bench --models draft`, one thread; 2 KB came between).
+/// one stream, yet the hardware prefetchers alone leave a one-row pass well below the core's read bandwidth; 4 KB
+/// ahead covers the memory latency at that bandwidth (`matmul-bench --formats q5_0` times it).
 pub(super) const Q5_0_PREFETCH: usize = 4096;
 
 /// The fifth bits of values `4k..4k + 4` of the 8 rows at bit 4 of their bytes (0x10 or 0), from the tile's words

@@ -176,8 +176,8 @@ pub(super) unsafe fn q5_0_tile_unpack(t: *const u8, wq: &mut [__m512i]) -> __m51
 
 /// [`q5_0_lanes`] for `R` (1 or 2) activation rows from registers: each row's 8 lanes of 16 weight rows are held
 /// across a group's blocks and every tile is unpacked into registers once for the `R` rows, nothing goes through
-/// memory (for the one-token step 2-4x the row groups' speed from cache on a 2-core AVX-512 VNNI EPYC,
-/// `matmul-bench --formats q5_0`).
+/// memory: at one or two rows the row groups' spills would cost more than the products (`matmul-bench --formats
+/// q5_0` times it).
 ///
 /// # Safety
 /// As [`q5_0_lanes`].
