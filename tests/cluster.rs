@@ -15,6 +15,7 @@ use parse_engine::Message;
 use parse_engine::drafter_verifier::{EngineDrafter, EngineVerifier};
 use parse_router::RouterConfig;
 use parse_target_worker::TargetWorkerConfig;
+use parse_target_worker::Worker as _;
 use parse_tests::*;
 use tokio_stream::StreamExt;
 
@@ -449,6 +450,8 @@ impl<D: parse_core::Drafter> parse_core::Drafter for Slow<D> {
         self.0.release(s)
     }
 }
+
+impl<D: parse_core::Drafter> parse_core::DraftHints for Slow<D> {}
 
 #[test]
 fn speculation_that_does_not_pay_pauses_and_the_output_stays_the_targets() {

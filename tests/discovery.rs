@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use parse_client::{Client, GenerateRequest};
 use parse_discovery::Role;
 use parse_router::RouterConfig;
+use parse_target_worker::Worker as _;
 use parse_tests::*;
 
 const TTL: Duration = Duration::from_secs(2);

@@ -13,6 +13,7 @@ use parse_proto::v1::verifier_client::VerifierClient;
 use parse_proto::v1::{DrainRequest, OpenSessionRequest};
 use parse_router::RouterConfig;
 use parse_target_worker::TargetWorkerConfig;
+use parse_target_worker::Worker as _;
 use parse_tests::*;
 use tonic::Code;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};

@@ -10,6 +10,7 @@ use parse_engine::model::{Arch, ModelConfig};
 use parse_engine::ops::RopeStyle;
 use parse_engine::{Engine, EngineOps, Model, Tokenizer};
 use parse_router::{Router, RouterConfig};
+use parse_target_worker::Worker as _;
 use parse_target_worker::{TargetWorker, TargetWorkerConfig};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;

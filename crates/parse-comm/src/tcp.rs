@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
+use parse_core::retry::{self, BlockingRetryable};
 use sha2::Sha256;
 
 use crate::{Comm, CommError, CommErrorKind, Result};
@@ -157,18 +158,17 @@ fn refused(peer: usize, why: &str) -> CommError {
 
 /// Dials the next rank (it may not be listening yet) and proves this rank to it; it must prove itself back.
 fn connect_next(addr: SocketAddr, p: Peer, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
-    let mut s = loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() < deadline => {
-                tracing::debug!("rank {} at {addr} not up yet: {e}", p.other);
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(e) => {
-                return Err(refused(p.other, &format!("at {addr} did not come up: {e}")));
-            }
-        }
-    };
+    let delays = retry::backoff(
+        Duration::from_millis(50),
+        Duration::from_millis(500),
+        Some(deadline.saturating_duration_since(Instant::now())),
+    );
+    let mut s = (|| TcpStream::connect_timeout(&addr, Duration::from_secs(1)))
+        .retry(delays)
+        .sleep(std::thread::sleep)
+        .notify(|e, _| tracing::debug!("rank {} at {addr} not up yet: {e}", p.other))
+        .call()
+        .map_err(|e| refused(p.other, &format!("at {addr} did not come up: {e}")))?;
     let wait = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_secs(1));

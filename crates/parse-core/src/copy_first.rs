@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 
-use crate::driver::{DraftChunk, Drafter, SamplingParams};
+use crate::driver::{DraftChunk, DraftHints, Drafter, SamplingParams};
 use crate::error::{Error, Result};
 use crate::ngram::{NgramConfig, draft_session, lookup_match};
 
@@ -36,7 +36,7 @@ pub struct CopyConfig {
     /// Tokens asked of the model per call: 1 in process; a drafter behind a network call wants more per call
     /// (tokens past the start of a copy are then dropped).
     pub model_chunk: usize,
-    /// The lookup of copy rounds while the model rests ([`Drafter::rest_lookup`]): shorter matches than `lookup`'s,
+    /// The lookup of copy rounds while the model rests ([`DraftHints::rest_lookup`]): shorter matches than `lookup`'s,
     /// because there a copy stands in for the target writing alone, not for a model token that is usually right
     /// (the prompt-lookup drafter's own sizes, [`NgramConfig::default`]).
     pub rest: NgramConfig,
@@ -285,7 +285,9 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         self.sessions.remove(session);
         self.inner.release(session)
     }
+}
 
+impl<D: Drafter> DraftHints for CopyFirst<D> {
     fn prefetch(
         &mut self,
         session: &str,
@@ -298,7 +300,6 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         }
         self.inner.prefetch(session, context, sampling, tokens)
     }
-
     fn prefetch_guessing(
         &mut self,
         session: &str,
@@ -312,20 +313,16 @@ impl<D: Drafter> Drafter for CopyFirst<D> {
         self.inner
             .prefetch_guessing(session, context, sampling, tokens)
     }
-
     fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
         // The model is begun at a session's first `begin` whatever it copies (see `begin`).
         self.inner.warm(session, context, sampling)
     }
-
     fn charged_ms(&self) -> Option<f64> {
         self.inner.charged_ms()
     }
-
     fn rest_lookup(&self) -> Option<NgramConfig> {
         Some(self.cfg.rest)
     }
-
     fn model_tokens_drafted(&self) -> Option<usize> {
         Some(self.modelled)
     }
@@ -383,7 +380,9 @@ mod tests {
             self.released = true;
             Ok(())
         }
+    }
 
+    impl DraftHints for Model {
         fn prefetch(
             &mut self,
             _: &str,

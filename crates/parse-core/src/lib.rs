@@ -13,13 +13,15 @@ pub mod pace;
 pub mod plan;
 pub mod policy;
 pub mod process;
+pub mod retry;
 pub mod segmenter;
 pub mod speculative;
 
 pub use copy_first::{CopyConfig, CopyFirst};
 pub use driver::{
-    DraftChunk, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest, Mode, Outcome,
-    SamplingParams, Source, Stats, Verifier, generate, generate_paced, generate_with,
+    DraftChunk, DraftHints, DraftWindow, Drafter, ExtendOutput, FinishReason, GenerationRequest,
+    Mode, Outcome, SamplingParams, Source, Stats, Verifier, generate, generate_paced,
+    generate_with,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use mask::{BlockMask, MaskRow};

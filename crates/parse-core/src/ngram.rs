@@ -4,7 +4,7 @@
 //! drafts nothing, and the loop lets the target write (token-level modes: one plain step; `parse`: an extension).
 //!
 //! Where nothing of `min_n` tokens or more matches, a token-level round may still have the target verify a guess of
-//! one token, the one after the latest earlier occurrence of the context's last token ([`Drafter::guess_lookup`]),
+//! one token, the one after the latest earlier occurrence of the context's last token ([`DraftHints::guess_lookup`]),
 //! where the share of such guesses the target keeps pays for the row they cost ([`crate::pace::Costs::guess_pays`]).
 //!
 //! It costs a scan of the context per drafted token (no forward pass), so whatever the target accepts is gain. Its
@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::driver::{DraftChunk, Drafter, SamplingParams};
+use crate::driver::{DraftChunk, DraftHints, Drafter, SamplingParams};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Turns token ids into their texts (the target's tokenizer).
@@ -132,7 +132,9 @@ impl Drafter for NgramDrafter {
         self.sessions.remove(session);
         Ok(())
     }
+}
 
+impl DraftHints for NgramDrafter {
     /// Guesses from a one-token match, where the drafter's own sizes start above one.
     fn guess_lookup(&self) -> Option<NgramConfig> {
         (self.cfg.min_n > 1).then_some(NgramConfig { min_n: 1, max_n: 1 })

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
+use parse_core::driver::{DraftChunk, DraftHints, Drafter, ExtendOutput, Verifier};
 use parse_core::segmenter::{self, SegmenterConfig};
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, JudgeScore, Mode, RowScore, SamplingParams,
@@ -168,13 +168,13 @@ impl Verifier for FakeVerifier {
 #[derive(Default)]
 struct FakeDrafter {
     ctx: HashMap<String, Vec<u32>>,
-    /// Hints to draft ahead ([`Drafter::prefetch`]) received.
+    /// Hints to draft ahead ([`DraftHints::prefetch`]) received.
     prefetches: usize,
-    /// Hints to draft ahead guessing the target's next token ([`Drafter::prefetch_guessing`]): (context, tokens).
+    /// Hints to draft ahead guessing the target's next token ([`DraftHints::prefetch_guessing`]): (context, tokens).
     guesses: Vec<(Vec<u32>, usize)>,
     /// Contexts of every `begin`.
     begun: Vec<Vec<u32>>,
-    /// Contexts it was given to process beside the target ([`Drafter::warm`]).
+    /// Contexts it was given to process beside the target ([`DraftHints::warm`]).
     warms: Vec<Vec<u32>>,
     events: Events,
 }
@@ -185,11 +185,6 @@ impl Drafter for FakeDrafter {
         self.begun.push(context.to_vec());
         self.ctx.insert(s.into(), context.to_vec());
         Ok(())
-    }
-    fn warm(&mut self, _: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<bool> {
-        self.events.borrow_mut().push("warm");
-        self.warms.push(context.to_vec());
-        Ok(true)
     }
     fn next(&mut self, s: &str, max: usize) -> parse_core::Result<DraftChunk> {
         let ctx = self.ctx.get_mut(s).unwrap();
@@ -218,6 +213,14 @@ impl Drafter for FakeDrafter {
     fn release(&mut self, s: &str) -> parse_core::Result<()> {
         self.ctx.remove(s);
         Ok(())
+    }
+}
+
+impl DraftHints for FakeDrafter {
+    fn warm(&mut self, _: &str, context: &[u32], _: &SamplingParams) -> parse_core::Result<bool> {
+        self.events.borrow_mut().push("warm");
+        self.warms.push(context.to_vec());
+        Ok(true)
     }
     fn prefetch(
         &mut self,
@@ -432,7 +435,7 @@ fn the_sink_can_stop_generation_and_bad_requests_are_refused() {
 }
 
 /// Each token-level round hints that the next one may be drafted during its verification from the context and its
-/// draft, the target's next token guessed ([`Drafter::prefetch_guessing`]); where the draft was accepted whole, the
+/// draft, the target's next token guessed ([`DraftHints::prefetch_guessing`]); where the draft was accepted whole, the
 /// next round begins at that context and the target's token. No hint asks for tokens past the output's end, none
 /// follows a draft that ends the output, and the output is the target's.
 #[test]
@@ -676,7 +679,7 @@ fn a_paced_request_streams_its_first_token_after_one_step_of_the_target() {
     }
 }
 
-/// A drafter that copies as well as drafts ([`Drafter::rest_lookup`]): the fake draft model, and prompt lookup of
+/// A drafter that copies as well as drafts ([`DraftHints::rest_lookup`]): the fake draft model, and prompt lookup of
 /// 1-2 tokens while it rests.
 struct Copying(FakeDrafter);
 
@@ -696,6 +699,9 @@ impl Drafter for Copying {
     fn release(&mut self, s: &str) -> parse_core::Result<()> {
         self.0.release(s)
     }
+}
+
+impl DraftHints for Copying {
     fn rest_lookup(&self) -> Option<parse_core::NgramConfig> {
         Some(parse_core::NgramConfig { min_n: 1, max_n: 2 })
     }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
+use parse_core::driver::{DraftChunk, DraftHints, Drafter, ExtendOutput, Verifier};
 use parse_core::speculative::{self, SampledRow};
 use parse_core::{
     AcceptPolicy, DraftWindow, GenerationRequest, Mode, RowScore, SamplingParams, SegmenterConfig,
@@ -174,6 +174,8 @@ impl Drafter for Draft {
         Ok(())
     }
 }
+
+impl DraftHints for Draft {}
 
 const PROMPT: [u32; 2] = [3, 1];
 const N: u64 = 4000;

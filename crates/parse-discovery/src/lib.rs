@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use parse_core::retry::{self, Pauses, Retryable};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -326,8 +327,9 @@ pub struct EtcdDiscovery {
 
 /// How long one etcd call may take before etcd counts as unreachable.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// Pause before trying etcd again.
+/// First pause before trying etcd again, and the longest ([`parse_core::retry`]).
 const RETRY: Duration = Duration::from_millis(300);
+const RETRY_CAP: Duration = Duration::from_secs(5);
 
 async fn timed<T, E: std::fmt::Display>(
     what: &str,
@@ -490,7 +492,9 @@ impl Discovery for EtcdDiscovery {
         let (stop_tx, mut stop) = oneshot::channel();
         let (endpoints, ttl) = (self.endpoints.clone(), self.ttl);
         let task = tokio::spawn(async move {
+            let mut pauses = Pauses::new(RETRY, RETRY_CAP);
             loop {
+                let began = std::time::Instant::now();
                 match Self::hold(&endpoints, &info, ttl, &ready_tx, &mut stop).await {
                     Ok(()) => return,
                     Err(e) => {
@@ -503,7 +507,7 @@ impl Discovery for EtcdDiscovery {
                 }
                 tokio::select! {
                     _ = &mut stop => return,
-                    _ = tokio::time::sleep(RETRY) => {}
+                    _ = tokio::time::sleep(pauses.after(began)) => {}
                 }
             }
         });
@@ -518,7 +522,9 @@ impl Discovery for EtcdDiscovery {
         let (tx, rx) = watch::channel(Members::new());
         let endpoints = self.endpoints.clone();
         tokio::spawn(async move {
+            let mut pauses = Pauses::new(RETRY, RETRY_CAP);
             loop {
+                let began = std::time::Instant::now();
                 if let Err(e) = Self::follow(&endpoints, role, &tx).await {
                     tracing::warn!(
                         role = role.as_str(),
@@ -528,7 +534,7 @@ impl Discovery for EtcdDiscovery {
                 if tx.is_closed() {
                     return;
                 }
-                tokio::time::sleep(RETRY).await;
+                tokio::time::sleep(pauses.after(began)).await;
             }
         });
         rx
@@ -570,16 +576,12 @@ pub async fn rendezvous(
     }
     let deadline = tokio::time::Instant::now() + timeout;
     let prefix = format!("{GROUPS}{group}/");
-    let mut c = loop {
-        match EtcdDiscovery::connect(endpoints).await {
-            Ok(c) => break c,
-            Err(e) if tokio::time::Instant::now() < deadline => {
-                tracing::debug!("rendezvous: etcd not reachable yet: {e}");
-                tokio::time::sleep(RETRY).await;
-            }
-            Err(e) => return Err(etcd(e)),
-        }
-    };
+    let mut c = (|| EtcdDiscovery::connect(endpoints))
+        .retry(retry::backoff(RETRY, RETRY_CAP, Some(timeout)))
+        .sleep(tokio::time::sleep)
+        .notify(|e, _| tracing::debug!("rendezvous: etcd not reachable yet: {e}"))
+        .await
+        .map_err(etcd)?;
     let lease = timed(
         "lease grant",
         c.lease_grant(ttl.as_secs().max(2) as i64, None),

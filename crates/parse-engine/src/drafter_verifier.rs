@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, SamplingParams, Verifier};
+use parse_core::driver::{DraftChunk, DraftHints, Drafter, ExtendOutput, SamplingParams, Verifier};
 use parse_core::policy::{JudgeScore, RowScore, VerifyOutput};
 use parse_core::segmenter::{self, SegmenterConfig};
 use parse_core::speculative::{self, SampledRow};
@@ -772,6 +772,8 @@ impl<E: EngineOps> Drafter for EngineDrafter<E> {
         Ok(())
     }
 }
+
+impl<E: EngineOps> DraftHints for EngineDrafter<E> {}
 
 #[cfg(test)]
 mod tests {

@@ -13,6 +13,7 @@ pub mod args;
 pub mod info;
 pub mod metrics;
 pub mod scheduler;
+pub mod worker;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -31,6 +32,7 @@ use tonic::Status;
 pub use info::model_info;
 pub use metrics::{WorkerMetrics, serve_metrics, spawn_metrics};
 pub use scheduler::{Packing, Scheduler, SchedulerError, StepShape, Task};
+pub use worker::{Worker, serve};
 
 /// A model backend the shell can own: it runs blocks (one step of many sessions at once), releases sessions and
 /// counts them.

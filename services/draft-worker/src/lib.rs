@@ -30,6 +30,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+/// The accessors both workers share (sessions, drain, metrics): in scope where they are called.
+pub use parse_worker::Worker;
+
 /// Limits of a draft worker.
 #[derive(Debug, Clone)]
 pub struct DraftWorkerConfig {
@@ -104,25 +107,13 @@ impl DraftWorker {
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20)
     }
+}
 
-    /// The worker's drain (started by `Drain`).
-    pub fn drain(&self) -> &parse_discovery::Drain {
-        &self.shell.drain
-    }
+impl parse_worker::Worker for DraftWorker {
+    type Backend = EngineDrafter<Engine>;
 
-    /// Sessions holding draft state (tests and admin).
-    pub fn open_sessions(&self) -> usize {
-        self.shell.open_sessions()
-    }
-
-    /// The worker's Prometheus metrics (served by `parse_worker::serve_metrics`).
-    pub fn metrics(&self) -> std::sync::Arc<parse_worker::WorkerMetrics> {
-        self.shell.metrics().clone()
-    }
-
-    /// Releases sessions idle for longer than the TTL; returns how many.
-    pub async fn expire_idle(&self) -> usize {
-        self.shell.expire_idle().await
+    fn shell(&self) -> &Shell<Self::Backend> {
+        &self.shell
     }
 }
 
@@ -324,16 +315,11 @@ impl Drafter for DraftWorker {
         &self,
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
-        Ok(Response::new(self.shell.info().clone()))
+        Ok(Response::new(self.model_info()))
     }
 
     async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        if self.shell.drain.start() {
-            tracing::info!("drain requested");
-        }
-        Ok(Response::new(DrainResponse {
-            open_sessions: self.open_sessions() as u32,
-        }))
+        Ok(Response::new(self.start_drain()))
     }
 }
 
@@ -354,11 +340,14 @@ pub async fn serve_reporting(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ready: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let reaper = worker.shell.spawn_reaper();
-    let access = parse_proto::serve::Access::worker(&worker.cfg.security);
-    let result =
-        parse_proto::serve::run_reporting(worker.into_server(), listener, shutdown, ready, access)
-            .await;
-    reaper.abort();
-    result.map_err(|e| anyhow::anyhow!(e))
+    let (shell, security) = (worker.shell.clone(), worker.cfg.security.clone());
+    parse_worker::serve(
+        &shell,
+        worker.into_server(),
+        listener,
+        shutdown,
+        ready,
+        &security,
+    )
+    .await
 }

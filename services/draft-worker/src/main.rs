@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use parse_discovery::{Role, model_name};
+use parse_draft_worker::Worker as _;
 use parse_draft_worker::{DraftWorker, DraftWorkerConfig, serve_reporting};
 use parse_engine::Engine;
 use parse_worker::args::WorkerArgs;

@@ -40,9 +40,9 @@ use tonic::{Request, Response, Status};
 use crate::pool::Pool;
 use crate::remote::{CallCtx, PrefillBeside, RemoteDrafter, RemoteVerifier, host_of};
 
-/// When a request's draft worker processes the prompt ([`parse_core::driver::Drafter::warm`]), and whether it drafts
+/// When a request's draft worker processes the prompt ([`parse_core::driver::DraftHints::warm`]), and whether it drafts
 /// the next token-level round while the target verifies this one, guessing the target's token after the draft
-/// ([`parse_core::driver::Drafter::prefetch_guessing`]): both where it works beside the target.
+/// ([`parse_core::driver::DraftHints::prefetch_guessing`]): both where it works beside the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftPrefill {
     /// Beside the target's prefill where the draft worker's host is not a target worker's host (by address), after
@@ -273,6 +273,62 @@ fn check_limits(r: &GenerateRequest, cfg: &RouterConfig) -> Result<(), CoreError
     Ok(())
 }
 
+/// A request's prompt in the one form it was given: token ids, text sent as it is (`raw_prompt`), or chat messages
+/// (`messages`, or `system` and `prompt`, laid out by the chat template). Converting a `GenerateRequest` checks that
+/// it gives exactly one of these.
+enum PromptIn<'a> {
+    Tokens(&'a [u32]),
+    Raw(&'a str),
+    Chat(Vec<Message>),
+}
+
+impl<'a> TryFrom<&'a GenerateRequest> for PromptIn<'a> {
+    type Error = CoreError;
+
+    fn try_from(r: &'a GenerateRequest) -> Result<Self, CoreError> {
+        if !r.prompt_tokens.is_empty() {
+            if !r.prompt.is_empty() || !r.messages.is_empty() || !r.system.is_empty() {
+                return Err(CoreError::invalid(
+                    "prompt_tokens is the whole prompt: give no `prompt`, `messages` or `system` with it",
+                ));
+            }
+            return Ok(PromptIn::Tokens(&r.prompt_tokens));
+        }
+        if r.raw_prompt {
+            if !r.messages.is_empty() || !r.system.is_empty() {
+                return Err(CoreError::invalid(
+                    "raw_prompt takes `prompt` alone (no `messages`, no `system`)",
+                ));
+            }
+            return Ok(PromptIn::Raw(&r.prompt));
+        }
+        if r.messages.is_empty() {
+            if r.prompt.is_empty() {
+                return Err(CoreError::invalid(
+                    "empty prompt: give `prompt` or `messages`",
+                ));
+            }
+            let mut v = Vec::new();
+            if !r.system.is_empty() {
+                v.push(Message::system(&r.system));
+            }
+            v.push(Message::user(&r.prompt));
+            return Ok(PromptIn::Chat(v));
+        }
+        if !r.prompt.is_empty() {
+            return Err(CoreError::invalid(
+                "give either `prompt` or `messages`, not both",
+            ));
+        }
+        let messages = r
+            .messages
+            .iter()
+            .map(|x| Ok(Message::new(x.role.parse::<ChatRole>()?, &x.content)))
+            .collect::<Result<_, parse_text::Error>>()?;
+        Ok(PromptIn::Chat(messages))
+    }
+}
+
 fn source_of(s: Source) -> TokenSource {
     match s {
         Source::Draft => TokenSource::Draft,
@@ -434,54 +490,15 @@ impl Router {
         session: &str,
     ) -> Result<(GenerationRequest, Vec<String>, DrafterKind), CoreError> {
         check_limits(r, &self.cfg)?;
-        let tokens_given = !r.prompt_tokens.is_empty();
-        if tokens_given {
-            if !r.prompt.is_empty() || !r.messages.is_empty() || !r.system.is_empty() {
-                return Err(CoreError::invalid(
-                    "prompt_tokens is the whole prompt: give no `prompt`, `messages` or `system` with it",
-                ));
-            }
-            if let Some(t) = r
-                .prompt_tokens
-                .iter()
-                .find(|&&t| t as usize >= m.vocab_size)
-            {
-                return Err(CoreError::invalid(format!(
-                    "prompt_tokens: token id {t} is outside the model's vocabulary of {}",
-                    m.vocab_size
-                )));
-            }
+        let prompt_in = PromptIn::try_from(r)?;
+        if let PromptIn::Tokens(tokens) = &prompt_in
+            && let Some(t) = tokens.iter().find(|&&t| t as usize >= m.vocab_size)
+        {
+            return Err(CoreError::invalid(format!(
+                "prompt_tokens: token id {t} is outside the model's vocabulary of {}",
+                m.vocab_size
+            )));
         }
-        let messages: Vec<Message> = if r.raw_prompt || tokens_given {
-            if !r.messages.is_empty() || !r.system.is_empty() {
-                return Err(CoreError::invalid(
-                    "raw_prompt takes `prompt` alone (no `messages`, no `system`)",
-                ));
-            }
-            Vec::new()
-        } else if r.messages.is_empty() {
-            if r.prompt.is_empty() {
-                return Err(CoreError::invalid(
-                    "empty prompt: give `prompt` or `messages`",
-                ));
-            }
-            let mut v = Vec::new();
-            if !r.system.is_empty() {
-                v.push(Message::system(&r.system));
-            }
-            v.push(Message::user(&r.prompt));
-            v
-        } else {
-            if !r.prompt.is_empty() {
-                return Err(CoreError::invalid(
-                    "give either `prompt` or `messages`, not both",
-                ));
-            }
-            r.messages
-                .iter()
-                .map(|x| Ok(Message::new(x.role.parse::<ChatRole>()?, &x.content)))
-                .collect::<Result<_, parse_text::Error>>()?
-        };
         let max_new = r.max_new_tokens as usize;
         if max_new == 0 || max_new > self.cfg.max_new_tokens_limit {
             return Err(CoreError::invalid(format!(
@@ -489,12 +506,10 @@ impl Router {
                 self.cfg.max_new_tokens_limit, r.max_new_tokens
             )));
         }
-        let prompt = if tokens_given {
-            Ok(r.prompt_tokens.clone())
-        } else if r.raw_prompt {
-            m.tokenizer.encode_prompt(&r.prompt)
-        } else {
-            m.tokenizer.encode_chat(&messages)
+        let prompt = match prompt_in {
+            PromptIn::Tokens(t) => Ok(t.to_vec()),
+            PromptIn::Raw(text) => m.tokenizer.encode_prompt(text),
+            PromptIn::Chat(messages) => m.tokenizer.encode_chat(&messages),
         }
         .map_err(CoreError::from)?;
         if prompt.len() >= m.max_context {

@@ -64,10 +64,10 @@ pub struct RequestRecord<'a> {
     pub copy_rounds: u64,
     /// Token-level rounds made in place of PARSE rounds where those measured faster (`parse+token-spec`).
     pub token_rounds: u64,
-    /// One-token guesses verified where prompt lookup had nothing longer (`Drafter::guess_lookup`), and those kept.
+    /// One-token guesses verified where prompt lookup had nothing longer (`DraftHints::guess_lookup`), and those kept.
     pub guesses: u64,
     pub guesses_right: u64,
-    /// Drafts begun ahead during a verification (`Drafter::prefetch`, `prefetch_guessing`) that the next round took,
+    /// Drafts begun ahead during a verification (`DraftHints::prefetch`, `prefetch_guessing`) that the next round took,
     /// and those it threw away.
     pub draft_ahead_hits: u64,
     pub draft_ahead_misses: u64,

@@ -11,8 +11,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parse_core::driver::{DraftChunk, Drafter, ExtendOutput, Verifier};
+use parse_core::driver::{DraftChunk, DraftHints, Drafter, ExtendOutput, Verifier};
 use parse_core::policy::VerifyOutput;
+use parse_core::retry::{self, Retryable};
 use parse_core::{Error, ErrorKind, Result, SamplingParams, SegmenterConfig, VerifyPlan};
 use parse_proto::v1::drafter_client::DrafterClient;
 use parse_proto::v1::verifier_client::VerifierClient;
@@ -130,7 +131,8 @@ pub fn call_limit(base: Duration, rows: usize) -> Duration {
 /// How long a session release may take; past it the worker's session TTL frees the session.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long the router keeps trying to free a session on a worker a request left.
+/// How long the router keeps trying to free a session on a worker a request left: the sum of the delays between its
+/// attempts.
 const ORPHAN_RELEASE_FOR: Duration = Duration::from_secs(120);
 
 #[derive(Clone, Copy)]
@@ -221,13 +223,16 @@ fn release_orphan(handle: &Handle, lease: &Lease, session: &str, side: Side) {
     let channel = lease.worker.channel.clone();
     let session = session.to_string();
     handle.spawn(async move {
-        let until = Instant::now() + ORPHAN_RELEASE_FOR;
-        while Instant::now() < until {
-            match release_once(&channel, &session, side, Duration::from_secs(5)).await {
-                Err(s) if release_again(&s) => tokio::time::sleep(Duration::from_secs(2)).await,
-                _ => return,
-            }
-        }
+        let delays = retry::backoff(
+            Duration::from_secs(1),
+            Duration::from_secs(15),
+            Some(ORPHAN_RELEASE_FOR),
+        );
+        let _ = (|| release_once(&channel, &session, side, Duration::from_secs(5)))
+            .retry(delays)
+            .sleep(tokio::time::sleep)
+            .when(release_again)
+            .await;
     });
 }
 
@@ -327,8 +332,8 @@ impl Charged {
 }
 
 /// Whether a request's draft worker works beside the target: processes the prompt beside the target's prefill
-/// ([`Drafter::warm`]), and drafts the next token-level round while the target verifies this one, guessing the
-/// target's next token ([`Drafter::prefetch_guessing`]). Both use the draft worker's compute while the target
+/// ([`DraftHints::warm`]), and drafts the next token-level round while the target verifies this one, guessing the
+/// target's next token ([`DraftHints::prefetch_guessing`]). Both use the draft worker's compute while the target
 /// computes, which pays where the two do not share it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrefillBeside {
@@ -348,7 +353,7 @@ pub fn host_of(addr: &str) -> &str {
     }
 }
 
-/// A prefill started beside the target's ([`Drafter::warm`]).
+/// A prefill started beside the target's ([`DraftHints::warm`]).
 struct Warming {
     context: Vec<u32>,
     sampling: SamplingParams,
@@ -499,7 +504,7 @@ impl RemoteDrafter {
     }
 
     /// Opens a Draft stream from `context` for `tokens` tokens now, read into a buffer on the runtime until a begin
-    /// takes it ([`Drafter::prefetch`]; with `guessing`, [`Drafter::prefetch_guessing`]).
+    /// takes it ([`DraftHints::prefetch`]; with `guessing`, [`DraftHints::prefetch_guessing`]).
     fn draft_ahead_from(
         &mut self,
         session: &str,
@@ -767,6 +772,18 @@ impl Drafter for RemoteDrafter {
         Ok(self.tokenizer.pieces(tokens)?)
     }
 
+    fn release(&mut self, session: &str) -> Result<()> {
+        self.stream = None;
+        self.prefetch = None;
+        self.warming = None;
+        if let Some(l) = self.lease.take() {
+            release_at_end(&self.ctx, &l, session, Side::Draft);
+        }
+        Ok(())
+    }
+}
+
+impl DraftHints for RemoteDrafter {
     fn prefetch(
         &mut self,
         session: &str,
@@ -776,7 +793,6 @@ impl Drafter for RemoteDrafter {
     ) -> Result<()> {
         self.draft_ahead_from(session, context, sampling, tokens, false)
     }
-
     fn prefetch_guessing(
         &mut self,
         session: &str,
@@ -790,7 +806,6 @@ impl Drafter for RemoteDrafter {
         // One token more: the guess of the target's, which the next begin's context ends with on a hit.
         self.draft_ahead_from(session, context, sampling, tokens + 1, true)
     }
-
     fn warm(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<bool> {
         self.ctx.check()?;
         if self.prefilled || self.warming.is_some() || self.prefill_beside == PrefillBeside::Never {
@@ -845,17 +860,6 @@ impl Drafter for RemoteDrafter {
         });
         Ok(true)
     }
-
-    fn release(&mut self, session: &str) -> Result<()> {
-        self.stream = None;
-        self.prefetch = None;
-        self.warming = None;
-        if let Some(l) = self.lease.take() {
-            release_at_end(&self.ctx, &l, session, Side::Draft);
-        }
-        Ok(())
-    }
-
     fn charged_ms(&self) -> Option<f64> {
         Some(self.charged.total())
     }

@@ -30,6 +30,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+/// The accessors both workers share (sessions, drain, metrics): in scope where they are called.
+pub use parse_worker::Worker;
+
 /// Limits of a target worker.
 #[derive(Debug, Clone)]
 pub struct TargetWorkerConfig {
@@ -144,11 +147,6 @@ impl TargetWorker {
         *self.ready.borrow()
     }
 
-    /// The worker's drain (started by `Drain`).
-    pub fn drain(&self) -> &parse_discovery::Drain {
-        &self.shell.drain
-    }
-
     /// Marks the worker unhealthy when the group reported broken.
     fn note_group(&self, healthy: bool) {
         if !healthy && self.group_ok.swap(false, Ordering::Relaxed) {
@@ -199,21 +197,6 @@ impl TargetWorker {
         VerifierServer::new(self)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20)
-    }
-
-    /// Sessions with a KV cache (tests and admin).
-    pub fn open_sessions(&self) -> usize {
-        self.shell.open_sessions()
-    }
-
-    /// The worker's Prometheus metrics (served by `parse_worker::serve_metrics`).
-    pub fn metrics(&self) -> std::sync::Arc<parse_worker::WorkerMetrics> {
-        self.shell.metrics().clone()
-    }
-
-    /// Releases sessions idle for longer than the TTL; returns how many.
-    pub async fn expire_idle(&self) -> usize {
-        self.shell.expire_idle().await
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<(), Status> {
@@ -460,16 +443,19 @@ impl Verifier for TargetWorker {
         &self,
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<GetModelInfoResponse>, Status> {
-        Ok(Response::new(self.shell.info().clone()))
+        Ok(Response::new(self.model_info()))
     }
 
     async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        if self.shell.drain.start() {
-            tracing::info!("drain requested");
-        }
-        Ok(Response::new(DrainResponse {
-            open_sessions: self.open_sessions() as u32,
-        }))
+        Ok(Response::new(self.start_drain()))
+    }
+}
+
+impl parse_worker::Worker for TargetWorker {
+    type Backend = Backend;
+
+    fn shell(&self) -> &Shell<Backend> {
+        &self.shell
     }
 }
 
@@ -479,19 +465,17 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let reaper = worker.shell.spawn_reaper();
     let heartbeat = worker.spawn_heartbeat();
     let ready = worker.ready.subscribe();
-    let access = parse_proto::serve::Access::worker(&worker.cfg.security);
-    let result = parse_proto::serve::run_reporting(
+    let result = parse_worker::serve(
+        &worker.shell,
         worker.clone().into_server(),
         listener,
         shutdown,
         ready,
-        access,
+        &worker.cfg.security,
     )
     .await;
-    reaper.abort();
     if let Some(h) = heartbeat {
         h.abort();
     }
@@ -505,5 +489,5 @@ pub async fn serve(
     {
         tracing::warn!("stopping the followers: {}", e.message());
     }
-    result.map_err(|e| anyhow::anyhow!(e))
+    result
 }

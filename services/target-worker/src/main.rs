@@ -16,6 +16,7 @@ use parse_comm::{Comm, TcpComm, TcpConfig};
 use parse_discovery::{Role, model_name};
 use parse_engine::Engine;
 use parse_engine::tp::{Layout, Member};
+use parse_target_worker::Worker as _;
 use parse_target_worker::{TargetEngine, TargetWorker, TargetWorkerConfig, serve};
 use parse_worker::args::WorkerArgs;
 

@@ -64,13 +64,13 @@ pub struct Stats {
     /// Times speculation paid per token at the moment but not for the drafter's catching up first, so the target
     /// went on alone ([`crate::pace::Pace::position`]).
     pub entries_declined: usize,
-    /// PARSE rounds of copies (prompt lookup) made while the draft model rested ([`Drafter::rest_lookup`]).
+    /// PARSE rounds of copies (prompt lookup) made while the draft model rested ([`DraftHints::rest_lookup`]).
     pub copy_rounds: usize,
     /// Token-level rounds a `parse+token-spec` request made in place of PARSE rounds, where those measured faster at
     /// the load of the moment ([`crate::pace::Pace::choose_rounds`]).
     #[serde(default)]
     pub token_rounds: usize,
-    /// One-token guesses verified where the drafter proposed nothing ([`Drafter::guess_lookup`]), and those the
+    /// One-token guesses verified where the drafter proposed nothing ([`DraftHints::guess_lookup`]), and those the
     /// target kept.
     pub guesses: usize,
     pub guesses_right: usize,

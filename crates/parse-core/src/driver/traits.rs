@@ -18,8 +18,8 @@ pub struct DraftChunk {
     pub done: bool,
 }
 
-/// Writes drafts.
-pub trait Drafter {
+/// Writes drafts. The hints the loop gives and reads besides are [`DraftHints`].
+pub trait Drafter: DraftHints {
     /// Starts a draft continuing `context` (the prompt and every output token so far).
     fn begin(&mut self, session: &str, context: &[u32], sampling: &SamplingParams) -> Result<()>;
     /// Up to `max` further draft tokens; stops after an end token. Empty with `done` when the draft has ended.
@@ -30,6 +30,13 @@ pub trait Drafter {
     /// Texts of tokens (the draft and target share a tokenizer in token-level modes).
     fn pieces(&mut self, tokens: &[u32]) -> Result<Vec<String>>;
     fn release(&mut self, session: &str) -> Result<()>;
+}
+
+/// What a drafter may tell the loop or be told by it beyond drafting: hints of work it may start early (on its own
+/// machine, while the target works), the worker time it was charged, and the lookups of a drafter that copies. None
+/// changes what [`Drafter::begin`] and [`Drafter::next`] return, and every one has a default that does nothing, so a
+/// drafter that needs none implements this trait empty.
+pub trait DraftHints {
     /// A hint, given before a verification: the next `begin` is likely to continue `context` (the draft just
     /// written, if it is accepted whole), with `sampling`, for about `tokens` tokens. A drafter on its own machine
     /// may start writing it now, while the target verifies; a later `begin` with another context must discard that
@@ -48,7 +55,7 @@ pub trait Drafter {
     /// tokens after that one. A drafter with compute of its own (a draft worker on another machine or core) may
     /// draft on from `context` now, while the target verifies; its first token is its guess of the target's, and
     /// a `begin` whose context is `context` and that token may take the rest. Any other `begin` discards the work.
-    /// Unlike [`prefetch`](Drafter::prefetch) the guess misses whenever the draft and the target disagree on that
+    /// Unlike [`prefetch`](DraftHints::prefetch) the guess misses whenever the draft and the target disagree on that
     /// token, so a drafter that shares its compute with the target should ignore it. It must not change what
     /// `begin`/`next` return. In process it does nothing.
     fn prefetch_guessing(
@@ -116,6 +123,9 @@ impl<D: Drafter + ?Sized> Drafter for &mut D {
     fn release(&mut self, session: &str) -> Result<()> {
         (**self).release(session)
     }
+}
+
+impl<D: Drafter + ?Sized> DraftHints for &mut D {
     fn prefetch(
         &mut self,
         session: &str,
@@ -206,6 +216,8 @@ impl Drafter for NoDrafter {
         Ok(())
     }
 }
+
+impl DraftHints for NoDrafter {}
 
 /// Stands in for the verifier where none is loaded (draft mode: never called).
 pub struct NoVerifier;

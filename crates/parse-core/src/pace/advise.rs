@@ -105,9 +105,9 @@ impl Pace {
     /// Whether the shared figures at the current load say this request's speculation pays (its kind's ms per token
     /// at most the target's alone, or its copy rounds' where those are faster), or have no figure of its kind there
     /// yet (a first round would measure it). No side effect: the advice itself comes from [`Pace::advise`]. Read
-    /// before the target's prefill, to let the drafter process the prompt beside it ([`Drafter::warm`]).
+    /// before the target's prefill, to let the drafter process the prompt beside it ([`DraftHints::warm`]).
     ///
-    /// [`Drafter::warm`]: crate::driver::Drafter::warm
+    /// [`DraftHints::warm`]: crate::driver::DraftHints::warm
     pub fn leans_to_speculate(&self) -> bool {
         if self.pacing.off() {
             return false;
@@ -495,12 +495,12 @@ impl Pace {
         self.give_back_probes();
     }
 
-    /// A round advised as speculation drew its whole draft from copies ([`Drafter::model_tokens_drafted`]): it wrote
+    /// A round advised as speculation drew its whole draft from copies ([`DraftHints::model_tokens_drafted`]): it wrote
     /// `tokens` for `spent`, which goes to the copies' figure, not the model's. (Judged as the model's, rounds of long
     /// copies, a verification for dozens of tokens, made a model that lost to them look cheap, and each request began
     /// with a model round that paid for the draft's prefill of its prompt.)
     ///
-    /// [`Drafter::model_tokens_drafted`]: crate::driver::Drafter::model_tokens_drafted
+    /// [`DraftHints::model_tokens_drafted`]: crate::driver::DraftHints::model_tokens_drafted
     pub fn copies_only(&mut self, spent: Spent, tokens: usize) {
         self.end_round();
         self.probing = false;

@@ -470,7 +470,7 @@ impl Costs {
     }
 
     /// Whether a request of `kind` at `level` whose drafter proposes nothing should have the target verify a guess
-    /// of one token ([`Drafter::guess_lookup`]: the token after the latest earlier occurrence of the context's last
+    /// of one token ([`DraftHints::guess_lookup`]: the token after the latest earlier occurrence of the context's last
     /// token) rather than write alone: where a guess round (a verification of two rows) is expected to write faster
     /// than the target's step, by the share of guesses the target kept and the measured price of rows. A guess
     /// that misses costs one row; one kept writes two tokens for a verification. Where the figures cannot say yet,
@@ -481,7 +481,7 @@ impl Costs {
     /// as often, and the tokens after it, each kept only with all before it, do not pay. One token alone does,
     /// wherever more of them are kept than a row costs in steps.
     ///
-    /// [`Drafter::guess_lookup`]: crate::driver::Drafter::guess_lookup
+    /// [`DraftHints::guess_lookup`]: crate::driver::DraftHints::guess_lookup
     pub fn guess_pays(&self, kind: &str, level: u32) -> bool {
         let passes = self.passes(kind, level);
         let step = self.alone_ms(level).or_else(|| self.alone_near(level));

@@ -55,7 +55,7 @@ struct Run<'a, D: ?Sized, V: ?Sized> {
     draft_booked: f64,
     /// Context tokens the drafter has processed, as of its last draft (0 before it is opened).
     draft_synced: usize,
-    /// Prompt tokens the drafter was given to process beside the target's prefill ([`Drafter::warm`]; 0: none).
+    /// Prompt tokens the drafter was given to process beside the target's prefill ([`DraftHints::warm`]; 0: none).
     draft_warmed: usize,
 }
 
@@ -267,7 +267,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
     /// Before the target's prefill: where the request will most likely draft from its start (always without
     /// `adaptive`; with it, where the shared figures at the current load say its speculation pays or have nothing
     /// to say yet, [`Pace::leans_to_speculate`]), the drafter may process the prompt beside the target
-    /// ([`Drafter::warm`]: a draft worker on its own machine), so that the first round does not wait for the
+    /// ([`DraftHints::warm`]: a draft worker on its own machine), so that the first round does not wait for the
     /// draft's prefill after the target's. The pace's advice itself is taken where it was, after the target's
     /// prefill.
     fn warm_draft(&mut self) -> Result<()> {

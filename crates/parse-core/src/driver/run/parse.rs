@@ -154,7 +154,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
             .is_some()
     }
 
-    /// A PARSE round of copies while the draft model rests ([`Drafter::rest_lookup`]): the draft is what followed
+    /// A PARSE round of copies while the draft model rests ([`DraftHints::rest_lookup`]): the draft is what followed
     /// the latest earlier occurrence of the context's end, token after token, up to the round's window of segments;
     /// the target verifies it by the request's verdict. Where it cuts the copy short, and where nothing matches,
     /// the target writes on to the end of the segment as a request drafting by prompt lookup alone does

@@ -49,7 +49,7 @@ impl<D: Drafter + ?Sized, V: Verifier + ?Sized> Run<'_, D, V> {
         self.speculative_token_round(round, before, adaptive)
     }
 
-    /// The token of a one-token guess ([`Drafter::guess_lookup`]), where the drafter makes them, the request may
+    /// The token of a one-token guess ([`DraftHints::guess_lookup`]), where the drafter makes them, the request may
     /// write two tokens more, the lookup finds one and guesses pay here ([`Pace::guess_pays`], asked last: while
     /// guesses lose, it lets one place in a few guess, and a place with nothing to guess should not use that turn).
     pub(super) fn guess(&self) -> Option<u32> {
