@@ -106,6 +106,33 @@ impl Access {
     }
 }
 
+/// A gRPC service as tonic's server takes it (what `FooServer::new(..)` of a generated service is).
+pub trait GrpcService:
+    tower_service::Service<
+        http::Request<tonic::body::Body>,
+        Response = http::Response<tonic::body::Body>,
+        Error = std::convert::Infallible,
+    > + tonic::server::NamedService
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> GrpcService for S where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Serves `service` with `grpc.health.v1` (reporting it serving) and reflection on `listener` until `shutdown`
 /// resolves: the one server set-up of the router and the workers.
 pub async fn run<S>(
@@ -115,15 +142,7 @@ pub async fn run<S>(
     access: Access,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
-    S: tower_service::Service<
-            http::Request<tonic::body::Body>,
-            Response = http::Response<tonic::body::Body>,
-            Error = std::convert::Infallible,
-        > + tonic::server::NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
+    S: GrpcService,
     S::Future: Send + 'static,
 {
     let (_ready, watch) = tokio::sync::watch::channel(true);
@@ -141,15 +160,7 @@ pub async fn run_reporting<S>(
     access: Access,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
-    S: tower_service::Service<
-            http::Request<tonic::body::Body>,
-            Response = http::Response<tonic::body::Body>,
-            Error = std::convert::Infallible,
-        > + tonic::server::NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
+    S: GrpcService,
     S::Future: Send + 'static,
 {
     use tonic::service::interceptor::InterceptedService;

@@ -38,6 +38,27 @@ pub trait Worker {
         self.shell().expire_idle()
     }
 
+    /// What the process serves until: a signal, or a drain that has finished the open sessions; `registration` is
+    /// withdrawn from discovery either way.
+    fn until_drained(
+        &self,
+        registration: Option<parse_discovery::Registration>,
+    ) -> impl Future<Output = ()> + Send + 'static
+    where
+        Self: Clone + Send + Sync + 'static,
+    {
+        let w = self.clone();
+        async move {
+            w.drain()
+                .serve_until(
+                    registration,
+                    || w.open_sessions() == 0,
+                    parse_proto::serve::shutdown_signal(),
+                )
+                .await
+        }
+    }
+
     /// `GetModelInfo`'s answer.
     fn model_info(&self) -> GetModelInfoResponse {
         self.shell().info().clone()
@@ -66,15 +87,7 @@ pub async fn serve<B, S>(
 ) -> anyhow::Result<()>
 where
     B: Backend,
-    S: tower_service::Service<
-            http::Request<tonic::body::Body>,
-            Response = http::Response<tonic::body::Body>,
-            Error = std::convert::Infallible,
-        > + tonic::server::NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
+    S: parse_proto::serve::GrpcService,
     S::Future: Send + 'static,
 {
     let reaper = shell.spawn_reaper();

@@ -81,17 +81,7 @@ async fn main() -> anyhow::Result<()> {
         Some(r) => r.ready(),
         None => tokio::sync::watch::channel(true).1,
     };
-    // Until a signal, or a drain that has finished its sessions; deregistered either way.
-    let w = worker.clone();
-    let until = async move {
-        w.drain()
-            .serve_until(
-                registration,
-                || w.open_sessions() == 0,
-                parse_proto::serve::shutdown_signal(),
-            )
-            .await
-    };
+    let until = worker.until_drained(registration);
     let served = serve_reporting(worker, listener, until, ready).await;
     engine_stop.cancel();
     if let Some(m) = metrics {

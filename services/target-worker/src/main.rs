@@ -264,17 +264,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(r) = &registration {
         worker.follow_registration(r.ready());
     }
-    // Until a signal, or a drain that has finished its sessions; deregistered either way.
-    let w = worker.clone();
-    let until = async move {
-        w.drain()
-            .serve_until(
-                registration,
-                || w.open_sessions() == 0,
-                parse_proto::serve::shutdown_signal(),
-            )
-            .await
-    };
+    let until = worker.until_drained(registration);
     let served = serve(worker, listener, until).await;
     engine_stop.cancel();
     if let Some(m) = metrics {
