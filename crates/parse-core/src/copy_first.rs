@@ -6,13 +6,10 @@
 //! tokens, its `begin` is given the context with them, so it prefills them as one block (the draft's cache keeps the
 //! common prefix) instead of writing them a step each.
 //!
-//! The match must be long because a copy replaces a model token that is usually right: on the development HumanEval
-//! replies (the target's greedy answers to the first 10 prompts, replayed) the latest earlier occurrence of a
-//! suffix predicted the next token on 16% of positions from a 1-token match, 59% from 3 tokens, 81% from 5 and 98%
-//! from 8 or more, against a draft model that agrees with the target on about 80% of tokens. So the default copies
-//! from a 5-token match up, looking for 8 first. (`benches/scripts/ngram-replay.py RUN_DIR --suite humaneval --n 10`
-//! on a `parse-bench --suite humaneval --n 10 --modes target` run; on ASDiv's worked answers the same replay gives
-//! 61-72% from 5 tokens up, about the draft model's rate there.)
+//! The match must be long because a copy replaces a model token that is usually right: a short match predicts the
+//! next token less often than the draft model does, a match of 5 tokens or more about as often or more. So the
+//! default copies from a 5-token match up, looking for 8 first. `benches/scripts/ngram-replay.py` replays a
+//! `parse-bench` run's replies to measure how often each match length predicts the next token.
 //!
 //! A copy, once started, runs to the end of the draft: the suffix after a copied token is the one after its source,
 //! which occurs one place later in the text it copies. So a draft is the model's tokens (none, where the context

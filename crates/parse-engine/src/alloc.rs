@@ -2,8 +2,8 @@
 //!
 //! A forward pass allocates a few large buffers (activations of a block, a block's logits: 64 rows x 151,936 f32 is
 //! 39 MB). With glibc's defaults, buffers above the mmap threshold (at most 32 MB) are fresh mappings every time, and
-//! freed heap tops are trimmed: each step then pays page faults and the kernel zeroing every page again (measured at
-//! 8% of a 64-token block of the default target). Loading a model raises both thresholds once, so large buffers come
+//! freed heap tops are trimmed: each step then pays page faults and the kernel zeroing every page again, a visible
+//! share of a verification block's time. Loading a model raises both thresholds once, so large buffers come
 //! from the heap and stay there for the next step; the process keeps its high-water mark of buffer memory, which is
 //! what a serving process wants.
 

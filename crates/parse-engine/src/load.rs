@@ -44,10 +44,9 @@ impl Default for LoadOptions {
 
 impl LoadOptions {
     /// For a draft model: its output head in Q5_0. The default draft's head (151,936 x 896, the tied embedding
-    /// stored again in Q8_0, 138 MiB) is 37% of the bytes a one-token step reads (every weight but the embedding
-    /// table, of which it reads a row); in Q5_0 (the format of its embedding and most of its layers) it is 89 MiB,
-    /// and a draft step about 3% faster (less than the bytes suggest: the step reads its weights below the memory's
-    /// speed).
+    /// stored again in Q8_0) is over a third of the bytes a one-token step reads (every weight but the embedding
+    /// table, of which it reads a row); Q5_0 (the format of its embedding and most of its layers) reads about two
+    /// thirds of those bytes.
     /// A draft only proposes tokens: where the target verifies them token by token (greedy `token-spec`) the output
     /// is the target's whatever the head, and in the PARSE modes the verdict decides which drafted tokens stay; the
     /// draft's greedy agreement with the target is the same with either head (`engine-bench --agreement` measures
@@ -440,8 +439,7 @@ pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Model> {
     let embed = fast(g.matrix("token_embd.weight", cfg.vocab_size, d)?);
     let lm_head = if g.has_tensor("output.weight") {
         // Requantized first, then laid out for this CPU: a head made Q5_0 here takes Q5_0's lanes layout as the
-        // file's own Q5_0 matrices do (made fast before, the draft's head stayed in rows: 7.2 ms of a 20-23 ms step
-        // on one Zen 4 core against 4.2-4.4 in lanes).
+        // file's own Q5_0 matrices do (made fast before, the draft's head would stay in rows, the slower layout).
         let head = g.matrix("output.weight", cfg.vocab_size, d)?;
         Some(fast(match opts.head_format {
             Some(f) => head.requantized_to(f)?,

@@ -2,10 +2,9 @@
 //! alone (the scalar [`exp`]) or 8 or 16 at a time (AVX2, AVX-512), and the two loops that spend it: the softmax's
 //! exponentials with their sum ([`exp_sum`]) and SwiGLU's gate ([`swiglu`]).
 //!
-//! Before this module both called the C library's `expf` one value at a time: 12 heads x the keys a row sees and the
-//! 8,960 gate values of every layer, about 2.9% of a target pass's CPU time and 5% of a verification row's
-//! (`perf record -e cpu-clock` of `engine-bench --models target --context 512 --blocks 1|5`). The C library's
-//! function cannot be reproduced lane by lane without copying its tables, so the engine defines its own:
+//! The C library's `expf`, one value at a time, would run for 12 heads x the keys a row sees and the 8,960 gate
+//! values of every layer, a visible share of a pass's CPU time (`perf record -e cpu-clock` of `engine-bench`). It
+//! cannot be reproduced lane by lane without copying its tables, so the engine defines its own:
 //!
 //! `exp(x)`: clamp `x` to `[LO, HI]` (NaN passes), `k = round_ties_even(x * LOG2E)`, `r = x - k ln2` by two fused
 //! multiply-adds (ln2 split in an f32 head and tail), `p(r)` the degree-7 Taylor polynomial of `e^r` by Horner's rule

@@ -543,9 +543,8 @@ fn main() -> Result<()> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
     // In process, each prompt runs in every configuration before the next prompt: the machine's speed drifts over
-    // minutes (a shared host), and configurations run one after the other each met a different part of the drift
-    // (`target` alone went from 31 to 26 tok/s over half an hour of runs on one machine), while interleaved they
-    // meet the same. In process the requests of a configuration share what they measure, as a router's do (at a
+    // minutes (a shared host), and configurations run one after the other would each meet a different part of the
+    // drift, while interleaved they meet the same. In process the requests of a configuration share what they measure, as a router's do (at a
     // load of one): one pace's figures per configuration, kept across the prompts.
     if let Some((target, draft)) = engines.as_mut() {
         let pacings: Vec<Pacing> = runs

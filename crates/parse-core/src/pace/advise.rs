@@ -210,8 +210,8 @@ impl Pace {
         {
             // No figure here yet, and this request's drafter has more to catch up on than the tokens written alone
             // here so far pay for, as a probe's would ([`Costs::take_probe`]): the first round is left to another
-            // request, or to this one later. At the end of a run on a router at 8 clients, each load the falling
-            // count of requests reached was first measured by a request hundreds of tokens in.
+            // request, or to this one later (as a burst of requests ends, each lower load would otherwise be measured
+            // first by a request hundreds of tokens in).
             self.entries_declined += 1;
             return self.pause(Self::MAX_PAUSE, "no figure here yet, and its drafter has more to catch up on than a first round is worth");
         }

@@ -282,11 +282,11 @@ impl Costs {
     /// [`Costs::PROBE_SHARE`] times the tokens the target alone writes in the time that takes (`catch_up`, see
     /// [`Pace::catch_up_tokens`]), and not while another request's probe here is out ([`Costs::probe_back`]).
     ///
-    /// Both bound what probes cost where they lose by far. On a router at 8 clients whose first round at a load
-    /// lost 4x to the target, every 16 tokens written alone made another probe due while the ones taken had not
-    /// reported yet (each a whole PARSE round, 2-3 s at that load): 11 probes at 5-8 requests in 6 s. And a probe
-    /// went to whichever request asked first, at the end of a run a request hundreds of tokens in whose draft had
-    /// its whole context to prefill first (2-3.5 s at 2 requests, which the run's last requests wait for).
+    /// Both bound what probes cost where they lose by far. Without the first, every few tokens written alone at a
+    /// loaded level would make another probe due while the ones taken have not reported yet (each a whole PARSE
+    /// round, seconds at that load). Without the second, a probe would go to whichever request asked first, late in
+    /// a burst a request hundreds of tokens in whose draft has its whole context to prefill first, which the burst's
+    /// last requests wait for.
     pub(super) fn take_probe(&self, kind: &str, level: u32, catch_up: usize) -> bool {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();

@@ -261,7 +261,7 @@ mod tests {
     #[test]
     fn the_fastest_call_decides_not_a_slow_first_one() {
         let c = Chooser::default();
-        // The groups' first call faults the weights in (100x slower); their other calls beat the panels.
+        // The groups' first call faults the weights in (far slower); their other calls beat the panels.
         let mut first = true;
         for _ in 0..2 * TRIALS {
             let p = c.pick(key(12));
