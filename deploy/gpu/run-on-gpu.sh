@@ -43,7 +43,17 @@ ldd "$bin" | grep -E 'cuda|cublas|curand|nvrtc' | tee "$out/ldd.txt"
 set -o pipefail
 # A failed check still lets PyTorch's timings run; the script exits with gpu-bench's status at the end.
 status=0
-"$bin" --device cuda:0 --json "$out/gpu-bench.json" "$@" 2>&1 | tee "$out/gpu-bench.txt" || status=$?
+"$bin" --device cuda:0 --json "$out/gpu-bench.json" --record "$out/gpu-bench.record.json" "$@" 2>&1 \
+    | tee "$out/gpu-bench.txt" || status=$?
+# The record names the host's CPU; the GPU it ran on goes into its settings.
+python3 - "$out" <<'EOF_RECORD' || true
+import json, sys
+out = sys.argv[1]
+path = f"{out}/gpu-bench.record.json"
+r = json.load(open(path))
+r["settings"]["gpu"] = open(f"{out}/gpu.txt").read().strip()
+json.dump(r, open(path, "w"), indent=2)
+EOF_RECORD
 PYTHONUNBUFFERED=1 python3 deploy/gpu/torch-step.py --shapes 0.5b,1.5b,7b --context 512 --block 64 \
     --batch 1,8,32,64 --json "$out/torch.json" 2>&1 | tee "$out/torch.txt"
 python3 - "$out" <<'EOF'

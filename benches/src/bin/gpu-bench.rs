@@ -81,6 +81,9 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write the run as a result record (`parse-record/1`) here.
+    #[arg(long)]
+    record: Option<PathBuf>,
 }
 
 /// A shape: the configuration and the weight formats of the checkpoints it stands for.
@@ -244,6 +247,9 @@ fn time(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(median(ms))
 }
 
+/// Rows of logits a shape's check compares with the definition (one prompt, logits at every row).
+const CHECK_ROWS: usize = 32;
+
 fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serde_json::Value> {
     let mut cfg = s.cfg.clone();
     if let Some(l) = args.layers {
@@ -266,7 +272,7 @@ fn bench_shape(args: &Args, dev: &candle_core::Device, s: &Shape) -> Result<serd
     let mut check = serde_json::Value::Null;
     let mut ok = true;
     if !args.no_check {
-        let prompt = tokens(32, vocab, 1);
+        let prompt = tokens(CHECK_ROWS, vocab, 1);
         let all: Vec<usize> = (0..prompt.len()).collect();
         // The definition: the same weights dequantized to f32, activations never quantized, on the CPU kernel
         // model. The CPU kernel model on the GGUF formats and the device both quantize activations (Q8_K on the
@@ -738,10 +744,80 @@ fn main() -> Result<()> {
         std::fs::write(p, serde_json::to_string_pretty(&out)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
+    if let Some(p) = &args.record {
+        result_record(&args, &spec.to_string(), &results).write(p)?;
+    }
     if !all_ok {
         bail!(
             "a check failed: a weight format against its definition, or a shape against the CPU kernel model (see above)"
         );
     }
     Ok(())
+}
+
+/// The run as a result record: per shape, the decode step, each block, the prefill and each batched pass as cells.
+/// A shape's check against the f32 definition (the share of rows whose argmax agrees) is the quality beside its
+/// figures: the device computes other bits than the CPU, so the outputs are not fixed by construction.
+fn result_record(args: &Args, device: &str, results: &[serde_json::Value]) -> parse_record::Record {
+    use parse_record::{Cell, Quality};
+    let mut record = parse_record::Record::new(
+        "gpu-bench",
+        format!(
+            "Model passes on {device} after {} tokens of context",
+            args.context
+        ),
+        json!({
+            "device": device, "shapes": args.shapes, "layers": args.layers, "context": args.context,
+            "blocks": args.blocks, "prefill": args.prefill, "reps": args.reps, "sessions": args.sessions,
+            "batch_rows": args.batch_rows, "dequantize": args.dequantize,
+        }),
+    );
+    for r in results {
+        let shape = r["shape"].as_str().unwrap_or("?");
+        let quality = r["check"]["argmax_agreement"].as_f64().map(|a| Quality {
+            metric: "argmax agreement with the f32 definition".into(),
+            value: a,
+            reference: None,
+            n: CHECK_ROWS,
+        });
+        let with_quality = |c: Cell| match &quality {
+            Some(q) => c.quality(q.clone()),
+            None => c,
+        };
+        for row in r["steps"].as_array().into_iter().flatten() {
+            let rows = row["rows"].as_u64().unwrap_or(0);
+            let label = if rows == 1 {
+                format!("{shape}: one-token decode step")
+            } else {
+                format!("{shape}: block of {rows} rows, logits at every row")
+            };
+            record.push(with_quality(
+                Cell::new(label)
+                    .figure("ms", row["ms"].clone())
+                    .figure("x_decode_step", row["x_step"].clone()),
+            ));
+        }
+        record.push(with_quality(
+            Cell::new(format!(
+                "{shape}: prefill of {} tokens",
+                r["prefill"]["tokens"]
+            ))
+            .figure("ms", r["prefill"]["ms"].clone())
+            .figure("tokens_per_s", r["prefill"]["tok_per_s"].clone()),
+        ));
+        for b in r["batched"].as_array().into_iter().flatten() {
+            record.push(with_quality(
+                Cell::new(format!(
+                    "{shape}: {} sessions x {} rows in one pass, attention {}",
+                    b["sessions"],
+                    b["rows"],
+                    b["attention"].as_str().unwrap_or("?")
+                ))
+                .figure("ms", b["ms"].clone())
+                .figure("rows_per_s", b["rows_per_s"].clone())
+                .figure("x_one_session", b["x_one_session"].clone()),
+            ));
+        }
+    }
+    record
 }
