@@ -5,8 +5,12 @@ The records are the JSON files under docs/bench/results/ (schema `parse-record/1
 option; see crates/parse-record). Nothing in the rendered tables is typed by hand: a figure that is not in a record
 is not in the docs.
 
-    docs/bench/render.py           rewrite docs/performance.md and the README's table
-    docs/bench/render.py --check   exit 1 when either is not what the records render (CI runs this)
+    docs/bench/render.py           rewrite docs/performance.md, the README's table and the decision pages' tables
+    docs/bench/render.py --check   exit 1 when any is not what the records render (CI runs this)
+
+A decision page under docs/decisions/ that compares runs holds the markers `<!-- records:NAME -->` and
+`<!-- records:end -->`; between them goes a table of the cells of every record in docs/bench/results/NAME/ (those
+records are the page's and stay out of docs/performance.md).
 """
 
 import argparse
@@ -20,6 +24,7 @@ PERFORMANCE = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- performance:begin -->", "<!-- performance:end -->"
 SCHEMA = "parse-record/1"
+DECISIONS = ROOT / "docs" / "decisions"
 README_ROWS = 10
 # The figures a README row shows (every figure of a cell is in docs/performance.md).
 README_FIGURES = ["tokens_per_s", "x_target", "ms", "x_decode_step", "x_llama_cpp"]
@@ -29,9 +34,9 @@ class RecordError(Exception):
     pass
 
 
-def load():
+def load(folder=RESULTS):
     records = []
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         try:
             r = json.loads(path.read_text())
         except ValueError as e:
@@ -41,7 +46,7 @@ def load():
         for key in ("bench", "title", "commit", "host", "command", "cells"):
             if key not in r:
                 raise RecordError(f"{path.relative_to(ROOT)}: no {key!r}")
-        r["_file"] = path.name
+        r["_file"] = str(path.relative_to(RESULTS))
         records.append(r)
     return records
 
@@ -171,6 +176,54 @@ def readme(text, table):
     return f"{before}{BEGIN}\n{table}\n{END}{after}"
 
 
+def decision_table(records):
+    """One row per cell of every record: what ran (the record's settings that tell the records apart), the cell, its
+    speed figures and the quality beside them."""
+    if not records:
+        raise RecordError("a decision page names a folder of records that holds none")
+    varying = [
+        k
+        for k in sorted({k for r in records for k in r.get("settings", {})})
+        if len({json.dumps(r["settings"].get(k), sort_keys=True) for r in records}) > 1
+    ]
+    figures = ["tokens_per_s", "x_target", "x_target_mean", "x_target_ci95", "target_passes_per_token"]
+    figures = [f for f in figures if any(f in c["figures"] for r in records for c in r["cells"])]
+    head = ["record"] + varying + ["cell"] + figures + ["quality"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * (len(varying) + 2) + ["---:"] * len(figures) + ["---"]) + "|"]
+    for r in records:
+        for c in r["cells"]:
+            row = [f"[{pathlib.Path(r['_file']).name}](../bench/results/{r['_file']})"]
+            row += [num(r["settings"].get(k)) for k in varying]
+            row += [c["label"]] + [num(c["figures"].get(f)) for f in figures] + [quality(c.get("quality"))]
+            lines.append("| " + " | ".join(row) + " |")
+    hosts = sorted({cpu(r) for r in records})
+    commits = sorted({commit(r) for r in records})
+    lines += ["", f"CPU: {'; '.join(hosts)}. Commit: {', '.join(f'`{c}`' for c in commits)}."]
+    return "\n".join(lines)
+
+
+def decision_pages():
+    """Each decision page with a records table, as the records render it."""
+    pages = {}
+    for page in sorted(DECISIONS.glob("*.md")):
+        text = page.read_text()
+        out, rest = "", text
+        while "<!-- records:" in rest:
+            before, after = rest.split("<!-- records:", 1)
+            name, after = after.split(" -->", 1)
+            if name == "end":
+                raise RecordError(f"{page.relative_to(ROOT)}: <!-- records:end --> without a start")
+            if "<!-- records:end -->" not in after:
+                raise RecordError(f"{page.relative_to(ROOT)}: <!-- records:{name} --> without <!-- records:end -->")
+            _, after = after.split("<!-- records:end -->", 1)
+            table = decision_table(load(RESULTS / name))
+            out += f"{before}<!-- records:{name} -->\n{table}\n<!-- records:end -->"
+            rest = after
+        if out:
+            pages[page] = out + rest
+    return pages
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail when the rendered files are stale")
@@ -178,6 +231,7 @@ def main():
     try:
         records = load()
         want = {PERFORMANCE: performance(records), README: readme(README.read_text(), readme_table(records))}
+        want.update(decision_pages())
     except RecordError as e:
         print(f"render: {e}", file=sys.stderr)
         sys.exit(2)

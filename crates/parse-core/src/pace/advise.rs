@@ -1,20 +1,25 @@
-//! The decision before each round: speculate, probe, or let the target write alone for a while, and the
-//! bookkeeping of what each round and pause cost.
+//! The decision before each round: speculate, probe, or let the target write alone for a while, and of which sort
+//! and length the round is.
 
 use super::*;
 
 impl Pace {
     /// Rounds of its own after which a request is judged on them alone.
     pub const PROBE: usize = 3;
+
     /// Context tokens a drafter may catch up on per token left to write, where no drafter's prefill is priced yet
     /// ([`Pace::entry_unpriced_and_far`]).
     pub const UNPRICED_ENTRY: usize = 32;
+
     /// The first pause where the target's speed at this load is not known yet.
     pub const FIRST_PAUSE: usize = 4;
+
     /// Tokens a request writes by the sort of rounds it chose before it chooses again ([`Pace::choose_rounds`]).
     pub const STREAK: usize = 32;
+
     /// The longest pause before the figures are read again (the load may have moved).
     pub(super) const MAX_PAUSE: usize = 64;
+
     /// A request measuring the first rounds of its kind at a load stops before [`Pace::PROBE`] rounds where its
     /// rounds so far cost more than this many times the target's step per token: rounds that pay cost well under a
     /// step, and two more rounds do not turn a loss of this size.
@@ -90,18 +95,6 @@ impl Pace {
             && self.lag > Self::UNPRICED_ENTRY * costs.expected_left(self.written, self.left).max(1)
     }
 
-    /// The drafter's first prefill, of `rows` context tokens, cost `spent` ([`Costs::record_entry`]).
-    pub fn draft_opened(&self, spent: Spent, rows: usize) {
-        if rows > 0 {
-            self.pacing.costs.record_entry(
-                &self.pacing.kind,
-                self.level,
-                spent.at(self.level),
-                rows,
-            );
-        }
-    }
-
     /// Whether the shared figures at the current load say this request's speculation pays (its kind's ms per token
     /// at most the target's alone, or its copy rounds' where those are faster), or have no figure of its kind there
     /// yet (a first round would measure it). No side effect: the advice itself comes from [`Pace::advise`]. Read
@@ -120,11 +113,6 @@ impl Pace {
         let alone = costs.alone_ms(level).or_else(|| costs.alone_near(level));
         let copies = costs.pauses_ms(&self.pacing.kind, level);
         rival(alone, copies).is_none_or(|a| spec <= a)
-    }
-
-    /// The request finished with `tokens` of output ([`Costs::record_length`]).
-    pub fn finished(&self, tokens: usize) {
-        self.pacing.costs.record_length(tokens);
     }
 
     pub(super) fn estimate(&self) -> Option<f64> {
@@ -309,13 +297,6 @@ impl Pace {
         }
     }
 
-    /// Gives back the probes this request took ([`Costs::probe_back`]): their rounds are over.
-    pub(super) fn give_back_probes(&mut self) {
-        for (kind, level) in std::mem::take(&mut self.held) {
-            self.pacing.costs.probe_back(&kind, level);
-        }
-    }
-
     /// Advice to write `tokens` alone, with the bookkeeping of a pause; `why` and the figures it was judged by go to
     /// the log at debug level (`RUST_LOG=parse_core::pace=debug`), for an operator asking why a request stopped
     /// speculating.
@@ -384,64 +365,6 @@ impl Pace {
         self.probing
     }
 
-    /// A speculative round wrote `tokens` for `spent`, with its verification passes' costs and what it spent on
-    /// setting up (the draft's first prefill, left out of `spent`; it counts only towards a probe's loss).
-    pub fn speculated(&mut self, spent: Spent, tokens: usize, verify: &[Spent], setup: Spent) {
-        self.end_round();
-        let ms = spent.at(self.level);
-        for v in verify {
-            let v = v.at(self.level);
-            self.cheapest_verify_ms = Some(self.cheapest_verify_ms.map_or(v, |c| c.min(v)));
-        }
-        if tokens > 0 {
-            self.own.add(ms, tokens);
-            self.rounds += 1;
-        }
-        self.report_rounds(ms, tokens);
-        self.reported += 1;
-        let measured = self.measuring.take();
-        // A first round at a load is judged as a probe is: where it loses, the next waits by what it lost.
-        let probe = std::mem::take(&mut self.probing) || measured.is_some();
-        self.pacing.costs.record_spec(
-            &self.pacing.kind,
-            self.level,
-            ms,
-            tokens,
-            probe.then(|| setup.at(self.level)),
-        );
-        if let Some(level) = measured {
-            self.pacing.costs.measured(&self.pacing.kind, level);
-        }
-        self.give_back_probes();
-    }
-
-    /// The target wrote `tokens` alone for `spent` (in a pause). Its figures go to the load when the call ended, as
-    /// [`Pace::target_wrote`]'s do, not to the load of the advice that began the pause: a pause runs for up to
-    /// [`Pace::MAX_PAUSE`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
-    /// charged more. Charged to the advice's load, the pauses at the end of a run would raise the figure of the target
-    /// alone at the higher load, and speculation would be set against a target dearer than it is. The tokens count
-    /// towards the next probe at the advice's load, where the probe will be made.
-    pub fn wrote_alone(&mut self, spent: Spent, tokens: usize) {
-        let now = load_level((self.pacing.load)());
-        let ms = spent.at(now);
-        let beside = self.beside_speculation(spent);
-        let costs = &self.pacing.costs;
-        costs.add_alone(None, now, ms, tokens, beside);
-        costs.add_rested(&self.pacing.kind, self.level, tokens);
-        costs.record_paused(&self.pacing.kind, now, ms, tokens);
-        self.paused = self.paused.saturating_sub(tokens.max(1));
-        self.paused_tokens += tokens;
-        // Towards the next probe of copy rounds too, where they lose.
-        self.pacing
-            .costs
-            .add_rested(&self.copy_kind(), self.level, tokens);
-    }
-
-    /// The kind under which copy rounds made while the model rests are judged: `<kind> copies`.
-    pub(super) fn copy_kind(&self) -> String {
-        copy_kind(&self.pacing.kind)
-    }
-
     /// Whether a copy round may be made now, in a pause ([`Pace::copied`]): copy rounds are judged as a kind of
     /// speculation of their own, against the target alone at the same load. While they lose, only a due probe is
     /// made (the same gaps as the model's probes, [`Costs::record_spec`]). Copies that lose cost a verification for
@@ -469,88 +392,6 @@ impl Pace {
         taken
     }
 
-    /// In a pause, a copy round found nothing to copy and the target wrote `tokens` to its segment's end for `spent`
-    /// (its steps measured as the target's, [`Pace::target_wrote`]): they use up the pause, count towards the model's
-    /// next probe and go to the pauses' figure.
-    pub fn copied_nothing(&mut self, spent: Spent, tokens: usize) {
-        self.paused = self.paused.saturating_sub(tokens.max(1));
-        self.paused_tokens += tokens;
-        self.probing_copies = false;
-        let costs = &self.pacing.costs;
-        costs.add_rested(&self.pacing.kind, self.level, tokens);
-        costs.record_paused(&self.pacing.kind, self.level, spent.at(self.level), tokens);
-        self.give_back_probes();
-    }
-
-    /// In a pause, a copy round wrote `tokens` for `spent`: they use up the pause as the target's would, count
-    /// towards the model's next probe, and go to the copies' own figure, not the target's.
-    pub fn copied(&mut self, spent: Spent, tokens: usize) {
-        self.paused = self.paused.saturating_sub(tokens.max(1));
-        let costs = &self.pacing.costs;
-        costs.add_rested(&self.pacing.kind, self.level, tokens);
-        let probe = std::mem::take(&mut self.probing_copies).then_some(0.0);
-        let ms = spent.at(self.level);
-        costs.record_spec(&self.copy_kind(), self.level, ms, tokens, probe);
-        costs.record_paused(&self.pacing.kind, self.level, ms, tokens);
-        self.give_back_probes();
-    }
-
-    /// A round advised as speculation drew its whole draft from copies ([`DraftHints::model_tokens_drafted`]): it wrote
-    /// `tokens` for `spent`, which goes to the copies' figure, not the model's. (Judged as the model's, rounds of long
-    /// copies, a verification for dozens of tokens, made a model that lost to them look cheap, and each request began
-    /// with a model round that paid for the draft's prefill of its prompt.)
-    ///
-    /// [`DraftHints::model_tokens_drafted`]: crate::driver::DraftHints::model_tokens_drafted
-    pub fn copies_only(&mut self, spent: Spent, tokens: usize) {
-        self.end_round();
-        self.probing = false;
-        let ms = spent.at(self.level);
-        self.pacing
-            .costs
-            .record_spec(&self.copy_kind(), self.level, ms, tokens, None);
-        self.report_rounds(ms, tokens);
-        self.give_back_probes();
-    }
-
-    /// The round chosen by [`Pace::choose_rounds`] wrote `tokens` in `ms` ([`Costs::record_rounds`]).
-    pub(super) fn report_rounds(&mut self, ms: f64, tokens: usize) {
-        let Some(rounds) = self.rounds_of.take() else {
-            return;
-        };
-        let measured = match self.streak.as_mut() {
-            Some((_, written, first)) => {
-                *written += tokens;
-                !std::mem::take(first)
-            }
-            None => true,
-        };
-        self.pacing.costs.record_rounds(
-            &self.pacing.kind,
-            rounds,
-            self.level,
-            measured.then_some(ms),
-            tokens,
-        );
-    }
-
-    pub(super) fn end_round(&mut self) {
-        if std::mem::take(&mut self.in_round) {
-            self.round_ended = Some(self.pacing.costs.round_ends());
-        }
-    }
-
-    /// Whether another request's speculative round ran while the target wrote for `spent` (the last to end being
-    /// this request's own, the others' are taken to have ended before it).
-    pub(super) fn beside_speculation(&self, spent: Spent) -> bool {
-        let costs = &self.pacing.costs;
-        costs.activity(|a| {
-            a.running > usize::from(self.in_round)
-                || a.last_end.is_some_and(|t| {
-                    Some(t) != self.round_ended && t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms
-                })
-        })
-    }
-
     /// Ends the current pause before its length is used up: the target stopped at a segment's end, where the pause
     /// was to end anyway, and what was left of it would go on one segment per call. The next advice reads the figures
     /// again (most likely a pause of whole 16-token calls).
@@ -566,39 +407,8 @@ impl Pace {
             .draft_length(&self.pacing.kind, self.level, max)
     }
 
-    /// A token-level round drafted `drafted` tokens for `draft` and the target kept `accepted` of them, verifying
-    /// for `verify` ([`Costs::record_token_round`]).
-    pub fn token_round(&self, drafted: usize, accepted: usize, verify: Spent, draft: Spent) {
-        self.pacing.costs.record_token_round(
-            &self.pacing.kind,
-            self.level,
-            drafted,
-            accepted,
-            verify.at(self.level),
-            draft.at(self.level),
-        );
-    }
-
     /// Whether a one-token guess pays at the load of the last advice ([`Costs::guess_pays`]).
     pub fn guess_pays(&self) -> bool {
         !self.pacing.off() && self.pacing.costs.guess_pays(&self.pacing.kind, self.level)
-    }
-
-    /// A one-token guess was verified for `verify`; the target kept it (`right`) or not ([`Costs::record_guess`]).
-    pub fn guessed(&self, verify: Spent, right: bool) {
-        let level = self.level;
-        self.pacing
-            .costs
-            .record_guess(&self.pacing.kind, level, verify.at(level), right);
-    }
-
-    /// The target wrote `tokens` for `spent` outside a pause (in `target` mode, or where the drafter had nothing to
-    /// propose): its speed at the current load, for the others.
-    pub fn target_wrote(&self, spent: Spent, tokens: usize) {
-        let level = load_level((self.pacing.load)());
-        let beside = self.beside_speculation(spent);
-        self.pacing
-            .costs
-            .add_alone(None, level, spent.at(level), tokens, beside);
     }
 }
