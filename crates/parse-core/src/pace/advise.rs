@@ -4,26 +4,10 @@
 use super::*;
 
 impl Pace {
-    /// Rounds of its own after which a request is judged on them alone.
-    pub const PROBE: usize = 3;
-
-    /// Context tokens a drafter may catch up on per token left to write, where no drafter's prefill is priced yet
-    /// ([`Pace::entry_unpriced_and_far`]).
-    pub const UNPRICED_ENTRY: usize = 32;
-
-    /// The first pause where the target's speed at this load is not known yet.
-    pub const FIRST_PAUSE: usize = 4;
-
-    /// Tokens a request writes by the sort of rounds it chose before it chooses again ([`Pace::choose_rounds`]).
-    pub const STREAK: usize = 32;
-
-    /// The longest pause before the figures are read again (the load may have moved).
-    pub(super) const MAX_PAUSE: usize = 64;
-
-    /// A request measuring the first rounds of its kind at a load stops before [`Pace::PROBE`] rounds where its
-    /// rounds so far cost more than this many times the target's step per token: rounds that pay cost well under a
-    /// step, and two more rounds do not turn a loss of this size.
-    pub(super) const FAR_BEHIND: f64 = 2.0;
+    /// The tunables this request is paced by (its pool's).
+    fn cfg(&self) -> &PaceConfig {
+        self.pacing.costs.config()
+    }
 
     pub fn new(pacing: Pacing) -> Self {
         Pace {
@@ -40,6 +24,7 @@ impl Pace {
             in_round: false,
             round_ended: None,
             measuring: None,
+            why: None,
             written: 0,
             left: 0,
             lag: 0,
@@ -80,7 +65,7 @@ impl Pace {
         (alone - spec) * horizon as f64 >= row * self.lag as f64
     }
 
-    /// Whether the drafter has more to catch up on than [`Pace::UNPRICED_ENTRY`] tokens for each token the request is
+    /// Whether the drafter has more to catch up on than [`PaceConfig::unpriced_entry`] tokens for each token the request is
     /// expected to write still ([`Costs::expected_left`]), where no drafter's prefill has been priced in the pool
     /// yet ([`Costs::entry_ms`]: [`Pace::entry_pays`] has nothing to judge by). Speculation saves less than the
     /// target's step per token written, and a drafter's prefill is taken to cost at least a 32nd of that step per
@@ -92,7 +77,8 @@ impl Pace {
         self.lag > 0
             && (self.alone_last || self.rounds == 0)
             && costs.entry_ms(&self.pacing.kind, self.level).is_none()
-            && self.lag > Self::UNPRICED_ENTRY * costs.expected_left(self.written, self.left).max(1)
+            && self.lag
+                > self.cfg().unpriced_entry * costs.expected_left(self.written, self.left).max(1)
     }
 
     /// Whether the shared figures at the current load say this request's speculation pays (its kind's ms per token
@@ -117,9 +103,9 @@ impl Pace {
 
     pub(super) fn estimate(&self) -> Option<f64> {
         match (self.own.get(), self.prior) {
-            (Some(o), _) if self.rounds >= Self::PROBE => Some(o),
+            (Some(o), _) if self.rounds >= self.cfg().probe_rounds => Some(o),
             (Some(o), Some(s)) => {
-                let w = self.rounds as f64 / Self::PROBE as f64;
+                let w = self.rounds as f64 / self.cfg().probe_rounds as f64;
                 Some(w * o + (1.0 - w) * s)
             }
             (None, Some(s)) => Some(s),
@@ -140,10 +126,7 @@ impl Pace {
         self.probing = false;
         if self.pacing.off() {
             // The operator's setting, whatever the figures say: the longest pause, after which the load is read again.
-            return self.pause(
-                Self::MAX_PAUSE,
-                "speculation is off at this load (the router's --speculation-off-at)",
-            );
+            return self.pause(self.cfg().max_pause, Why::Off);
         }
         if self.rounds == 0 {
             self.prior = costs.best_spec_ms(kind, self.level);
@@ -173,42 +156,40 @@ impl Pace {
             // the target's step: a PARSE round's verification is a block of up to 128 rows, which costs several
             // steps where rows are dear. A short pause measures the target itself before the request goes on;
             // judged against its blocks alone, a request would never pause where speculation loses.
-            return self.pause(Self::FIRST_PAUSE, "speculation beats only the cheapest verification seen: a short pause measures the target");
+            return self.pause(self.cfg().first_pause, Why::TargetUnmeasured);
         }
         if estimate.is_none()
             && self.rounds > 0
-            && step.is_none_or(|s| self.own.get().is_some_and(|own| own > Self::FAR_BEHIND * s))
+            && step.is_none_or(|s| {
+                self.own
+                    .get()
+                    .is_some_and(|own| own > self.cfg().far_behind * s)
+            })
         {
             // This request measures the first rounds of its kind here (no figure before them), and either the
             // target's own step at this load was never measured (nothing to judge the round by but the cheapest
             // verification, only an upper bound of a step) or its rounds so far lose to that step by far. A short
             // pause measures the target; the rounds' figure, reported to the shared costs, is the prior after it.
-            // Without it the request would go on for [`Pace::PROBE`] rounds before it was judged, however far its
+            // Without it the request would go on for [`PaceConfig::probe_rounds`] rounds before it was judged, however far its
             // rounds lose.
-            return self.pause(
-                Self::FIRST_PAUSE,
-                "the first rounds here lose by far, or the target's step is not known",
-            );
+            return self.pause(self.cfg().first_pause, Why::FirstRoundsLose);
         }
         let catch_up = self.catch_up_tokens(alone);
         if estimate.is_none()
             && self.rounds == 0
             && self.measuring.is_none()
-            && costs.since(kind, self.level) < (Costs::PROBE_SHARE * catch_up as f64) as usize
+            && costs.since(kind, self.level) < (self.cfg().probe_share * catch_up as f64) as usize
         {
             // No figure here yet, and this request's drafter has more to catch up on than the tokens written alone
             // here so far pay for, as a probe's would ([`Costs::take_probe`]): the first round is left to another
             // request, or to this one later (as a burst of requests ends, each lower load would otherwise be measured
             // first by a request hundreds of tokens in).
             self.entries_declined += 1;
-            return self.pause(Self::MAX_PAUSE, "no figure here yet, and its drafter has more to catch up on than a first round is worth");
+            return self.pause(self.cfg().max_pause, Why::CatchUpBeforeFirstRound);
         }
         if self.entry_unpriced_and_far() {
             self.entries_declined += 1;
-            return self.pause(
-                Self::MAX_PAUSE,
-                "its drafter's catching up is not priced yet and is many times the tokens left to write",
-            );
+            return self.pause(self.cfg().max_pause, Why::CatchUpUnpriced);
         }
         // From here on speculation is judged against the cheaper of the target alone and the request's copy rounds.
         let alone = rival(alone, copies);
@@ -219,7 +200,7 @@ impl Pace {
             // Speculation pays per token, not for its entry: a full pause, after which the figures are read again
             // (the lag will be longer and the tokens left fewer, unless the load has fallen).
             self.entries_declined += 1;
-            return self.pause(Self::MAX_PAUSE, "speculation does not pay for catching up");
+            return self.pause(self.cfg().max_pause, Why::CatchUpDoesNotPay);
         }
         let speculate = match (estimate, alone) {
             (Some(spec), Some(alone)) => spec <= alone,
@@ -244,13 +225,13 @@ impl Pace {
             return self.begin_round(!speculate);
         }
         let pause = if known_alone.is_none() || estimate.is_none() {
-            Self::FIRST_PAUSE
+            self.cfg().first_pause
         } else {
             costs
                 .until_probe(kind, self.level)
-                .clamp(Self::FIRST_PAUSE, Self::MAX_PAUSE)
+                .clamp(self.cfg().first_pause, self.cfg().max_pause)
         };
-        self.pause(pause, "speculation loses to the target alone")
+        self.pause(pause, Why::Loses)
     }
 
     /// [`Pace::advise`] before a token-level round that may draft up to `max` tokens. At one request, where the
@@ -300,7 +281,7 @@ impl Pace {
     /// Advice to write `tokens` alone, with the bookkeeping of a pause; `why` and the figures it was judged by go to
     /// the log at debug level (`RUST_LOG=parse_core::pace=debug`), for an operator asking why a request stopped
     /// speculating.
-    pub(super) fn pause(&mut self, tokens: usize, why: &'static str) -> Advice {
+    pub(super) fn pause(&mut self, tokens: usize, why: Why) -> Advice {
         if tracing::enabled!(tracing::Level::DEBUG) {
             let costs = &self.pacing.costs;
             tracing::debug!(
@@ -317,6 +298,7 @@ impl Pace {
             );
         }
         self.paused = tokens;
+        self.why = Some(why);
         self.streak = None;
         if !self.alone_last {
             self.pauses += 1;
@@ -333,13 +315,13 @@ impl Pace {
     /// then goes to that sort's figure as well as the kind's. Where a verification row is dear and the draft has a
     /// core of its own, token-level rounds write faster; where rows are cheap, PARSE rounds do.
     ///
-    /// A request keeps the sort it chose for [`Pace::STREAK`] tokens, and the first round after a switch (or after a
+    /// A request keeps the sort it chose for [`PaceConfig::streak`] tokens, and the first round after a switch (or after a
     /// pause) goes to no sort's figure: it pays for the switch (a draft read ahead for the other sort thrown away, the
     /// draft catching up), and judged by such rounds alone, the sort that was not running looked 2-3 times dearer
     /// than it wrote once it ran.
     pub fn choose_rounds(&mut self) -> Rounds {
         let rounds = match self.streak {
-            Some((sort, tokens, _)) if tokens < Self::STREAK => sort,
+            Some((sort, tokens, _)) if tokens < self.cfg().streak => sort,
             last => {
                 let sort = self
                     .pacing
@@ -352,6 +334,11 @@ impl Pace {
         };
         self.rounds_of = Some(rounds);
         rounds
+    }
+
+    /// Why the last pause began (`None` before any).
+    pub fn why(&self) -> Option<Why> {
+        self.why
     }
 
     /// The load level of the last advice.

@@ -4,37 +4,19 @@
 use super::*;
 
 impl Costs {
-    /// Tokens written alone before the first probe of a losing speculation, and at most between two.
-    pub const MIN_GAP: usize = 16;
+    /// Figures paced by `cfg`, reading the time from `clock`.
+    pub fn with_config(cfg: PaceConfig, clock: Clock) -> Self {
+        Costs {
+            cfg,
+            clock,
+            ..Costs::default()
+        }
+    }
 
-    pub const MAX_GAP: usize = 4096;
-
-    /// After a losing probe, the next waits at least this many times the tokens the target alone would have written
-    /// in the time the probe lost, its setup included (the draft's prefill of a request that had not drafted yet): a
-    /// probe of a speculation that loses by far then costs at most a 33rd of the time between probes (gaps that only
-    /// double let losing probes write a large share of a loaded pool's output). The price is a slower return to
-    /// speculating where it starts to pay at that load: up to 4096 tokens written alone at that load by the requests
-    /// of that kind.
-    pub const PROBE_SHARE: f64 = 32.0;
-
-    /// A drafted token that costs less than this share of a verification row counts as free
-    /// ([`Costs::free_rounds_pay`]).
-    pub const FREE_DRAFT: f64 = 0.01;
-
-    /// Tokens the sort of rounds that writes faster at a load writes there before a request makes a round of the other
-    /// sort ([`Costs::choose_rounds`]). Such a round costs what the other sort loses for one round: at most a few
-    /// percent of the time of 128 tokens where they differ by a fifth.
-    pub const TRY_OTHER_EVERY: usize = 128;
-
-    /// While one-token guesses lose, one in this many places where they could be made still makes one
-    /// ([`Costs::guess_pays`]).
-    pub const GUESS_PROBE: usize = 8;
-
-    /// Finished requests' lengths kept for [`Costs::expected_left`].
-    pub const LENGTHS: usize = 256;
-
-    /// Fewer past requests than this that wrote as far as a request has: its tokens so far stand for what is left.
-    pub(super) const MIN_LENGTHS: usize = 4;
+    /// The tunables the figures' requests are paced by.
+    pub fn config(&self) -> &PaceConfig {
+        &self.cfg
+    }
 
     pub(super) fn with<T>(&self, level: u32, f: impl FnOnce(&mut Level) -> T) -> T {
         let mut levels = self.levels.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,7 +84,7 @@ impl Costs {
     /// A request of the pool finished with `tokens` of output.
     pub fn record_length(&self, tokens: usize) {
         let mut l = self.lengths.lock().unwrap_or_else(|e| e.into_inner());
-        if l.len() == Self::LENGTHS {
+        if l.len() == self.cfg.lengths {
             l.pop_front();
         }
         l.push_back(tokens);
@@ -110,13 +92,13 @@ impl Costs {
 
     /// How many more tokens a request that has written `written` and may write `left` more is expected to write:
     /// the mean of what the pool's past requests that wrote more than `written` wrote beyond it (each at most
-    /// `left`). Where fewer than [`Costs::MIN_LENGTHS`] got that far, `written` itself (the median of what is left
+    /// `left`). Where fewer than [`PaceConfig::min_lengths`] got that far, `written` itself (the median of what is left
     /// when nothing is known of where in its length a request is), and while the pool has finished fewer than
-    /// [`Costs::MIN_LENGTHS`] requests, `left` (no history: judged over the whole budget, as a fresh request always
+    /// [`PaceConfig::min_lengths`] requests, `left` (no history: judged over the whole budget, as a fresh request always
     /// was).
     pub fn expected_left(&self, written: usize, left: usize) -> usize {
         let l = self.lengths.lock().unwrap_or_else(|e| e.into_inner());
-        if l.len() < Self::MIN_LENGTHS {
+        if l.len() < self.cfg.min_lengths {
             return left;
         }
         let beyond: Vec<usize> = l
@@ -124,7 +106,7 @@ impl Costs {
             .filter(|&&n| n > written)
             .map(|&n| (n - written).min(left))
             .collect();
-        if beyond.len() < Self::MIN_LENGTHS {
+        if beyond.len() < self.cfg.min_lengths {
             return written.min(left);
         }
         beyond.iter().sum::<usize>() / beyond.len()
@@ -218,7 +200,7 @@ impl Costs {
     }
 
     pub(super) fn round_ends(&self) -> std::time::Instant {
-        let now = std::time::Instant::now();
+        let now = self.clock.now();
         self.activity(|a| {
             a.running = a.running.saturating_sub(1);
             a.last_end = Some(now);
@@ -240,18 +222,20 @@ impl Costs {
                 (Some(x), Some(a)) if x > a => {
                     if let Some(setup) = probe {
                         let lost = ((ms + setup) / a - tokens as f64).max(0.0);
-                        let pay = (Self::PROBE_SHARE * lost).ceil() as usize;
-                        s.gap = (s.gap * 2).max(pay).min(Self::MAX_GAP);
+                        let pay = (self.cfg.probe_share * lost).ceil() as usize;
+                        s.gap = (s.gap.max(self.cfg.min_gap) * 2)
+                            .max(pay)
+                            .min(self.cfg.max_gap);
                     }
                 }
-                _ => s.gap = Self::MIN_GAP,
+                _ => s.gap = 0,
             }
         })
     }
 
     /// Which rounds a request of `kind` at `level` should speculate with ([`Rounds`]): PARSE rounds until they have a
     /// figure there, then token-level rounds until those have one, then the sort that writes at fewer ms per token,
-    /// except that every [`Costs::TRY_OTHER_EVERY`] tokens the winner wrote there, one request makes a round of the
+    /// except that every [`PaceConfig::try_other_every`] tokens the winner wrote there, one request makes a round of the
     /// other sort, which measures it again (the load, the task and the drafter's hits move both).
     pub fn choose_rounds(&self, kind: &str, level: u32) -> Rounds {
         let (segments, tokens) = (Rounds::Segments.figure(kind), Rounds::Tokens.figure(kind));
@@ -264,7 +248,7 @@ impl Costs {
                 _ => Rounds::Segments,
             };
             let other = l.spec.entry(winner.other().figure(kind)).or_default();
-            if other.since >= Self::TRY_OTHER_EVERY {
+            if other.since >= self.cfg.try_other_every {
                 other.since = 0;
                 winner.other()
             } else {

@@ -117,7 +117,7 @@ impl Costs {
     /// token) rather than write alone: where a guess round (a verification of two rows) is expected to write faster
     /// than the target's step, by the share of guesses the target kept and the measured price of rows. A guess
     /// that misses costs one row; one kept writes two tokens for a verification. Where the figures cannot say yet,
-    /// it guesses (which measures them); while guesses lose, one in [`Costs::GUESS_PROBE`] is still made, so that
+    /// it guesses (which measures them); while guesses lose, one in [`PaceConfig::guess_probe`] is still made, so that
     /// a task where they start to pay is seen.
     ///
     /// Prompt lookup drafts from matches of two tokens or more: what a one-token match proposes is kept about half
@@ -141,7 +141,7 @@ impl Costs {
             return true;
         }
         g.skipped += 1;
-        if g.skipped >= Self::GUESS_PROBE {
+        if g.skipped >= self.cfg.guess_probe {
             g.skipped = 0;
             return true;
         }
@@ -163,7 +163,7 @@ impl Costs {
     }
 
     /// Whether `kind`'s token-level rounds at `level` draft for nothing and are expected to write faster than the
-    /// target alone: its drafts cost less than [`Costs::FREE_DRAFT`] of a verification row (prompt lookup: a few
+    /// target alone: its drafts cost less than [`PaceConfig::free_draft`] of a verification row (prompt lookup: a few
     /// microseconds a token against milliseconds a row), and the round [`Costs::draft_length`] chooses, by the
     /// measured chance of each position being accepted and the measured price of rows, writes at fewer ms per token
     /// than the target's step there. Such a round can lose only its rows, and only where the lookup proposed
@@ -175,7 +175,7 @@ impl Costs {
         match self.best_round(kind, level, max) {
             Ok(b) => {
                 b.per_row > 0.0
-                    && b.draft_ms <= Self::FREE_DRAFT * b.per_row
+                    && b.draft_ms <= self.cfg.free_draft * b.per_row
                     && b.ms_per_token < step
             }
             Err(_) => false,

@@ -9,10 +9,17 @@
 //! moving averages weighted by tokens over the requests that report to it: the router keeps one for its worker
 //! pools, an in-process request one of its own. [`Pace`] is one request's use of it: before each round it asks
 //! whether to speculate or to let the target write alone for a while, and reports what the round cost.
+//!
+//! By job: `rates` holds the estimators, `costs` the pool's figures, `probes` when a losing speculation is measured
+//! again, `length` how far a token-level round drafts and whether a guess pays, `advise` the decision before a round
+//! ([`Why`] a pause began), `report` what a round or pause cost. The tunables are one [`PaceConfig`]; the time is
+//! read from the pool's [`Clock`]. Why the pacing measures rather than follows a fixed schedule by batch size:
+//! `docs/decisions/pacing.md`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+pub use config::PaceConfig;
 use rates::{BestRound, Guesses, Passes, Rate, Reach};
 
 /// The kind under which the copy rounds of a request of `kind` are judged ([`Pace::copied`], [`Pace::copies_only`]):
@@ -91,7 +98,7 @@ struct SpecFigure {
     /// Tokens written alone by requests of this kind since its last speculative round here.
     since: usize,
     /// Tokens written alone between two probe rounds while speculation loses: doubled after each probe that still
-    /// loses, back to the least after one that wins.
+    /// loses, back to the least after one that wins (0 stands for [`PaceConfig::min_gap`]).
     gap: usize,
     /// Rounds reported here, by all requests.
     reports: usize,
@@ -111,7 +118,7 @@ impl Default for SpecFigure {
         SpecFigure {
             rate: Rate::default(),
             since: 0,
-            gap: Costs::MIN_GAP,
+            gap: 0,
             reports: 0,
             measuring: false,
             probe_out: false,
@@ -152,13 +159,41 @@ pub struct CostFigure {
 /// its drafter, say `parse+token-spec/model`). Shared by the requests of one pool of workers.
 #[derive(Debug, Default)]
 pub struct Costs {
+    cfg: PaceConfig,
+    clock: Clock,
     levels: Mutex<HashMap<u32, Level>>,
     activity: Mutex<Activity>,
     reach: Mutex<HashMap<String, Reach>>,
     /// Per kind, its one-token guesses ([`Costs::guess_pays`]).
     guesses: Mutex<HashMap<String, Guesses>>,
-    /// Output lengths of the pool's last [`Costs::LENGTHS`] finished requests, newest last.
+    /// Output lengths of the pool's last [`PaceConfig::lengths`] finished requests, newest last.
     lengths: Mutex<std::collections::VecDeque<usize>>,
+}
+
+/// Where the pacing reads the time: the monotonic clock, or a test's.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> std::time::Instant + Send + Sync>);
+
+impl Clock {
+    pub fn new(now: impl Fn() -> std::time::Instant + Send + Sync + 'static) -> Self {
+        Clock(Arc::new(now))
+    }
+
+    pub fn now(&self) -> std::time::Instant {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new(std::time::Instant::now)
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
 }
 
 /// The speculative rounds of a pool's requests: how many run now, and when the last ended.
@@ -241,6 +276,47 @@ impl Spent {
     }
 }
 
+/// Why the target writes alone for a while ([`Pace::advise`]): logged at debug level with the figures it was judged
+/// by (`RUST_LOG=parse_core::pace=debug`), and the last one kept ([`Pace::why`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// The operator turned speculation off at this load (the router's `--speculation-off-at`).
+    Off,
+    /// Speculation beats only the cheapest verification seen, an upper bound of the target's step: a short pause
+    /// measures the target.
+    TargetUnmeasured,
+    /// The first rounds of its kind at this load lose by far, or the target's step here is not known.
+    FirstRoundsLose,
+    /// No figure of its kind at this load yet, and its drafter has more to catch up on than a first round is worth.
+    CatchUpBeforeFirstRound,
+    /// Its drafter's catching up is not priced yet and is many times the tokens left to write.
+    CatchUpUnpriced,
+    /// Speculation pays per token, but not for its drafter's catching up.
+    CatchUpDoesNotPay,
+    /// Speculation loses to the target alone (or to its copy rounds).
+    Loses,
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Why::Off => "speculation is off at this load (the router's --speculation-off-at)",
+            Why::TargetUnmeasured => {
+                "speculation beats only the cheapest verification seen: a short pause measures the target"
+            }
+            Why::FirstRoundsLose => "the first rounds here lose by far, or the target's step is not known",
+            Why::CatchUpBeforeFirstRound => {
+                "no figure here yet, and its drafter has more to catch up on than a first round is worth"
+            }
+            Why::CatchUpUnpriced => {
+                "its drafter's catching up is not priced yet and is many times the tokens left to write"
+            }
+            Why::CatchUpDoesNotPay => "speculation does not pay for catching up",
+            Why::Loses => "speculation loses to the target alone",
+        })
+    }
+}
+
 /// What a request does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Advice {
@@ -251,11 +327,11 @@ pub enum Advice {
 
 /// One request's pace. Speculation goes on while it writes tokens at least as fast as the target alone, judged on
 /// an estimate of its milliseconds per token: the request's own recent rounds, leaning on the shared figure of its
-/// kind at the current load until it has made [`Pace::PROBE`] rounds of its own (with no shared figure, it leans on
+/// kind at the current load until it has made [`PaceConfig::probe_rounds`] rounds of its own (with no shared figure, it leans on
 /// the first that other requests report while its rounds go on, and with none, those rounds are made before it is
 /// judged). While it loses, the target writes alone, and every so many tokens written
-/// alone at that load (16, doubling while probes keep losing and at least [`Costs::PROBE_SHARE`] times what the last
-/// probe lost, up to [`Costs::MAX_GAP`]; counted over all requests of the kind) one request makes a probe round,
+/// alone at that load (16, doubling while probes keep losing and at least [`PaceConfig::probe_share`] times what the last
+/// probe lost, up to [`PaceConfig::max_gap`]; counted over all requests of the kind) one request makes a probe round,
 /// which measures it again. Before the target's own speed at a load is known, a one-row pass by the line fitted to
 /// token-level verifications of its kind ([`Costs::one_row_ms`]) stands in for it, or where there is none, the
 /// cheapest verification the request has seen (a one-token step costs no more), and the first pause is short, which
@@ -292,6 +368,8 @@ pub struct Pace {
     written: usize,
     left: usize,
     lag: usize,
+    /// Why the last pause began.
+    why: Option<Why>,
     /// Pauses (runs of tokens written alone between speculative rounds) and the tokens written in them.
     pub pauses: usize,
     pub paused_tokens: usize,
@@ -320,6 +398,7 @@ impl Drop for Pace {
 }
 
 mod advise;
+mod config;
 mod costs;
 mod length;
 mod probes;

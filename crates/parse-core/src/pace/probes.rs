@@ -17,7 +17,7 @@ impl Costs {
     pub(super) fn until_probe(&self, kind: &str, level: u32) -> usize {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();
-            s.gap.saturating_sub(s.since)
+            s.gap.max(self.cfg.min_gap).saturating_sub(s.since)
         })
     }
 
@@ -42,7 +42,7 @@ impl Costs {
 
     /// Takes the due probe of `kind`, so that one request makes it, not every request at once: due once the tokens
     /// written alone since the last one reach the gap and, for a request whose drafter must catch up first, also
-    /// [`Costs::PROBE_SHARE`] times the tokens the target alone writes in the time that takes (`catch_up`, see
+    /// [`PaceConfig::probe_share`] times the tokens the target alone writes in the time that takes (`catch_up`, see
     /// [`Pace::catch_up_tokens`]), and not while another request's probe here is out ([`Costs::probe_back`]).
     ///
     /// Both bound what probes cost where they lose by far. Without the first, every few tokens written alone at a
@@ -53,8 +53,8 @@ impl Costs {
     pub(super) fn take_probe(&self, kind: &str, level: u32, catch_up: usize) -> bool {
         self.with(level, |l| {
             let s = l.spec.entry(kind.to_string()).or_default();
-            let setup = (Self::PROBE_SHARE * catch_up as f64).ceil() as usize;
-            let due = !s.probe_out && s.since >= s.gap.saturating_add(setup);
+            let setup = (self.cfg.probe_share * catch_up as f64).ceil() as usize;
+            let due = !s.probe_out && s.since >= s.gap.max(self.cfg.min_gap).saturating_add(setup);
             if due {
                 s.since = 0;
                 s.probe_out = true;

@@ -61,7 +61,7 @@ impl Pace {
 
     /// The target wrote `tokens` alone for `spent` (in a pause). Its figures go to the load when the call ended, as
     /// [`Pace::target_wrote`]'s do, not to the load of the advice that began the pause: a pause runs for up to
-    /// [`Pace::MAX_PAUSE`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
+    /// [`PaceConfig::max_pause`] tokens, and where requests end meanwhile its last calls share passes with fewer rows, each
     /// charged more. Charged to the advice's load, the pauses at the end of a run would raise the figure of the target
     /// alone at the higher load, and speculation would be set against a target dearer than it is. The tokens count
     /// towards the next probe at the advice's load, where the probe will be made.
@@ -163,7 +163,9 @@ impl Pace {
         costs.activity(|a| {
             a.running > usize::from(self.in_round)
                 || a.last_end.is_some_and(|t| {
-                    Some(t) != self.round_ended && t.elapsed().as_secs_f64() * 1e3 < spent.wall_ms
+                    Some(t) != self.round_ended
+                        && costs.clock.now().saturating_duration_since(t).as_secs_f64() * 1e3
+                            < spent.wall_ms
                 })
         })
     }

@@ -52,7 +52,7 @@ fn speculation_that_pays_per_token_starts_only_where_it_pays_for_the_drafters_ca
     assert_eq!(costs.expected_left(200, 300), 40);
     let mut p = Pace::new(pacing.clone());
     p.position(200, 300, 400);
-    assert_eq!(p.advise(), Advice::Alone(Pace::MAX_PAUSE));
+    assert_eq!(p.advise(), Advice::Alone(PaceConfig::DEFAULT.max_pause));
     assert_eq!(p.entries_declined, 1);
     // A drafter 30 tokens behind pays (900 ms against 1,200).
     let mut p = Pace::new(pacing.clone());
@@ -122,7 +122,7 @@ fn speculation_turned_off_at_a_load_is_off_there_whatever_the_figures_say() {
 
     let mut p = Pace::new(pacing.clone());
     assert!(!p.leans_to_speculate());
-    assert_eq!(p.advise(), Advice::Alone(Pace::MAX_PAUSE));
+    assert_eq!(p.advise(), Advice::Alone(PaceConfig::DEFAULT.max_pause));
     assert_eq!(p.pauses, 1);
     assert!(!p.copies_pay());
     assert!(!p.guess_pays());
@@ -137,7 +137,7 @@ fn speculation_turned_off_at_a_load_is_off_there_whatever_the_figures_say() {
     assert!(costs.free_rounds_pay(kind, 0, 6));
     assert_eq!(
         Pace::new(one).advise_token_round(6),
-        Advice::Alone(Pace::MAX_PAUSE)
+        Advice::Alone(PaceConfig::DEFAULT.max_pause)
     );
     // Below the setting the figures decide again: at 4 requests a fresh request speculates where they say so.
     load.store(4, Ordering::Relaxed);
@@ -192,7 +192,7 @@ fn one_token_guesses_are_made_where_the_target_keeps_more_of_them_than_a_row_cos
         costs.record_guess(kind, 0, 72.0, i % 10 == 0);
     }
     // 1 in 10 kept: they lose, and only one place in GUESS_PROBE still guesses, to see the task change.
-    assert_eq!(guesses_made(&costs, 4 * Costs::GUESS_PROBE), 4);
+    assert_eq!(guesses_made(&costs, 4 * PaceConfig::DEFAULT.guess_probe), 4);
     // The same guesses where a row costs nothing to speak of (a verification 60 ms and 0.5 a row): they pay.
     let (costs, _) = pool(kind, 1);
     costs.record_alone(None, 0, 600.0, 10);
@@ -331,8 +331,12 @@ fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone(
     // winning against that, is left alone from then on.
     let mut p = Pace::new(Pacing::alone("token-spec/model"));
     let seen = drive(&mut p, 40, 50.0, 90.0, 100.0);
-    assert_eq!(gaps(&seen), [Pace::FIRST_PAUSE], "{seen:?}");
-    assert_eq!(seen[1], Advice::Alone(Pace::FIRST_PAUSE), "{seen:?}");
+    assert_eq!(gaps(&seen), [PaceConfig::DEFAULT.first_pause], "{seen:?}");
+    assert_eq!(
+        seen[1],
+        Advice::Alone(PaceConfig::DEFAULT.first_pause),
+        "{seen:?}"
+    );
     assert!((p.pacing.costs.alone_ms(0).unwrap() - 90.0).abs() < 1e-9);
     // Rounds at 150 ms/token, with nothing to judge them by but the cheapest verification (100 ms): the first
     // round is followed by a short pause, which measures the target alone, not by PROBE - 1 more rounds.
@@ -344,7 +348,7 @@ fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone(
         &[Spent::wall(100.0)],
         Spent::wall(0.0),
     );
-    assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+    assert_eq!(p.advise(), Advice::Alone(PaceConfig::DEFAULT.first_pause));
     p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
     // Still losing against the target's measured 90 ms/token: a probe round once 16 tokens in all were written
     // alone; a probe of 2 tokens loses 120 ms, 1.33 tokens of the target's, so the next waits 43 tokens (32 times
@@ -355,7 +359,7 @@ fn a_losing_speculation_pauses_longer_each_time_and_a_winning_one_is_left_alone(
         [12, 43, 86, 172, 344, 688, 1376],
         "{seen:?}"
     );
-    assert_eq!(gaps(&seen)[8], Costs::MAX_GAP, "{seen:?}");
+    assert_eq!(gaps(&seen)[8], PaceConfig::DEFAULT.max_gap, "{seen:?}");
     assert!(seen.iter().all(|a| *a <= Advice::Alone(64)));
     // The first pause's 4 tokens and the 12 after them are one pause.
     assert_eq!(p.pauses, gaps(&seen).len());
@@ -482,7 +486,7 @@ fn a_first_round_at_a_load_goes_to_a_request_with_little_to_catch_up_and_is_judg
     // 300 tokens behind: 150 target tokens to catch up, more than the 0 written alone here so far pay for.
     let mut far = Pace::new(pacing.clone());
     far.position(300, 84, 300);
-    assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+    assert_eq!(far.advise(), Advice::Alone(PaceConfig::DEFAULT.max_pause));
     assert_eq!(far.entries_declined, 1);
     far.wrote_alone(Spent::wall(64.0 * 10.0), 64);
     // 20 behind (10 target tokens to catch up, 320 written alone needed): once that much was, it measures.
@@ -511,7 +515,7 @@ fn a_drafter_with_far_more_to_catch_up_on_than_tokens_left_does_not_start_on_a_f
     // Nothing measured: a long prompt with a few tokens to write writes them alone.
     let mut far = Pace::new(pacing.clone());
     far.position(0, 4, 16_000);
-    assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+    assert_eq!(far.advise(), Advice::Alone(PaceConfig::DEFAULT.max_pause));
     assert_eq!(far.entries_declined, 1);
     // The same prompt with a budget that could pay for it, and a short prompt, make the first round.
     let mut long = Pace::new(pacing.clone());
@@ -543,7 +547,7 @@ fn at_one_request_the_drafters_catching_up_is_priced_by_what_other_loads_measure
     // request so far pay for: no first round, a full pause.
     let mut far = Pace::new(pacing.clone());
     far.position(250, 40, 400);
-    assert_eq!(far.advise(), Advice::Alone(Pace::MAX_PAUSE));
+    assert_eq!(far.advise(), Advice::Alone(PaceConfig::DEFAULT.max_pause));
     assert_eq!(far.entries_declined, 1);
     // Nothing to catch up on: it makes the first round.
     let mut near = Pace::new(pacing);
@@ -562,7 +566,7 @@ fn a_probe_that_loses_by_far_waits_32_times_what_it_lost_setup_included() {
     c.record_alone(None, 3, 16.0 * 100.0, 16);
     // A round keeping 60 tokens at 270 ms/token against the target's 100: speculation loses at this level.
     c.record_spec(kind, 3, 60.0 * 270.0, 60, None);
-    assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
+    assert_eq!(c.until_probe(kind, 3), PaceConfig::DEFAULT.min_gap);
     c.record_alone(Some(kind), 3, 16.0 * 100.0, 16);
     assert!(c.take_probe(kind, 3, 0));
     // The probe loses the same: 102 tokens of the target's time lost, so 3264 tokens alone before the next.
@@ -573,11 +577,11 @@ fn a_probe_that_loses_by_far_waits_32_times_what_it_lost_setup_included() {
     c.record_alone(Some(kind), 3, 3264.0 * 100.0, 3264);
     assert!(c.take_probe(kind, 3, 0));
     c.record_spec(kind, 3, 60.0 * 600.0, 60, Some(0.0));
-    assert_eq!(c.until_probe(kind, 3), Costs::MAX_GAP);
+    assert_eq!(c.until_probe(kind, 3), PaceConfig::DEFAULT.max_gap);
     for _ in 0..20 {
         c.record_spec(kind, 3, 60.0 * 50.0, 60, Some(0.0));
     }
-    assert_eq!(c.until_probe(kind, 3), Costs::MIN_GAP);
+    assert_eq!(c.until_probe(kind, 3), PaceConfig::DEFAULT.min_gap);
     // A probe that loses a little (60 tokens at 110 ms/token: 6 tokens of the target's) but had to prefill the
     // draft first (3 s, 30 tokens of the target's) lost 36: the next waits 1152 tokens, not 192. The prefill is
     // not part of the rate.
@@ -619,7 +623,7 @@ fn a_load_with_no_figure_of_the_target_borrows_the_nearest_measured_the_same_way
         load: Arc::new(|| 9),
         off_at: None,
     });
-    assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+    assert_eq!(p.advise(), Advice::Alone(PaceConfig::DEFAULT.first_pause));
 }
 
 #[test]
@@ -711,13 +715,13 @@ fn on_a_fresh_router_one_request_measures_and_the_others_are_judged_on_its_round
     assert!(
         advice[1..]
             .iter()
-            .all(|a| *a == Advice::Alone(Pace::FIRST_PAUSE)),
+            .all(|a| *a == Advice::Alone(PaceConfig::DEFAULT.first_pause)),
         "the others wait for its figure, in short pauses: {advice:?}"
     );
     // While its round runs, the others go on waiting, and take no probe (there is nothing losing to probe).
     for p in all[1..].iter_mut() {
         p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
-        assert_eq!(p.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+        assert_eq!(p.advise(), Advice::Alone(PaceConfig::DEFAULT.first_pause));
         p.wrote_alone(Spent::wall(4.0 * 90.0), 4);
     }
     // Its round loses: the others are judged on the pool's figure and write alone from here; it goes on to
@@ -726,7 +730,7 @@ fn on_a_fresh_router_one_request_measures_and_the_others_are_judged_on_its_round
     for (i, p) in all[1..].iter_mut().enumerate() {
         assert!(matches!(p.advise(), Advice::Alone(_)), "request {}", i + 1);
     }
-    for _ in 1..Pace::PROBE {
+    for _ in 1..PaceConfig::DEFAULT.probe_rounds {
         assert_eq!(all[0].advise(), Advice::Speculate);
         losing_round(&mut all[0]);
     }
@@ -738,7 +742,7 @@ fn on_a_fresh_router_one_request_measures_and_the_others_are_judged_on_its_round
     };
     Pace::new(pacing.clone()).target_wrote(Spent::wall(16.0 * 90.0), 16);
     let mut p = Pace::new(pacing.clone());
-    for _ in 0..Pace::PROBE {
+    for _ in 0..PaceConfig::DEFAULT.probe_rounds {
         assert_eq!(p.advise(), Advice::Speculate);
         losing_round(&mut p);
     }
@@ -752,7 +756,7 @@ fn a_first_round_that_wins_lets_the_others_speculate_and_one_that_never_reports_
     let mut a = Pace::new(pacing.clone());
     let mut b = Pace::new(pacing.clone());
     assert_eq!(a.advise(), Advice::Speculate);
-    assert_eq!(b.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+    assert_eq!(b.advise(), Advice::Alone(PaceConfig::DEFAULT.first_pause));
     b.wrote_alone(Spent::wall(4.0 * 90.0), 4);
     // A round at 30 ms/token against the target's 90: the waiting request speculates too.
     a.speculated(
@@ -767,7 +771,10 @@ fn a_first_round_that_wins_lets_the_others_speculate_and_one_that_never_reports_
     let mut gone = Pace::new(fresh.clone());
     let mut next = Pace::new(fresh.clone());
     assert_eq!(gone.advise(), Advice::Speculate);
-    assert_eq!(next.advise(), Advice::Alone(Pace::FIRST_PAUSE));
+    assert_eq!(
+        next.advise(),
+        Advice::Alone(PaceConfig::DEFAULT.first_pause)
+    );
     next.wrote_alone(Spent::wall(4.0 * 90.0), 4);
     drop(gone);
     assert_eq!(next.advise(), Advice::Speculate);
@@ -855,7 +862,7 @@ fn under_load_charged_worker_time_decides_and_alone_wall_time_at_one_request() {
     Pace::new(pacing.clone()).target_wrote(step, 16);
     assert_eq!(pacing.costs.alone_ms(0), Some(800.0));
     let mut p = Pace::new(pacing.clone());
-    for _ in 0..2 * Pace::PROBE {
+    for _ in 0..2 * PaceConfig::DEFAULT.probe_rounds {
         assert_eq!(p.advise(), Advice::Speculate);
         p.speculated(spec, 2, &[spec], Spent::wall(0.0));
     }
@@ -949,7 +956,7 @@ fn with_no_step_measured_some_rounds_draft_half_as_far_and_the_line_through_them
         off_at: None,
     };
     let mut p = Pace::new(pacing);
-    for _ in 0..Pace::PROBE {
+    for _ in 0..PaceConfig::DEFAULT.probe_rounds {
         assert_eq!(p.advise(), Advice::Speculate);
         p.speculated(Spent::wall(40.0), 2, &[Spent::wall(40.0)], Spent::wall(0.0));
     }
@@ -1023,7 +1030,10 @@ fn rounds_of_the_sort_that_writes_faster_and_now_and_then_of_the_other() {
         .chunk_by(|a, b| a == b)
         .map(|c| (c[0], c.len()))
         .collect();
-    let (per_streak, between) = (Pace::STREAK / 8, Costs::TRY_OTHER_EVERY / 8);
+    let (per_streak, between) = (
+        PaceConfig::DEFAULT.streak / 8,
+        PaceConfig::DEFAULT.try_other_every / 8,
+    );
     assert_eq!(
         streaks,
         vec![
@@ -1035,9 +1045,73 @@ fn rounds_of_the_sort_that_writes_faster_and_now_and_then_of_the_other() {
         ]
     );
     // A pause ends a streak: the round after it is a switch, whatever its sort.
-    p.pause(4, "test");
+    p.pause(4, Why::Loses);
     p.wrote_alone(Spent::wall(400.0), 4);
     let before = costs.spec_ms(&Rounds::Tokens.figure(kind), 0);
     assert_eq!(round(&mut p, 500.0, 8), Rounds::Tokens);
     assert_eq!(costs.spec_ms(&Rounds::Tokens.figure(kind), 0), before);
+}
+
+/// A clock the test moves, and the instant it reads.
+fn test_clock() -> (Clock, Arc<Mutex<std::time::Instant>>) {
+    let now = Arc::new(Mutex::new(std::time::Instant::now()));
+    let read = now.clone();
+    (Clock::new(move || *read.lock().unwrap()), now)
+}
+
+#[test]
+fn a_pause_says_why_and_its_length_comes_from_the_pools_tunables() {
+    // Speculation off at this load: the longest pause of the pool's tunables.
+    let cfg = PaceConfig {
+        max_pause: 16,
+        ..PaceConfig::DEFAULT
+    };
+    let pacing = Pacing {
+        costs: Arc::new(Costs::with_config(cfg, Clock::default())),
+        kind: "parse/model".into(),
+        load: Arc::new(|| 8),
+        off_at: Some(4),
+    };
+    let mut p = Pace::new(pacing);
+    assert_eq!(p.why(), None);
+    assert_eq!(p.advise(), Advice::Alone(16));
+    assert_eq!(p.why(), Some(Why::Off));
+    // Speculation that loses to the target alone, with no probe due.
+    let (costs, pacing) = pool("parse/model", 1);
+    costs.record_alone(None, 0, 500.0, 10);
+    costs.record_spec("parse/model", 0, 800.0, 10, None);
+    let mut p = Pace::new(pacing);
+    assert!(matches!(p.advise(), Advice::Alone(_)));
+    assert_eq!(p.why(), Some(Why::Loses));
+}
+
+#[test]
+fn a_stretch_of_the_target_that_ran_beside_a_round_by_the_pools_clock_leaves_the_targets_figure_alone()
+ {
+    let (clock, now) = test_clock();
+    let costs = Arc::new(Costs::with_config(PaceConfig::DEFAULT, clock));
+    let pacing = Pacing {
+        costs: costs.clone(),
+        kind: "token-spec/model".into(),
+        load: Arc::new(|| 8),
+        off_at: None,
+    };
+    let stretch = |ms_per_token: f64| Spent {
+        wall_ms: 100.0,
+        charged_ms: Some(16.0 * ms_per_token),
+    };
+    let alone = Pace::new(pacing.clone());
+    alone.target_wrote(stretch(30.0), 16);
+    assert_eq!(costs.alone_ms(3), Some(30.0));
+    // Another request's round ends; 50 ms later a stretch of 100 ms of the target ends: the round ran within it.
+    let mut other = Pace::new(pacing.clone());
+    assert_eq!(other.advise(), Advice::Speculate);
+    other.speculated(stretch(20.0), 16, &[stretch(20.0)], Spent::wall(0.0));
+    *now.lock().unwrap() += std::time::Duration::from_millis(50);
+    alone.target_wrote(stretch(90.0), 16);
+    assert_eq!(costs.alone_ms(3), Some(30.0));
+    // 200 ms after the round ended, a stretch of 100 ms began after it: it counts.
+    *now.lock().unwrap() += std::time::Duration::from_millis(150);
+    alone.target_wrote(stretch(90.0), 16);
+    assert!(costs.alone_ms(3).unwrap() > 30.0, "{:?}", costs.alone_ms(3));
 }
