@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod openai;
 pub mod pool;
 pub mod remote;
+mod validate;
 
 pub use admin::serve_admin;
 pub use openai::serve_openai;
@@ -30,7 +31,7 @@ use parse_proto::v1::{
     TextDelta, TokenSource, generate_stream_response::Event,
 };
 use parse_proto::{sampling_from, segmenter_from, status_from_core};
-use parse_text::{ChatRole, Message, TextSink, Tokenizer};
+use parse_text::{TextSink, Tokenizer};
 use tokio::sync::{OnceCell, Semaphore, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -39,6 +40,7 @@ use tonic::{Request, Response, Status};
 
 use crate::pool::Pool;
 use crate::remote::{CallCtx, PrefillBeside, RemoteDrafter, RemoteVerifier, host_of};
+use crate::validate::{PromptIn, check_limits};
 
 /// When a request's draft worker processes the prompt ([`parse_core::driver::DraftHints::warm`]), and whether it drafts
 /// the next token-level round while the target verifies this one, guessing the target's token after the draft
@@ -231,103 +233,6 @@ pub const MAX_STOPS: usize = 16;
 pub const MAX_STOP_BYTES: usize = 256;
 /// Most segments a request may ask its first draft to hold.
 pub const MAX_DRAFT_SEGMENTS: u32 = 64;
-
-/// Size limits, checked before the prompt is tokenized (tokenizing is the first cost a request makes).
-fn check_limits(r: &GenerateRequest, cfg: &RouterConfig) -> Result<(), CoreError> {
-    let text = r.prompt.len()
-        + r.system.len()
-        + r.messages
-            .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .sum::<usize>();
-    if text > cfg.max_prompt_bytes {
-        return Err(CoreError::invalid(format!(
-            "the prompt is {text} bytes; this router takes at most {}",
-            cfg.max_prompt_bytes
-        )));
-    }
-    if r.messages.len() > MAX_MESSAGES {
-        return Err(CoreError::invalid(format!(
-            "{} messages; at most {MAX_MESSAGES}",
-            r.messages.len()
-        )));
-    }
-    if r.stop.len() > MAX_STOPS {
-        return Err(CoreError::invalid(format!(
-            "{} stop strings; at most {MAX_STOPS}",
-            r.stop.len()
-        )));
-    }
-    if let Some(s) = r.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(CoreError::invalid(format!(
-            "a stop string of {} bytes; at most {MAX_STOP_BYTES}",
-            s.len()
-        )));
-    }
-    if r.draft_segments > MAX_DRAFT_SEGMENTS {
-        return Err(CoreError::invalid(format!(
-            "draft_segments must be 0..={MAX_DRAFT_SEGMENTS}, got {}",
-            r.draft_segments
-        )));
-    }
-    Ok(())
-}
-
-/// A request's prompt in the one form it was given: token ids, text sent as it is (`raw_prompt`), or chat messages
-/// (`messages`, or `system` and `prompt`, laid out by the chat template). Converting a `GenerateRequest` checks that
-/// it gives exactly one of these.
-enum PromptIn<'a> {
-    Tokens(&'a [u32]),
-    Raw(&'a str),
-    Chat(Vec<Message>),
-}
-
-impl<'a> TryFrom<&'a GenerateRequest> for PromptIn<'a> {
-    type Error = CoreError;
-
-    fn try_from(r: &'a GenerateRequest) -> Result<Self, CoreError> {
-        if !r.prompt_tokens.is_empty() {
-            if !r.prompt.is_empty() || !r.messages.is_empty() || !r.system.is_empty() {
-                return Err(CoreError::invalid(
-                    "prompt_tokens is the whole prompt: give no `prompt`, `messages` or `system` with it",
-                ));
-            }
-            return Ok(PromptIn::Tokens(&r.prompt_tokens));
-        }
-        if r.raw_prompt {
-            if !r.messages.is_empty() || !r.system.is_empty() {
-                return Err(CoreError::invalid(
-                    "raw_prompt takes `prompt` alone (no `messages`, no `system`)",
-                ));
-            }
-            return Ok(PromptIn::Raw(&r.prompt));
-        }
-        if r.messages.is_empty() {
-            if r.prompt.is_empty() {
-                return Err(CoreError::invalid(
-                    "empty prompt: give `prompt` or `messages`",
-                ));
-            }
-            let mut v = Vec::new();
-            if !r.system.is_empty() {
-                v.push(Message::system(&r.system));
-            }
-            v.push(Message::user(&r.prompt));
-            return Ok(PromptIn::Chat(v));
-        }
-        if !r.prompt.is_empty() {
-            return Err(CoreError::invalid(
-                "give either `prompt` or `messages`, not both",
-            ));
-        }
-        let messages = r
-            .messages
-            .iter()
-            .map(|x| Ok(Message::new(x.role.parse::<ChatRole>()?, &x.content)))
-            .collect::<Result<_, parse_text::Error>>()?;
-        Ok(PromptIn::Chat(messages))
-    }
-}
 
 fn source_of(s: Source) -> TokenSource {
     match s {
