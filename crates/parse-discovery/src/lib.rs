@@ -329,7 +329,7 @@ pub struct EtcdDiscovery {
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// First pause before trying etcd again, and the longest ([`parse_core::retry`]).
 const RETRY: Duration = Duration::from_millis(300);
-const RETRY_CAP: Duration = Duration::from_secs(5);
+const RETRY_CAP: Duration = Duration::from_secs(2);
 
 async fn timed<T, E: std::fmt::Display>(
     what: &str,

@@ -223,9 +223,10 @@ fn release_orphan(handle: &Handle, lease: &Lease, session: &str, side: Side) {
     let channel = lease.worker.channel.clone();
     let session = session.to_string();
     handle.spawn(async move {
+        // A worker that comes back is freed within a few seconds (at most twice the cap, jitter included).
         let delays = retry::backoff(
             Duration::from_secs(1),
-            Duration::from_secs(15),
+            Duration::from_secs(5),
             Some(ORPHAN_RELEASE_FOR),
         );
         let _ = (|| release_once(&channel, &session, side, Duration::from_secs(5)))
