@@ -58,6 +58,8 @@ def num(v):
         return "yes" if v else "no"
     if isinstance(v, int):
         return str(v)
+    if isinstance(v, list):
+        return ", ".join(num(x) for x in v)
     if isinstance(v, float):
         a = abs(v)
         if a >= 100:
@@ -184,9 +186,16 @@ def decision_table(records):
     varying = [
         k
         for k in sorted({k for r in records for k in r.get("settings", {})})
-        if len({json.dumps(r["settings"].get(k), sort_keys=True) for r in records}) > 1
+        if k != "router" and len({json.dumps(r["settings"].get(k), sort_keys=True) for r in records}) > 1
     ]
-    figures = ["tokens_per_s", "x_target", "x_target_mean", "x_target_ci95", "target_passes_per_token"]
+    figures = [
+        "tokens_per_s",
+        "x_target",
+        "x_target_by_repetition",
+        "x_target_mean",
+        "x_target_ci95",
+        "target_passes_per_token",
+    ]
     figures = [f for f in figures if any(f in c["figures"] for r in records for c in r["cells"])]
     head = ["record"] + varying + ["cell"] + figures + ["quality"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * (len(varying) + 2) + ["---:"] * len(figures) + ["---"]) + "|"]

@@ -43,6 +43,7 @@ pub(super) fn result_record(
             .figure("draft_share", figure("draft_share"));
         if r["speedup_mean"].is_number() {
             cell = cell
+                .figure("x_target_by_repetition", figure("speedup_by_repeat"))
                 .figure("x_target_mean", figure("speedup_mean"))
                 .figure("x_target_ci95", figure("speedup_ci95"));
         }
