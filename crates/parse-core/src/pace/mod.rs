@@ -92,7 +92,7 @@ pub fn level_label(level: u32) -> String {
 }
 
 /// One kind of speculation at one load level.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct SpecFigure {
     rate: Rate,
     /// Tokens written alone by requests of this kind since its last speculative round here.
@@ -111,21 +111,6 @@ struct SpecFigure {
     /// What the drafter's prefill costs here per context token (its first prefill of a request's context): the price
     /// of the tokens a request's draft has to catch up on before speculating again ([`Pace::position`]).
     entry: Rate,
-}
-
-impl Default for SpecFigure {
-    fn default() -> Self {
-        SpecFigure {
-            rate: Rate::default(),
-            since: 0,
-            gap: 0,
-            reports: 0,
-            measuring: false,
-            probe_out: false,
-            passes: Passes::default(),
-            entry: Rate::default(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Default)]
