@@ -327,8 +327,9 @@ pub struct EtcdDiscovery {
 
 /// How long one etcd call may take before etcd counts as unreachable.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// First pause before trying etcd again, and the longest ([`parse_core::retry`]).
+/// The first pause before trying etcd again ([`parse_core::retry`]: the pauses double, each jittered).
 const RETRY: Duration = Duration::from_millis(300);
+/// The longest pause between two tries before jitter (which adds up to as much again).
 const RETRY_CAP: Duration = Duration::from_secs(2);
 
 async fn timed<T, E: std::fmt::Display>(
